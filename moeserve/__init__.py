@@ -1,0 +1,1 @@
+"""moeserve: serve huge Mixture-of-Experts language models."""

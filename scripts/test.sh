@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command: the whole CPU suite. pytest's exit 5 ("no tests collected") counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+[ -x "$BIN/pytest" ] || BIN="$(dirname "$(command -v python3)")"
+"$BIN/python" -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$rc"
