@@ -1,0 +1,217 @@
+"""ServerArgs: every flag of moeserve, its default, its help and its validation.
+
+The CLI (`moeserve serve|generate|bench`) and the offline `Engine(**kwargs)` are both built from this one
+dataclass. Flag names follow SGLang's where the concept is the same, so `--tp-size 8 --enable-dp-attention`
+means what it means there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+A2A_BACKENDS = ("none", "allgather", "all2all")
+DEEPEP_MODES = ("auto", "normal", "low_latency")
+RECORDER_MODES = ("stat", "per_pass", "per_token")
+DISAGG_MODES = ("null", "prefill", "decode")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+def _flag(default: Any, help: str, choices: tuple | None = None, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class ServerArgs:
+    """All configuration of a moeserve server or offline engine."""
+
+    # --- model and tokenizer ---
+    model_path: str | None = _flag(
+        None, "Directory of a Hugging Face checkpoint (config.json + safetensors). Default: the embedded tiny model."
+    )
+    tokenizer_path: str | None = _flag(None, "Tokenizer directory (default: --model-path).")
+    served_model_name: str | None = _flag(None, "Model name reported by the API (default: the model path).")
+    dtype: str = _flag("auto", "Weight and activation dtype; auto takes the checkpoint's (float32 on CPU).", DTYPES)
+    load_format: str = _flag(
+        "auto", "auto/safetensors read the checkpoint; dummy makes random weights of the real shapes.", LOAD_FORMATS
+    )
+    context_length: int | None = _flag(None, "Maximum tokens per request (prompt + output); default from config.")
+    quantization: str | None = _flag(None, "Weight quantization (fp8 is later work; None for now).", (None, "fp8"))
+    skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
+    random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
+
+    # --- HTTP ---
+    host: str = _flag("127.0.0.1", "HTTP host to bind.")
+    port: int = _flag(30000, "HTTP port.")
+    api_key: str | None = _flag(None, "If set, requests must carry 'Authorization: Bearer KEY'.")
+    log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
+    log_interval_s: float = _flag(5.0, "Seconds between the scheduler's throughput log lines.")
+    stream_interval: int = _flag(1, "Send a streaming chunk every this many tokens.")
+    max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503.")
+
+    # --- device and memory ---
+    device: str = _flag("auto", "cpu, cuda, or auto (cuda when available).", ("auto", "cpu", "cuda"))
+    mem_fraction_static: float = _flag(
+        0.85, "CUDA: fraction of GPU memory for weights + KV cache; the KV pool takes what weights leave."
+    )
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides the memory budget).")
+    kv_cache_bytes: int | None = _flag(None, "CPU: KV pool budget in bytes (default 1 GiB).")
+    page_size: int = _flag(1, "Tokens per KV page.")
+    disable_radix_cache: bool = _flag(False, "Turn off prefix sharing between requests.")
+
+    # --- scheduling ---
+    max_running_requests: int = _flag(256, "Most requests decoding at once.")
+    chunked_prefill_size: int = _flag(
+        8192, "Most prompt tokens prefilled in one step; longer prompts are split. -1 turns chunking off."
+    )
+    max_prefill_tokens: int = _flag(16384, "Most new prompt tokens admitted in one prefill step.")
+    schedule_policy: str = _flag("fcfs", "Order of the waiting queue: fcfs, or lpm (longest prefix match first).",
+                                 SCHEDULE_POLICIES)
+    new_token_ratio: float = _flag(
+        0.4, "Admission reserves this fraction of each running request's remaining max_new_tokens."
+    )
+
+    # --- parallelism ---
+    tp_size: int = _flag(1, "Ranks (GPUs or CPU processes) of this server.")
+    dp_size: int = _flag(1, "Attention data-parallel groups (with --enable-dp-attention).")
+    ep_size: int | None = _flag(None, "Expert-parallel size of MoE layers (default: tp size).")
+    enable_dp_attention: bool = _flag(False, "Data-parallel attention: dp_size groups with their own requests.")
+    nnodes: int = _flag(1, "Nodes of this server.")
+    node_rank: int = _flag(0, "This node's rank.")
+    dist_init_addr: str | None = _flag(None, "host:port of node 0 for torch.distributed (multi-node).")
+    dist_port: int | None = _flag(None, "Port for torch.distributed on one node (default: a free port).")
+
+    # --- MoE / EP ---
+    moe_a2a_backend: str = _flag(
+        "none", "Expert dispatch: none (all experts local), allgather (oracle), all2all.", A2A_BACKENDS
+    )
+    deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
+    ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
+    enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
+    tbo_token_threshold: int = _flag(64, "TBO only runs on steps with at least this many tokens.")
+    enable_eplb: bool = _flag(False, "Rebalance expert placement online from recorded load.")
+    ep_num_redundant_experts: int = _flag(0, "Extra physical expert slots for replicas of hot experts.")
+    init_expert_location: str = _flag("trivial", "trivial, or a placement / recorder dump file.")
+    expert_distribution_recorder_mode: str | None = _flag(None, "Record expert load: stat, per_pass, per_token.",
+                                                         (None, *RECORDER_MODES))
+    eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
+
+    # --- CUDA graphs ---
+    disable_cuda_graph: bool = _flag(False, "Run decode without CUDA graphs.")
+    cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+
+    # --- PD disaggregation ---
+    disaggregation_mode: str = _flag("null", "null, prefill or decode.", DISAGG_MODES)
+    disaggregation_bootstrap_port: int = _flag(8998, "Prefill: port of the bootstrap server.")
+    disaggregation_transfer_backend: str = _flag("mooncake", "KV transfer backend.", ("mooncake", "tcp"))
+
+    # ------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        if self.ep_size is None:
+            self.ep_size = self.tp_size
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag when a value is out of range or inconsistent."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
+        positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
+                    "ep_max_tokens_per_rank", "stream_interval", "port"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens {self.max_total_tokens} is below one page ({self.page_size})")
+        if self.enable_dp_attention:
+            if self.tp_size % self.dp_size:
+                raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --dp-size {self.dp_size}")
+        elif self.dp_size != 1:
+            raise ValueError("--dp-size > 1 needs --enable-dp-attention")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must equal --tp-size ({self.tp_size}) or be 1, got {self.ep_size}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
+        if self.ep_num_redundant_experts < 0:
+            raise ValueError("--ep-num-redundant-experts must be >= 0")
+        if self.enable_eplb and self.ep_size == 1:
+            raise ValueError("--enable-eplb needs expert parallelism (--ep-size > 1)")
+
+    # ------------------------------------------------------------------
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks per attention group: tp_size / dp_size with DP attention, tp_size otherwise."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    @property
+    def chunk_size(self) -> int | None:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    # ------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one --flag per field, with its default and help."""
+        for f in dataclasses.fields(ServerArgs):
+            name = "--" + _dash(f.name)
+            help_text = f.metadata.get("help", "")
+            choices = f.metadata.get("choices")
+            default = f.default
+            if f.type in ("bool", bool):
+                parser.add_argument(name, action="store_true", default=default, help=help_text)
+                continue
+            kind = _scalar_type(f.type)
+            kwargs: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {default})"}
+            if kind is not str or default is not None:
+                kwargs["type"] = kind
+            if choices:
+                kwargs["choices"] = [c for c in choices if c is not None] if None in choices else list(choices)
+                if None in choices:
+                    kwargs["type"] = str
+            parser.add_argument(name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Engine(**kwargs): unknown names are an error that lists the close matches."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            import difflib
+
+            hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            msg = ", ".join(f"{u}" + (f" (did you mean {h[0]}?)" if h else "") for u, h in hints.items())
+            raise TypeError(f"unknown server argument(s): {msg}")
+        return cls(**kwargs)
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _scalar_type(annotation: Any) -> type:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    if args := get_args(annotation):
+        return next(a for a in args if a is not type(None))
+    return str

@@ -1,0 +1,136 @@
+"""ForwardBatch: everything the model needs for one step on one rank, and nothing about requests.
+
+The scheduler builds it (host side), the model runner moves it to the device, the model reads it. Attention
+layers read the KV cache through `kv_pool` and the per-request token locations in `kv_indices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from moeserve.engine.kv_pool import KVPool
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill (possibly a chunk, possibly after a cached prefix)
+    DECODE = auto()  # one new token per request
+    IDLE = auto()  # this rank has no tokens but joins the MoE collectives
+
+    @property
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    @property
+    def is_idle(self) -> bool:
+        return self is ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    """One step's input on one rank. Shapes: T new tokens, B requests."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    seq_lens: torch.Tensor  # [B] int64, sequence length after this step (prefix + new)
+    extend_lens: torch.Tensor  # [B] int64, new tokens per request (all ones for DECODE)
+    prefix_lens: torch.Tensor  # [B] int64, tokens already in the KV cache before this step
+    out_cache_loc: torch.Tensor  # [T] int64, KV slots written by this step's tokens
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64, KV slots of every request's whole sequence, concatenated
+    kv_indptr: torch.Tensor  # [B + 1] int64, request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    qo_indptr: torch.Tensor  # [B + 1] int64, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    kv_pool: KVPool | None = None
+    # Host copies of the lengths (python ints) so attention can split without a device sync.
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    # Multi-rank lock-step header: tokens per DP rank this step (the same list on every rank).
+    global_num_tokens: list[int] | None = None
+    any_extend: bool = False  # some rank prefills this step: `auto` dispatch picks normal mode
+    # Which rows of the output need logits: last token of each request by default.
+    logits_indices: torch.Tensor | None = None  # [B] int64 rows of the hidden states fed to the LM head
+    return_all_logits: bool = False  # tests and prompt logprobs: logits for every new token
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """Move the tensors to the device (non-blocking); host lists stay."""
+        moved = {}
+        for name in ("input_ids", "positions", "seq_lens", "extend_lens", "prefix_lens", "out_cache_loc",
+                     "kv_indices", "kv_indptr", "qo_indptr", "logits_indices"):
+            t = getattr(self, name)
+            moved[name] = None if t is None else t.to(device, non_blocking=True)
+        return _replace(self, **moved)
+
+    @staticmethod
+    def build(
+        mode: ForwardMode,
+        input_ids: list[int],
+        seq_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: list[int] | torch.Tensor,
+        kv_indices: list[int] | torch.Tensor,
+        kv_pool: KVPool | None = None,
+        return_all_logits: bool = False,
+    ) -> ForwardBatch:
+        """Build the batch from host-side lists (the scheduler's view). Positions continue each prefix."""
+        prefix_lens = [s - e for s, e in zip(seq_lens, extend_lens, strict=True)]
+        positions: list[int] = []
+        for p, e in zip(prefix_lens, extend_lens, strict=True):
+            positions.extend(range(p, p + e))
+        i64 = torch.int64
+        ext = torch.tensor(extend_lens, dtype=i64)
+        qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=i64)
+        qo_indptr[1:] = torch.cumsum(ext, 0)
+        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=i64)
+        kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=i64), 0)
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(input_ids, dtype=i64),
+            positions=torch.tensor(positions, dtype=i64),
+            seq_lens=torch.tensor(seq_lens, dtype=i64),
+            extend_lens=ext,
+            prefix_lens=torch.tensor(prefix_lens, dtype=i64),
+            out_cache_loc=torch.as_tensor(out_cache_loc, dtype=i64),
+            kv_indices=torch.as_tensor(kv_indices, dtype=i64),
+            kv_indptr=kv_indptr,
+            qo_indptr=qo_indptr,
+            kv_pool=kv_pool,
+            seq_lens_cpu=list(seq_lens),
+            extend_lens_cpu=list(extend_lens),
+            prefix_lens_cpu=prefix_lens,
+            logits_indices=None if return_all_logits else qo_indptr[1:] - 1,
+            return_all_logits=return_all_logits,
+            any_extend=mode.is_extend,
+        )
+
+    @staticmethod
+    def idle(kv_pool: KVPool | None = None) -> ForwardBatch:
+        """A batch with no tokens: the rank only joins the collectives."""
+        e = torch.zeros(0, dtype=torch.int64)
+        return ForwardBatch(
+            mode=ForwardMode.IDLE, input_ids=e, positions=e, seq_lens=e, extend_lens=e, prefix_lens=e,
+            out_cache_loc=e, kv_indices=e, kv_indptr=torch.zeros(1, dtype=torch.int64),
+            qo_indptr=torch.zeros(1, dtype=torch.int64), kv_pool=kv_pool, logits_indices=e,
+        )
+
+
+def _replace(batch: ForwardBatch, **changes) -> ForwardBatch:
+    import dataclasses
+
+    return dataclasses.replace(batch, **changes)
