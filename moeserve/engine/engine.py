@@ -1,0 +1,120 @@
+"""Engine: the offline API. `Engine(model_path=..., **server_args).generate(prompts, sampling_params)`.
+
+It runs an EngineClient on a private asyncio loop in a background thread, so plain synchronous code can call
+it, and exposes `async_generate` for asyncio code (streaming or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from moeserve.args import ServerArgs
+from moeserve.engine.client import EngineClient, GenerateInput
+
+
+class Engine:
+    """Offline inference engine over the same workers a server uses."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="moeserve-engine", daemon=True)
+        self._thread.start()
+        self.client = EngineClient(self.server_args)
+        self.tokenizer = self.client.tokenizer
+
+    # ------------------------------------------------------------------
+    @staticmethod
+    def _inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, stream, rid
+                ) -> tuple[list[GenerateInput], bool]:
+        batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        if input_ids is not None:
+            ids_list = input_ids if batched else [input_ids]
+            prompts = [None] * len(ids_list)
+        else:
+            ids_list = [None] * len(prompts)
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        rids = rid if isinstance(rid, list) else [rid] * n
+        if len(params) != n or len(rids) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling_params and {len(rids)} rids")
+        objs = [GenerateInput(text=t, input_ids=i, sampling_params=p, rid=r, stream=stream,
+                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                for t, i, p, r in zip(prompts, ids_list, params, rids, strict=True)]
+        return objs, batched
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, stream: bool = False, rid: str | list[str] | None = None):
+        """Generate for one prompt (returns a dict) or a list (returns a list of dicts, in order).
+
+        With stream=True (one prompt), returns an iterator of output chunks.
+        """
+        objs, batched = self._inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                     stream, rid)
+        if stream:
+            if batched:
+                raise ValueError("stream=True takes one prompt")
+            return self._stream_sync(objs[0])
+
+        async def run_all():
+            return await asyncio.gather(*(self._collect(o) for o in objs))
+
+        outs = asyncio.run_coroutine_threadsafe(run_all(), self._loop).result()
+        return outs if batched else outs[0]
+
+    async def _collect(self, obj: GenerateInput) -> dict:
+        last = None
+        async for out in self.client.generate(obj):
+            last = out
+        assert last is not None
+        return last
+
+    def _stream_sync(self, obj: GenerateInput) -> Iterator[dict]:
+        agen = self.client.generate(obj)
+        while True:
+            try:
+                yield asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop).result()
+            except StopAsyncIteration:
+                return
+
+    async def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
+                             input_ids: list[int] | None = None, return_logprob: bool = False,
+                             top_logprobs_num: int = 0, stream: bool = False,
+                             rid: str | None = None) -> dict | AsyncIterator[dict]:
+        """From asyncio code: a dict, or with stream=True an async iterator of chunks."""
+        obj = GenerateInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+        if stream:
+            return self._stream_async(obj)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._collect(obj), self._loop))
+
+    async def _stream_async(self, obj: GenerateInput) -> AsyncIterator[dict]:
+        agen = self.client.generate(obj)
+        while True:
+            try:
+                fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
+                yield await asyncio.wrap_future(fut)
+            except StopAsyncIteration:
+                return
+
+    def flush_cache(self) -> bool:
+        return asyncio.run_coroutine_threadsafe(self.client.flush_cache(), self._loop).result()
+
+    def get_load(self):
+        return asyncio.run_coroutine_threadsafe(self.client.get_load(), self._loop).result()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,115 @@
+"""Messages between the server process (EngineClient) and the rank workers, sent over ZeroMQ as pickles.
+
+Server -> rank 0 of each attention group: GenerateReq, AbortReq, FlushCacheReq, GetLoadReq, ShutdownReq.
+Worker -> server: BatchTokenOut (token ids, never text: the server detokenizes), LoadOut, FlushCacheOut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReq:
+    """A tokenized request. `rid` is unique among live requests."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    # PD disaggregation (sglang-router fields); None outside PD mode.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetLoadReq:
+    pass
+
+
+@dataclass
+class LoadOut:
+    """One attention group's load, for the DP controller and /get_load."""
+
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int  # prompt tokens not yet prefilled
+    kv_used_tokens: int
+    kv_total_tokens: int
+    num_cached_tokens: int  # tokens held by the radix cache (evictable)
+
+
+@dataclass
+class ShutdownReq:
+    pass
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: 'stop' (EOS, stop token or stop string), 'length', or 'abort'."""
+
+    type: str
+    matched: int | str | None = None  # the stop token id or stop string
+    message: str | None = None  # for 'abort': why
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class TokenOut:
+    """New output tokens of one request since the last message (possibly none, when only finishing)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # With return_logprob: one entry per new token.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    """Everything one scheduler step produced, plus its load for the DP controller and metrics."""
+
+    outputs: list[TokenOut] = field(default_factory=list)
+    load: LoadOut | None = None
+
+
+@dataclass
+class WorkerError:
+    """A worker's fatal error: the server marks itself unhealthy and fails requests with this message."""
+
+    rank: int
+    message: str

@@ -1,0 +1,63 @@
+"""Hands out KV pages and turns them into token slots; page 0 is the scratch page and is never handed out."""
+
+from __future__ import annotations
+
+
+class PageAllocator:
+    """A free list of pages 1..num_pages. Slot s is token s % page_size of page s // page_size."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages[::-1]
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def pages_needed(self, cur_len: int, n: int) -> int:
+        """Pages a sequence of cur_len tokens (its last page partly filled) needs to grow by n tokens."""
+        ps = self.page_size
+        return (cur_len + n + ps - 1) // ps - (cur_len + ps - 1) // ps
+
+    def extend_slots(self, cur_len: int, last_slot: int, n: int) -> list[int] | None:
+        """Slots for n more tokens of a sequence of cur_len tokens whose last token sits in last_slot.
+
+        Fills the rest of the last page first, then new pages. None when pages run out.
+        """
+        ps = self.page_size
+        room = (-cur_len) % ps if cur_len else 0
+        take = min(room, n)
+        slots = list(range(last_slot + 1, last_slot + 1 + take))
+        pages = self.alloc_pages(self.pages_needed(cur_len, n))
+        if pages is None:
+            return None
+        for p in pages:
+            slots.extend(range(p * ps, p * ps + ps))
+        return slots[:n]
+
+    def free_slots(self, slots: list[int]) -> None:
+        """Free the pages of a sequence's own slots: a page is freed through the slot at its start.
+
+        The caller passes whole sequences' tails starting at a page boundary, so each page appears with its
+        first slot exactly once.
+        """
+        ps = self.page_size
+        self.free_pages([s // ps for s in slots if s % ps == 0])

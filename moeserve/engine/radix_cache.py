@@ -1,0 +1,167 @@
+"""A radix tree over token pages: requests with a common prefix share its KV pages.
+
+Keys are token ids in whole pages, values the KV slots holding them. A request that matches a prefix locks the
+path (lock_ref) so eviction cannot take pages it reads; finished requests insert their sequence so later ones
+can reuse it. Unlocked leaves are evicted least-recently-used first when the pool runs short.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from moeserve.engine.page_allocator import PageAllocator
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], value: np.ndarray, parent: TreeNode | None):
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.key = key  # token ids, a whole number of pages
+        self.value = value  # [len(key)] int64 KV slots
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    """Prefix sharing over KV pages with LRU eviction."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self._clock = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every unlocked entry and return its pages (flush_cache)."""
+        if hasattr(self, "root"):
+            self.evict(self.evictable_size)
+        self.root = TreeNode([], np.zeros(0, dtype=np.int64), None)
+        self.root.lock_ref = 1
+        self.evictable_size = 0  # tokens in unlocked nodes
+        self.protected_size = 0  # tokens in locked nodes
+
+    # ------------------------------------------------------------------
+    def _page_key(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i : i + self.page_size])
+
+    def match_prefix(self, tokens: list[int]) -> tuple[np.ndarray, TreeNode]:
+        """Longest cached prefix of `tokens` in whole pages: (its slots, the deepest node matched)."""
+        ps = self.page_size
+        n = len(tokens) // ps * ps
+        node, pos, parts = self.root, 0, []
+        now = next(self._clock)
+        node.last_access = now
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, tokens, pos, n)
+            if common < len(child.key):
+                child = self._split(child, common)
+            parts.append(child.value)
+            pos += len(child.key)
+            node = child
+            node.last_access = now
+        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return slots, node
+
+    def _common_len(self, key: list[int], tokens: list[int], pos: int, end: int) -> int:
+        """Matching length of key against tokens[pos:end], in whole pages."""
+        ps = self.page_size
+        limit = min(len(key), end - pos)
+        i = 0
+        while i + ps <= limit and key[i : i + ps] == tokens[pos + i : pos + i + ps]:
+            i += ps
+        return i
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Split child's key at `at` tokens; returns the new upper node."""
+        upper = TreeNode(child.key[:at], child.value[:at], child.parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        assert child.parent is not None
+        child.parent.children[self._page_key(child.key, 0)] = upper
+        child.key = child.key[at:]
+        child.value = child.value[at:]
+        child.parent = upper
+        upper.children[self._page_key(child.key, 0)] = child
+        return upper
+
+    def insert(self, tokens: list[int], slots: np.ndarray) -> int:
+        """Insert a sequence (whole pages only are taken). Returns how many leading tokens were already cached:
+        the caller still owns the slots it passed for that range and frees those that differ from the tree's."""
+        ps = self.page_size
+        n = len(tokens) // ps * ps
+        node, pos = self.root, 0
+        now = next(self._clock)
+        while pos < n:
+            key = self._page_key(tokens, pos)
+            child = node.children.get(key)
+            if child is None:
+                new = TreeNode(list(tokens[pos:n]), np.asarray(slots[pos:n], dtype=np.int64).copy(), node)
+                new.last_access = now
+                node.children[key] = new
+                self.evictable_size += n - pos
+                return pos
+            common = self._common_len(child.key, tokens, pos, n)
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            pos += len(child.key)
+            node = child
+        return pos
+
+    # ------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """Protect node and its ancestors from eviction (a running request reads them)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unbalanced radix cache unlock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens of unlocked cache, least recently used leaves first. Returns tokens freed."""
+        leaves = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            self.allocator.free_slots(leaf.value.tolist())
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._page_key(leaf.key, 0)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                out.append(node)
+        return out
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size

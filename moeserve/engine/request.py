@@ -1,0 +1,70 @@
+"""Req: one request's state inside a scheduler (tokens, KV bookkeeping, finish state, unsent output)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeserve.engine.io_struct import FinishReason, GenerateReq, TokenOut
+from moeserve.engine.radix_cache import TreeNode
+from moeserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping
+    row: int | None = None  # request-to-token table row while the request holds KV
+    kv_len: int = 0  # tokens of fill_ids whose KV is in the cache
+    prefix_len: int = 0  # leading tokens whose slots belong to the radix tree (locked through last_node)
+    last_node: TreeNode | None = None
+    cached_tokens: int = 0  # reported: prompt tokens served from the prefix cache
+    # finish and streaming
+    finish_reason: FinishReason | None = None
+    num_sent: int = 0  # output tokens already sent to the client
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_retractions: int = 0
+
+    @classmethod
+    def from_generate(cls, r: GenerateReq, eos_token_ids: list[int]) -> Req:
+        stop_ids = set(r.sampling_params.stop_token_ids or [])
+        if not r.sampling_params.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        return cls(rid=r.rid, input_ids=list(r.input_ids), params=r.sampling_params,
+                   return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num, stream=r.stream,
+                   stop_token_ids=frozenset(stop_ids))
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs: prompt, then output (the last output's KV comes next step)."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_output(self) -> TokenOut:
+        """The tokens (and logprobs) not yet sent, marking them sent."""
+        start = self.num_sent
+        self.num_sent = len(self.output_ids)
+        return TokenOut(
+            rid=self.rid,
+            new_token_ids=self.output_ids[start:],
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.input_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+            logprobs=self.logprobs[start:] if self.return_logprob else None,
+            top_logprobs=self.top_logprobs[start:] if self.return_logprob and self.top_logprobs_num else None,
+        )

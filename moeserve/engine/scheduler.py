@@ -1,0 +1,381 @@
+"""Scheduler: continuous batching over one attention group's requests and KV pool.
+
+Each step is either a prefill (EXTEND: new prompts, chunks of long prompts, recomputation of retracted
+requests) or a decode (one token for every running request); prefill goes first when something is admissible.
+Admission is by free KV pages (after evicting unlocked prefix cache) with a reserve for the running requests'
+future tokens. When decode runs out of pages anyway, the newest requests are retracted: their KV is dropped and
+they go back to the queue, to be recomputed later from prompt + output so far (greedy output is unchanged).
+
+The scheduler holds no device tensors: it builds host-side batches, the model runner runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.args import ServerArgs
+from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.engine.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
+from moeserve.engine.page_allocator import PageAllocator
+from moeserve.engine.radix_cache import RadixCache
+from moeserve.engine.req_to_token import ReqToTokenPool
+from moeserve.engine.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs: the requests and, for EXTEND, how many tokens of each (a chunk may be partial)."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    forward: ForwardBatch
+    finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table."""
+
+    def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
+                 eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0):
+        self.args = server_args
+        self.dp_rank = dp_rank
+        self.page_size = server_args.page_size
+        self.context_length = context_length
+        self.eos_token_ids = list(eos_token_ids)
+        self.tokenizer = tokenizer  # for stop strings only
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.cache = None if server_args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
+        self.max_running = server_args.max_running_requests
+        self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # a prompt partway through chunked prefill
+        self.reqs: dict[str, Req] = {}
+        self.pending_out: list[TokenOut] = []  # outputs produced outside a step (aborts, rejections)
+        self.stats = _Stats()
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, r: GenerateReq) -> None:
+        req = Req.from_generate(r, self.eos_token_ids)
+        if r.rid in self.reqs:
+            self._reject(req, f"request id {r.rid!r} is already in use")
+            return
+        total = len(req.input_ids) + req.params.max_new_tokens
+        if not req.input_ids:
+            self._reject(req, "the prompt is empty")
+            return
+        if len(req.input_ids) >= self.context_length:
+            self._reject(req, f"the prompt has {len(req.input_ids)} tokens; the context length is "
+                              f"{self.context_length}")
+            return
+        if self._pages_for(total) > self.allocator.num_pages:
+            self._reject(req, f"prompt + max_new_tokens = {total} tokens does not fit the KV cache "
+                              f"({self.allocator.num_pages * self.page_size} tokens)")
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def _reject(self, req: Req, message: str) -> None:
+        req.finish_reason = FinishReason("abort", message=message)
+        self.pending_out.append(req.take_output())
+
+    def abort(self, rid: str) -> None:
+        """Drop a request wherever it is, freeing its KV; it ends with finish reason 'abort'."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self._release(req, cache=False)
+        req.finish_reason = FinishReason("abort", message="aborted by request")
+        self.pending_out.append(req.take_output())
+        del self.reqs[rid]
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests are in flight."""
+        if self.running or self.waiting or self.chunked:
+            return False
+        if self.cache is not None:
+            self.cache.reset()
+        return True
+
+    # ------------------------------------------------------------------ load
+    @property
+    def num_used_tokens(self) -> int:
+        cached = self.cache.evictable_size if self.cache else 0
+        return (self.allocator.num_pages - self.allocator.num_free_pages) * self.page_size - cached
+
+    def get_load(self) -> LoadOut:
+        waiting_tokens = sum(len(r.fill_ids) - r.kv_len for r in self.waiting)
+        if self.chunked:
+            waiting_tokens += len(self.chunked.fill_ids) - self.chunked.kv_len
+        return LoadOut(
+            dp_rank=self.dp_rank, num_running=len(self.running) + (self.chunked is not None),
+            num_waiting=len(self.waiting), num_waiting_tokens=waiting_tokens,
+            kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
+            num_cached_tokens=self.cache.total_size if self.cache else 0,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's batch: a prefill if anything can be admitted, else a decode of the running set."""
+        batch = self._schedule_extend()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    def _pages_for(self, tokens: int) -> int:
+        return (tokens + self.page_size - 1) // self.page_size
+
+    def _available_pages(self) -> int:
+        evictable = self.cache.evictable_size // self.page_size if self.cache else 0
+        return self.allocator.num_free_pages + evictable
+
+    def _reserved_pages(self, reqs: list[Req]) -> int:
+        """Pages kept back for the future tokens of running requests (decode would otherwise retract)."""
+        ratio = self.args.new_token_ratio
+        future = sum(max(r.params.max_new_tokens - len(r.output_ids), 0) for r in reqs)
+        return self._pages_for(int(future * ratio)) + len(reqs)
+
+    def _alloc(self, req: Req, n: int) -> list[int] | None:
+        """Slots for n more tokens of req (evicting cache if needed); None if the pool cannot supply them."""
+        last_slot = int(self.req_table.table[req.row, req.kv_len - 1]) if req.kv_len else -1
+        need = self.allocator.pages_needed(req.kv_len, n)
+        short = need - self.allocator.num_free_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short * self.page_size)
+        return self.allocator.extend_slots(req.kv_len, last_slot, n)
+
+    def _schedule_extend(self) -> ScheduledBatch | None:
+        token_budget = min(self.args.max_prefill_tokens, self.args.chunk_size or 1 << 62)
+        reqs: list[Req] = []
+        extend_lens: list[int] = []
+        candidates = ([self.chunked] if self.chunked else []) + self._waiting_in_order()
+        self.chunked = None
+        for req in candidates:
+            if token_budget <= 0:
+                if req.row is not None and req not in reqs:
+                    self.chunked = req
+                break
+            is_new = req.row is None
+            if is_new and (len(self.running) + len(reqs) >= self.max_running
+                           or not self._acquire_row_and_prefix(req)):
+                break
+            remaining = len(req.fill_ids) - req.kv_len
+            take = min(remaining, token_budget)
+            need = self.allocator.pages_needed(req.kv_len, take)
+            reserve = self._reserved_pages(self.running + reqs + [req])
+            others_hold_kv = bool(reqs or self.running)
+            slots = None
+            if need + reserve <= self._available_pages() or not others_hold_kv:
+                slots = self._alloc(req, take)
+            if slots is None:  # wait until running requests finish and free pages
+                if is_new:
+                    self._release(req, cache=False)
+                else:
+                    self.chunked = req
+                break
+            self.req_table.write(req.row, req.kv_len, slots)
+            if is_new:
+                self.waiting.remove(req)
+            reqs.append(req)
+            extend_lens.append(take)
+            token_budget -= take
+            if take < remaining:
+                self.chunked = req
+                break
+        if not reqs:
+            return None
+        return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
+
+    def _waiting_in_order(self) -> list[Req]:
+        if self.args.schedule_policy == "lpm" and self.cache is not None:
+            return sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(r.fill_ids)[0]))
+        return list(self.waiting)
+
+    def _acquire_row_and_prefix(self, req: Req) -> bool:
+        """Give a new (or retracted) request a table row and its cached prefix (locked)."""
+        row = self.req_table.alloc()
+        if row is None:
+            return False
+        req.row = row
+        fill = req.fill_ids
+        if self.cache is not None:
+            # Keep at least one token to compute: the last prompt token's logits pick the next token.
+            usable = (len(fill) - 1) // self.page_size * self.page_size
+            slots, node = self.cache.match_prefix(fill[:usable])
+            self.cache.lock(node)
+            req.last_node = node
+            req.prefix_len = len(slots)
+            self.req_table.write(row, 0, slots)
+        else:
+            req.prefix_len = 0
+        req.kv_len = req.prefix_len
+        if req.num_retractions == 0:
+            req.cached_tokens = req.prefix_len
+        return True
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs = sorted(self.running, key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
+        while True:
+            for req in list(reqs):
+                if req.kv_len == len(req.fill_ids):
+                    continue  # took its slot in an earlier pass of this loop
+                slots = self._alloc(req, 1)
+                if slots is None:
+                    victim = self._retract_one(reqs)
+                    if victim is None:
+                        raise RuntimeError("the KV pool cannot hold a single request; raise --max-total-tokens")
+                    reqs.remove(victim)
+                    break
+                self.req_table.write(req.row, req.kv_len, slots)
+                req.kv_len += 1  # provisional: the slot now belongs to the token this step computes
+            else:
+                break
+        for req in reqs:
+            req.kv_len -= 1  # _make_batch counts this step's token as new
+        if not reqs:
+            return None
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+
+    def _retract_one(self, reqs: list[Req]) -> Req | None:
+        """Drop the KV of the request with the fewest generated tokens; it goes back to the front of the queue."""
+        if len(reqs) <= 1:
+            return None
+        victim = min(reqs, key=lambda r: len(r.output_ids))  # the least generated: the least work lost
+        self.running.remove(victim)
+        self._release(victim, cache=False)
+        victim.num_retractions += 1
+        self.waiting.appendleft(victim)
+        self.stats.retractions += 1
+        logger.info("KV pool full: retracted request %s (%d tokens) for recomputation",
+                    victim.rid, victim.seq_len)
+        return victim
+
+    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
+        input_ids: list[int] = []
+        seq_lens, rows = [], []
+        out_loc_parts = []
+        finishes = []
+        for req, n in zip(reqs, extend_lens, strict=True):
+            fill = req.fill_ids
+            input_ids.extend(fill[req.kv_len : req.kv_len + n])
+            out_loc_parts.append(self.req_table.table[req.row, req.kv_len : req.kv_len + n])
+            req.kv_len += n
+            seq_lens.append(req.kv_len)
+            rows.append(req.row)
+            finishes.append(req.kv_len == len(fill))
+        kv_indices = self.req_table.gather(rows, seq_lens)
+        fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
+                                np.concatenate(out_loc_parts), kv_indices)
+        fb.logits_indices = fb.logits_indices[torch.tensor(finishes, dtype=torch.bool)]
+        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes)
+
+    # ------------------------------------------------------------------ results
+    def sampling_inputs(self, batch: ScheduledBatch) -> list[Req]:
+        """The requests of the batch that sample a token this step (full prefill or decode)."""
+        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f]
+
+    def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
+                       top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
+        """Append sampled tokens (one per sampling request, in order), finish requests, return outputs."""
+        sampled = self.sampling_inputs(batch)
+        assert len(sampled) == len(next_ids)
+        if batch.mode.is_extend:
+            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                if done and req not in self.running:
+                    self.running.append(req)
+        outs = self.pending_out
+        self.pending_out = []
+        for i, req in enumerate(sampled):
+            req.output_ids.append(next_ids[i])
+            if req.return_logprob and logprobs is not None:
+                req.logprobs.append(logprobs[i])
+                req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
+            self.stats.generated += 1
+            self._check_finish(req)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req, cache=True)
+                del self.reqs[req.rid]
+                outs.append(req.take_output())
+                self.stats.finished += 1
+            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+                outs.append(req.take_output())
+        if batch.mode.is_extend:
+            self.stats.prefilled += sum(batch.extend_lens)
+        return outs
+
+    def drain_pending(self) -> list[TokenOut]:
+        outs, self.pending_out = self.pending_out, []
+        return outs
+
+    def _check_finish(self, req: Req) -> None:
+        token = req.output_ids[-1]
+        p = req.params
+        if token in req.stop_token_ids:
+            req.finish_reason = FinishReason("stop", matched=token)
+        elif len(req.output_ids) >= p.max_new_tokens:
+            req.finish_reason = FinishReason("length")
+        elif req.seq_len >= self.context_length:
+            req.finish_reason = FinishReason("length", message="reached the context length")
+        elif p.stop and self.tokenizer is not None:
+            stops = [p.stop] if isinstance(p.stop, str) else p.stop
+            longest = max(len(s) for s in stops)
+            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=False)
+            for s in stops:
+                if s and s in tail:
+                    req.finish_reason = FinishReason("stop", matched=s)
+                    break
+
+    def _release(self, req: Req, cache: bool) -> None:
+        """Return the request's KV: into the radix cache (finished requests) or straight to the free list."""
+        if req.row is None:
+            return
+        table = self.req_table.table[req.row]
+        ps = self.page_size
+        own_start = req.prefix_len
+        if cache and self.cache is not None:
+            whole = req.kv_len // ps * ps
+            in_tree = self.cache.insert(req.fill_ids[:whole], table[:whole])
+            # slots [prefix_len, in_tree) duplicate what the tree already had; [in_tree, whole) now belong to it
+            dup = table[own_start:in_tree].tolist()
+            self.allocator.free_slots(dup)
+            own_start = max(whole, own_start)
+        self.allocator.free_slots(table[own_start : req.kv_len].tolist())
+        if self.cache is not None and req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node = None
+        req.prefix_len = 0
+        req.kv_len = 0
+        self.req_table.free(req.row)
+        req.row = None
+
+
+class _Stats:
+    """Counters for the periodic log line."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.prefilled = 0
+        self.finished = 0
+        self.retractions = 0
+        self.last_log = time.monotonic()
+        self.last_generated = 0
+        self.last_prefilled = 0

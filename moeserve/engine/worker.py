@@ -1,0 +1,168 @@
+"""The rank worker process: receives requests over ZeroMQ, runs scheduler steps, sends token ids back."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from moeserve.args import ServerArgs
+from moeserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    GetLoadReq,
+    ShutdownReq,
+    WorkerError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerPorts:
+    """ZeroMQ endpoints: one request endpoint per DP group (bound by the client), one shared result endpoint."""
+
+    request_addrs: list[str]  # index: dp rank
+    result_addr: str
+    dist_init_method: str  # torch.distributed rendezvous (unused for one rank)
+
+
+@dataclass
+class WorkerReady:
+    rank: int
+    dp_rank: int
+    num_kv_tokens: int
+    context_length: int
+    vocab_size: int
+    weight_bytes: int
+    architecture: str
+
+
+def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
+    """Entry point of a rank process. Never raises: a fatal error is reported to the client, then we exit."""
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    result_sock = ctx.socket(zmq.PUSH)
+    result_sock.connect(ports.result_addr)
+    try:
+        _run(server_args, rank, ports, ctx, result_sock)
+    except Exception as e:  # report, then die: the client marks the server unhealthy
+        logger.error("worker failed:\n%s", traceback.format_exc())
+        result_sock.send(pickle.dumps(WorkerError(rank, f"{type(e).__name__}: {e}")))
+        time.sleep(0.2)
+        os._exit(1)
+    finally:
+        result_sock.close(linger=1000)
+
+
+def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Context, result_sock) -> None:
+    import torch
+
+    from moeserve.engine.model_runner import ModelRunner
+    from moeserve.engine.scheduler import Scheduler
+
+    if server_args.device != "cuda":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+    runner = ModelRunner(server_args, local_rank=rank % max(1, server_args.tp_size // server_args.nnodes))
+    tokenizer = None
+    if not server_args.skip_tokenizer_init:
+        from moeserve.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+    dp_rank = 0
+    scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
+                          tokenizer=tokenizer, dp_rank=dp_rank)
+    req_sock = ctx.socket(zmq.PULL)
+    req_sock.connect(ports.request_addrs[dp_rank])
+    result_sock.send(pickle.dumps(WorkerReady(
+        rank, dp_rank, runner.num_pages * server_args.page_size, runner.context_length, runner.vocab_size,
+        runner.weight_bytes, runner.config.architecture)))
+    loop = WorkerLoop(server_args, runner, scheduler, req_sock, result_sock)
+    loop.run()
+
+
+class WorkerLoop:
+    """recv -> schedule -> forward -> sample -> send, until a ShutdownReq."""
+
+    def __init__(self, args: ServerArgs, runner, scheduler, req_sock, result_sock):
+        self.args = args
+        self.runner = runner
+        self.scheduler = scheduler
+        self.req_sock = req_sock
+        self.result_sock = result_sock
+        self.poller = zmq.Poller()
+        self.poller.register(req_sock, zmq.POLLIN)
+        self.running = True
+        self.last_log = time.monotonic()
+        self.last_counts = (0, 0)
+
+    def run(self) -> None:
+        while self.running:
+            self._recv(block=not self.scheduler.has_work())
+            if not self.running:
+                break
+            outs = self.step()
+            outs += self.scheduler.drain_pending()
+            if outs:
+                self.result_sock.send(pickle.dumps(BatchTokenOut(outs, self.scheduler.get_load())))
+            self._maybe_log()
+
+    def step(self):
+        s = self.scheduler
+        batch = s.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.forward(batch.forward)
+        sampling_reqs = s.sampling_inputs(batch)
+        if sampling_reqs:
+            out = self.runner.sample(logits, sampling_reqs)
+            return s.process_result(batch, out.next_token_ids, out.logprobs, out.top_logprobs)
+        return s.process_result(batch, [], None, None)
+
+    def _recv(self, block: bool) -> None:
+        timeout = 100 if block else 0
+        while self.poller.poll(timeout):
+            timeout = 0
+            self._handle(pickle.loads(self.req_sock.recv()))
+
+    def _handle(self, msg) -> None:
+        s = self.scheduler
+        if isinstance(msg, GenerateReq):
+            s.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            s.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok = s.flush_cache()
+            self.result_sock.send(pickle.dumps(FlushCacheOut(ok, "" if ok else "requests are in flight")))
+        elif isinstance(msg, GetLoadReq):
+            self.result_sock.send(pickle.dumps(BatchTokenOut([], s.get_load())))
+        elif isinstance(msg, ShutdownReq):
+            self.running = False
+        else:
+            logger.warning("unknown message %r", type(msg).__name__)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        dt = now - self.last_log
+        if dt < self.args.log_interval_s:
+            return
+        st = self.scheduler.stats
+        gen, pre = st.generated - self.last_counts[0], st.prefilled - self.last_counts[1]
+        if gen or pre or self.scheduler.has_work():
+            load = self.scheduler.get_load()
+            logger.info(
+                "decode %.1f tok/s, prefill %.1f tok/s, running %d, queued %d, KV %d/%d tokens (%.1f%%), "
+                "cached %d, retracted %d", gen / dt, pre / dt, load.num_running, load.num_waiting,
+                load.kv_used_tokens, load.kv_total_tokens, 100 * load.kv_used_tokens / max(load.kv_total_tokens, 1),
+                load.num_cached_tokens, st.retractions)
+        self.last_log = now
+        self.last_counts = (st.generated, st.prefilled)
