@@ -90,6 +90,19 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     loop.run()
 
 
+def run_step(scheduler, runner) -> list:
+    """One scheduler step on one rank: schedule, forward, sample, process. Returns the TokenOuts."""
+    batch = scheduler.schedule()
+    if batch is None:
+        return []
+    logits = runner.forward(batch.forward)
+    sampling_reqs = scheduler.sampling_inputs(batch)
+    if sampling_reqs:
+        out = runner.sample(logits, sampling_reqs)
+        return scheduler.process_result(batch, out.next_token_ids, out.logprobs, out.top_logprobs)
+    return scheduler.process_result(batch, [], None, None)
+
+
 class WorkerLoop:
     """recv -> schedule -> forward -> sample -> send, until a ShutdownReq."""
 
@@ -117,16 +130,7 @@ class WorkerLoop:
             self._maybe_log()
 
     def step(self):
-        s = self.scheduler
-        batch = s.schedule()
-        if batch is None:
-            return []
-        logits = self.runner.forward(batch.forward)
-        sampling_reqs = s.sampling_inputs(batch)
-        if sampling_reqs:
-            out = self.runner.sample(logits, sampling_reqs)
-            return s.process_result(batch, out.next_token_ids, out.logprobs, out.top_logprobs)
-        return s.process_result(batch, [], None, None)
+        return run_step(self.scheduler, self.runner)
 
     def _recv(self, block: bool) -> None:
         timeout = 100 if block else 0

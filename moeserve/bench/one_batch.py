@@ -1,0 +1,148 @@
+"""`moeserve bench one-batch`: prefill and decode throughput of one static batch, optionally beside transformers.
+
+The batch runs through the real scheduler and model runner in this process (no HTTP, no ZeroMQ): one prefill of
+`batch_size` prompts of `input_len` random tokens, then decode steps until each has `output_len` tokens.
+With --compare-transformers the same shapes run through transformers' `generate` on the same checkpoint
+(or, with --load-format dummy, on a model built from the same config.json with its own random weights) in the
+same run, and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from moeserve.args import ServerArgs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
+                 warmup: bool = True) -> dict:
+    from moeserve.engine.io_struct import GenerateReq
+    from moeserve.engine.model_runner import ModelRunner
+    from moeserve.engine.sampling_params import SamplingParams
+    from moeserve.engine.scheduler import Scheduler
+    from moeserve.engine.worker import run_step
+
+    runner = ModelRunner(args)
+    gen = torch.Generator().manual_seed(seed)
+
+    def one_round(tag: str) -> dict:
+        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
+        for i in range(batch_size):
+            ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
+            params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+            sched.add_request(GenerateReq(f"{tag}{i}", ids, params))
+        _sync(runner.device)
+        t0 = time.perf_counter()
+        prefill_steps = 0
+        while sched.waiting or sched.chunked:
+            run_step(sched, runner)
+            prefill_steps += 1
+        _sync(runner.device)
+        t1 = time.perf_counter()
+        decode_steps = 0
+        while sched.has_work():
+            run_step(sched, runner)
+            decode_steps += 1
+        _sync(runner.device)
+        t2 = time.perf_counter()
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_steps": prefill_steps,
+                "decode_steps": decode_steps}
+
+    if warmup:
+        one_round("warmup")
+    r = one_round("run")
+    r["prefill_tok_s"] = batch_size * input_len / r["prefill_s"]
+    r["decode_tok_s"] = batch_size * (output_len - 1) / max(r["decode_s"], 1e-9)
+    r["device"] = str(runner.device)
+    r["dtype"] = str(runner.dtype)
+    return r
+
+
+def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int) -> dict:
+    """transformers' generate with the same shapes (greedy, no EOS stop)."""
+    import transformers
+
+    from moeserve.engine.model_runner import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    if args.load_format == "dummy":
+        config = transformers.AutoConfig.from_pretrained(args.model_path)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype or "auto").to(device)
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, input_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], attention_mask=mask[:, :8], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        _sync(device)
+        t0 = time.perf_counter()
+        model(ids, attention_mask=mask, logits_to_keep=1)
+        _sync(device)
+        t1 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, **kw)
+        _sync(device)
+        t2 = time.perf_counter()
+    prefill_s = t1 - t0
+    decode_s = max((t2 - t1) - prefill_s, 1e-9)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tok_s": batch_size * input_len / prefill_s,
+            "decode_tok_s": batch_size * (output_len - 1) / decode_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moeserve bench one-batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(p)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
+    ns = p.parse_args(argv)
+    own = {"batch_size", "input_len", "output_len", "seed", "compare_transformers", "result_file"}
+    args = ServerArgs.from_cli_args(argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own}))
+    if args.model_path is None:
+        from moeserve.models.default_model import default_model_path
+
+        args.model_path = default_model_path()
+    rows = []
+    for bs in ns.batch_size:
+        r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
+             "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed)}
+        if ns.compare_transformers:
+            r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed)
+            r["decode_speedup"] = r["moeserve"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
+            r["prefill_speedup"] = r["moeserve"]["prefill_tok_s"] / r["transformers"]["prefill_tok_s"]
+        rows.append(r)
+        m = r["moeserve"]
+        line = (f"batch {bs:4d}  in {ns.input_len}  out {ns.output_len}  moeserve: prefill {m['prefill_tok_s']:9.1f} "
+                f"tok/s  decode {m['decode_tok_s']:9.1f} tok/s")
+        if ns.compare_transformers:
+            t = r["transformers"]
+            line += (f" | transformers: prefill {t['prefill_tok_s']:9.1f}  decode {t['decode_tok_s']:9.1f}"
+                     f" | speedup prefill {r['prefill_speedup']:.2f}x decode {r['decode_speedup']:.2f}x")
+        print(line, flush=True)
+        if ns.result_file:
+            with open(ns.result_file, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
