@@ -1,0 +1,238 @@
+"""The embedded default model: a tiny DeepSeek-V3 checkpoint that moeserve builds for itself.
+
+`default_model_path()` returns a directory in Hugging Face format (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json) so that `moeserve serve` works with no download and
+tests have a real MLA + noaux_tc-routed MoE model to run. Everything is deterministic: the weights are drawn
+from a fixed seed and the byte-level BPE tokenizer is trained on default_corpus.txt (public-domain English),
+so two builds give byte-identical files. It needs torch, safetensors and tokenizers, not transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+CACHE_NAME = "default-model-v1"  # bump when any file below changes
+SEED = 20250101
+INIT_STD = 0.02
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]  # ids 0..4
+TOKENIZER_VOCAB_SIZE = 1024
+
+# DeepSeek-V3's template, less tools and thinking: system prompts first, then User/Assistant turns.
+CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(system_prompt='') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- if ns.system_prompt %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' %}{% endif %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{{ '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + (message['content'] or '') + '<｜end▁of▁sentence｜>' }}"
+    "{%- elif message['role'] != 'system' %}"
+    "{{ raise_exception('unsupported message role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+
+def default_config(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict:
+    """config.json of the default model (DeepSeek-V3 field names and meanings, tiny sizes)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,  # dense MLP of the first_k_dense_replace layers
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rope_interleave": True,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def default_model_path() -> str:
+    """Directory of the default model, built on first use under $MOESERVE_CACHE (or ~/.cache/moeserve)."""
+    root = Path(os.environ.get("MOESERVE_CACHE") or Path.home() / ".cache" / "moeserve")
+    final = root / CACHE_NAME
+    if (final / "config.json").is_file():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    # NOTE: built in a private directory and renamed into place, so a reader never sees half a model and two
+    # processes building at once both end up with the same (identical) directory.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}-", dir=root))
+    try:
+        build_default_model(str(tmp))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def build_default_model(out_dir: str) -> None:
+    """Write every file of the default model into `out_dir` (which must exist)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", tokenizer_config())
+
+    config = default_config(vocab_size=_round_up(tokenizer.get_vocab_size(), 64))
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False,
+    })
+    save_file(make_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------
+# tokenizer
+def build_tokenizer():
+    """A byte-level BPE tokenizer (DeepSeek-V3's special tokens) trained on the embedded corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    corpus = (Path(__file__).parent / "default_corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tok
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": default_config()["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# ----------------------------------------------------------------------
+# weights
+def make_weights(config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under transformers' DeepseekV3ForCausalLM names, drawn from SEED."""
+    gen = torch.Generator().manual_seed(SEED)
+    weights: dict[str, torch.Tensor] = {}
+
+    def normal(name: str, *shape: int) -> None:
+        weights[name] = (torch.randn(*shape, generator=gen) * INIT_STD).contiguous()
+
+    def norm(name: str, size: int) -> None:
+        # Not exactly ones, so that a loader mixing up two norms is caught by parity tests.
+        weights[name] = (1.0 + torch.randn(size, generator=gen) * INIT_STD).contiguous()
+
+    H, V = config["hidden_size"], config["vocab_size"]
+    n_heads = config["num_attention_heads"]
+    qk_head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+    E = config["n_routed_experts"]
+    moe_inter = config["moe_intermediate_size"]
+
+    def mlp(prefix: str, inter: int) -> None:
+        normal(f"{prefix}.gate_proj.weight", inter, H)
+        normal(f"{prefix}.up_proj.weight", inter, H)
+        normal(f"{prefix}.down_proj.weight", H, inter)
+
+    normal("model.embed_tokens.weight", V, H)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm.weight", H)
+        normal(f"{p}.self_attn.q_a_proj.weight", q_lora, H)
+        norm(f"{p}.self_attn.q_a_layernorm.weight", q_lora)
+        normal(f"{p}.self_attn.q_b_proj.weight", n_heads * qk_head, q_lora)
+        normal(f"{p}.self_attn.kv_a_proj_with_mqa.weight", kv_lora + config["qk_rope_head_dim"], H)
+        norm(f"{p}.self_attn.kv_a_layernorm.weight", kv_lora)
+        normal(f"{p}.self_attn.kv_b_proj.weight",
+               n_heads * (config["qk_nope_head_dim"] + config["v_head_dim"]), kv_lora)
+        normal(f"{p}.self_attn.o_proj.weight", H, n_heads * config["v_head_dim"])
+        norm(f"{p}.post_attention_layernorm.weight", H)
+        if i < config["first_k_dense_replace"]:
+            mlp(f"{p}.mlp", config["intermediate_size"])
+            continue
+        normal(f"{p}.mlp.gate.weight", E, H)
+        normal(f"{p}.mlp.gate.e_score_correction_bias", E)
+        for e in range(E):
+            mlp(f"{p}.mlp.experts.{e}", moe_inter)
+        mlp(f"{p}.mlp.shared_experts", moe_inter * config["n_shared_experts"])
+    norm("model.norm.weight", H)
+    normal("lm_head.weight", V, H)
+    return weights
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n", encoding="utf-8")
