@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import zmq
 
 from moeserve.args import ServerArgs
+from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.engine.rank_sync import RankSync
 from moeserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -70,35 +72,66 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     from moeserve.engine.model_runner import ModelRunner
     from moeserve.engine.scheduler import Scheduler
 
-    if server_args.device != "cuda":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
-    runner = ModelRunner(server_args, local_rank=rank % max(1, server_args.tp_size // server_args.nnodes))
+    from moeserve.parallel.state import init_parallel_state
+
+    world = server_args.tp_size
+    local_rank = rank % (world // server_args.nnodes)
+    on_cuda = server_args.device == "cuda" or (server_args.device == "auto" and torch.cuda.is_available())
+    if not on_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world // server_args.nnodes)))
+    if world > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        if on_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=ports.dist_init_method,
+                                world_size=world, rank=rank, timeout=datetime.timedelta(minutes=30))
+    dp_size = server_args.dp_size if server_args.enable_dp_attention else 1
+    state = init_parallel_state(world, rank, dp_size, server_args.ep_size)
+    sync = RankSync(state)
+    runner = ModelRunner(server_args, local_rank=local_rank)
     tokenizer = None
     if not server_args.skip_tokenizer_init:
         from moeserve.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
-    dp_rank = 0
+    dp_rank = state.dp_rank
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank)
-    req_sock = ctx.socket(zmq.PULL)
-    req_sock.connect(ports.request_addrs[dp_rank])
+    req_sock = None
+    if sync.is_leader:
+        req_sock = ctx.socket(zmq.PULL)
+        req_sock.connect(ports.request_addrs[dp_rank])
     result_sock.send(pickle.dumps(WorkerReady(
         rank, dp_rank, runner.num_pages * server_args.page_size, runner.context_length, runner.vocab_size,
         runner.weight_bytes, runner.config.architecture)))
-    loop = WorkerLoop(server_args, runner, scheduler, req_sock, result_sock)
+    loop = WorkerLoop(server_args, runner, scheduler, req_sock, result_sock, sync)
     loop.run()
 
 
-def run_step(scheduler, runner) -> list:
-    """One scheduler step on one rank: schedule, forward, sample, process. Returns the TokenOuts."""
+def run_step(scheduler, runner, sync: RankSync | None = None) -> list:
+    """One scheduler step on one rank: schedule, (header), forward, sample, process. Returns the TokenOuts."""
     batch = scheduler.schedule()
+    if sync is not None and sync.multi:
+        num_tokens = batch.forward.num_tokens if batch else 0
+        global_tokens, any_extend = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend))
+        if not any(global_tokens):
+            return []
+        fb = batch.forward if batch else ForwardBatch.idle()
+        fb.global_num_tokens, fb.any_extend = global_tokens, any_extend
+        if batch is None:
+            runner.forward(fb)  # join the MoE collectives with no tokens
+            return []
     if batch is None:
         return []
     logits = runner.forward(batch.forward)
     sampling_reqs = scheduler.sampling_inputs(batch)
     if sampling_reqs:
         out = runner.sample(logits, sampling_reqs)
+        if sync is not None:
+            out = sync.share_sample(out)
         return scheduler.process_result(batch, out.next_token_ids, out.logprobs, out.top_logprobs)
     return scheduler.process_result(batch, [], None, None)
 
@@ -106,37 +139,45 @@ def run_step(scheduler, runner) -> list:
 class WorkerLoop:
     """recv -> schedule -> forward -> sample -> send, until a ShutdownReq."""
 
-    def __init__(self, args: ServerArgs, runner, scheduler, req_sock, result_sock):
+    def __init__(self, args: ServerArgs, runner, scheduler, req_sock, result_sock, sync: RankSync):
         self.args = args
         self.runner = runner
         self.scheduler = scheduler
-        self.req_sock = req_sock
+        self.req_sock = req_sock  # None on ranks that are not their group's leader
         self.result_sock = result_sock
+        self.sync = sync
         self.poller = zmq.Poller()
-        self.poller.register(req_sock, zmq.POLLIN)
+        if req_sock is not None:
+            self.poller.register(req_sock, zmq.POLLIN)
         self.running = True
         self.last_log = time.monotonic()
         self.last_counts = (0, 0)
 
     def run(self) -> None:
         while self.running:
-            self._recv(block=not self.scheduler.has_work())
+            for msg in self.sync.share_messages(self._recv(block=not self.scheduler.has_work())):
+                self._handle(msg)
             if not self.running:
                 break
-            outs = self.step()
+            outs = run_step(self.scheduler, self.runner, self.sync)
             outs += self.scheduler.drain_pending()
-            if outs:
-                self.result_sock.send(pickle.dumps(BatchTokenOut(outs, self.scheduler.get_load())))
+            if outs and self.sync.is_leader:
+                self._reply(BatchTokenOut(outs, self.scheduler.get_load()))
             self._maybe_log()
 
-    def step(self):
-        return run_step(self.scheduler, self.runner)
-
-    def _recv(self, block: bool) -> None:
+    def _recv(self, block: bool) -> list:
+        if self.req_sock is None:
+            return []
+        msgs = []
         timeout = 100 if block else 0
         while self.poller.poll(timeout):
             timeout = 0
-            self._handle(pickle.loads(self.req_sock.recv()))
+            msgs.append(pickle.loads(self.req_sock.recv()))
+        return msgs
+
+    def _reply(self, msg) -> None:
+        if self.sync.is_leader:
+            self.result_sock.send(pickle.dumps(msg))
 
     def _handle(self, msg) -> None:
         s = self.scheduler
@@ -146,9 +187,9 @@ class WorkerLoop:
             s.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
             ok = s.flush_cache()
-            self.result_sock.send(pickle.dumps(FlushCacheOut(ok, "" if ok else "requests are in flight")))
+            self._reply(FlushCacheOut(ok, "" if ok else "requests are in flight"))
         elif isinstance(msg, GetLoadReq):
-            self.result_sock.send(pickle.dumps(BatchTokenOut([], s.get_load())))
+            self._reply(BatchTokenOut([], s.get_load()))
         elif isinstance(msg, ShutdownReq):
             self.running = False
         else:

@@ -1,0 +1,57 @@
+"""Lock-step between ranks: request fan-out inside an attention group and the per-step header.
+
+Every rank of an attention TP group runs the same scheduler on the same messages: the group's leader (attention
+TP rank 0) reads the ZeroMQ socket and broadcasts what it got. Before each forward, all ranks exchange a small
+header (tokens this step, is it a prefill) because MoE layers are collective: a rank with nothing to do runs an
+IDLE batch, and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
+group's schedulers never diverge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeserve.parallel.state import ParallelState
+
+
+class RankSync:
+    """Collectives of the worker loop for one rank (a no-op object for a single-rank server)."""
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        self.multi = state.world_size > 1
+        self.group_size = state.attn_tp_size
+        self.leader = state.dp_rank * state.attn_tp_size  # global rank of this group's leader
+
+    @property
+    def is_leader(self) -> bool:
+        return self.state.attn_tp_rank == 0
+
+    def share_messages(self, msgs: list[Any]) -> list[Any]:
+        """The leader's messages, on every rank of its attention group."""
+        if self.group_size == 1:
+            return msgs
+        box = [msgs if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_group)
+        return box[0]
+
+    def exchange_header(self, num_tokens: int, is_extend: bool) -> tuple[list[int], bool]:
+        """Tokens of every DP group this step (the same list on all ranks) and whether any group prefills."""
+        if not self.multi:
+            return [num_tokens], is_extend
+        t = torch.tensor([num_tokens, int(is_extend)], dtype=torch.int64)
+        out = torch.zeros(self.state.world_size, 2, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, t, group=self.state.world_group)
+        per_group = out[:: self.group_size, 0].tolist()
+        return per_group, bool(out[:, 1].any())
+
+    def share_sample(self, sample: Any) -> Any:
+        """The leader's sampling result on every rank of the group."""
+        if self.group_size == 1:
+            return sample
+        box = [sample if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_group)
+        return box[0]

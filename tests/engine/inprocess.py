@@ -1,0 +1,47 @@
+"""Drive a Scheduler + ModelRunner in the test process: the engine's logic without processes or sockets."""
+
+from __future__ import annotations
+
+from moeserve.args import ServerArgs
+from moeserve.engine.io_struct import GenerateReq, TokenOut
+from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.worker import run_step
+
+
+class InProcessEngine:
+    def __init__(self, tokenizer=None, **kwargs):
+        self.args = ServerArgs.from_kwargs(**kwargs)
+        self.runner = ModelRunner(self.args)
+        self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
+                                   self.runner.config.eos_token_ids, tokenizer=tokenizer)
+        self.max_steps = 100_000
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+            return_logprob: bool = False, top_logprobs_num: int = 0) -> list[dict]:
+        """Submit all prompts at once, step until every one finished; per prompt: ids, finish, cached."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        rids = [f"r{id(self)}-{i}-{len(self.scheduler.reqs)}" for i in range(len(prompts))]
+        for rid, p, sp in zip(rids, prompts, params, strict=True):
+            self.scheduler.add_request(GenerateReq(rid, p, sp, return_logprob, top_logprobs_num))
+        results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": []}
+                   for rid in rids}
+        for _ in range(self.max_steps):
+            outs: list[TokenOut] = run_step(self.scheduler, self.runner) + self.scheduler.drain_pending()
+            for o in outs:
+                r = results.get(o.rid)
+                if r is None:
+                    continue
+                r["output_ids"].extend(o.new_token_ids)
+                r["cached_tokens"] = o.cached_tokens
+                if o.logprobs:
+                    r["logprobs"].extend(o.logprobs)
+                if o.finish_reason is not None:
+                    r["finish_reason"] = o.finish_reason
+            if all(r["finish_reason"] is not None for r in results.values()):
+                break
+        else:
+            raise AssertionError("requests did not finish")
+        return [results[rid] for rid in rids]
