@@ -87,4 +87,4 @@ class ModelRunner:
             self.vocab_size, self.device,
         )
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        return sample(logits, sbatch, top_n)
+        return sample(logits, sbatch, top_n, return_logprob=any(r.return_logprob for r in reqs))

@@ -52,6 +52,7 @@ class RankSync:
         """The leader's sampling result on every rank of the group."""
         if self.group_size == 1:
             return sample
-        box = [sample if self.is_leader else None]
+        box = [(sample.next_token_ids, sample.logprobs, sample.top_logprobs) if self.is_leader else None]
         dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_group)
-        return box[0]
+        sample.next_token_ids, sample.logprobs, sample.top_logprobs = box[0]
+        return sample
