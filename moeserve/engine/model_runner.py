@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import torch
 
@@ -43,6 +44,7 @@ class ModelRunner:
                                   self.config.context_length)
         self.vocab_size = self.config.vocab_size
         self.num_pages = self._num_kv_pages()
+        self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = self.config.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device)
         logger.info(
             "Memory: weights %.2f GiB, KV pool %.2f GiB (%d tokens, page size %d), dtype %s, device %s",
@@ -84,7 +86,7 @@ class ModelRunner:
         """Next token of each request (rows of logits in the same order)."""
         sbatch = SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-            self.vocab_size, self.device,
+            self.vocab_size, self.device, rng=self.rng,
         )
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         return sample(logits, sbatch, top_n, return_logprob=any(r.return_logprob for r in reqs))
