@@ -1,0 +1,69 @@
+"""LocalDispatcher: the single-rank case, every expert is local and nothing moves between ranks.
+
+dispatch sorts the (token, expert) pairs by expert into a ContiguousLayout; combine gathers each pair's expert
+output back and sums a token's k outputs weighted by its top-k weights (applied here, exactly once).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.ep.layouts import ContiguousLayout
+
+if TYPE_CHECKING:
+    from moeserve.engine.forward_batch import ForwardBatch
+
+
+class LocalDispatcher:
+    """Dispatcher for ep_size == 1. `align`: segment padding in rows (1 on CPU; e.g. 128 for GPU GEMM tiles)."""
+
+    def __init__(self, num_experts: int, align: int = 1):
+        self.num_experts = num_experts
+        self.align = align
+        self._x: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # [T, k] row of each (token, expert) pair in the layout
+        self._out: torch.Tensor | None = None
+
+    def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   batch: ForwardBatch | None = None) -> None:
+        """x [T, H]; topk_ids [T, k] int64 in [0, num_experts); topk_weights [T, k] float32."""
+        self._x, self._ids, self._weights = x, topk_ids, topk_weights
+
+    def dispatch_b(self) -> ContiguousLayout:
+        x, ids = self._x, self._ids
+        T, k = ids.shape
+        E, align = self.num_experts, self.align
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside a group
+        counts = torch.bincount(flat, minlength=E)[:E]  # [E]
+        padded = (counts + align - 1) // align * align
+        offsets = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
+        offsets[1:] = torch.cumsum(padded, 0)
+        starts = torch.zeros_like(offsets)
+        starts[1:] = torch.cumsum(counts, 0)
+        sorted_ids = flat[order]
+        # row of the j-th sorted pair: its segment start + its rank inside the expert's pairs
+        rows_sorted = offsets[sorted_ids] + torch.arange(T * k, device=x.device) - starts[sorted_ids]
+        rows = torch.empty_like(rows_sorted)
+        rows[order] = rows_sorted
+        self._rows = rows.view(T, k)
+        # NOTE: sized without reading counts back to the host: T*k pairs plus at most align-1 pad rows per expert.
+        num_rows = T * k + E * (align - 1)
+        buf = x.new_zeros(num_rows, x.shape[1])
+        buf[rows_sorted] = x[order // k]
+        return ContiguousLayout(x=buf, expert_offsets=offsets.to(torch.int32),
+                                num_tokens_per_expert=counts.to(torch.int32))
+
+    def combine_a(self, expert_out: torch.Tensor) -> None:
+        self._out = expert_out
+
+    def combine_b(self) -> torch.Tensor:
+        """[T, H] = sum_k w[t, k] * expert_out[row(t, k)], summed in float32, returned in x's dtype."""
+        out, rows, w, x = self._out, self._rows, self._weights, self._x
+        y = (out[rows].float() * w[:, :, None].float()).sum(dim=1).to(x.dtype)
+        self._x = self._ids = self._weights = self._rows = self._out = None
+        return y

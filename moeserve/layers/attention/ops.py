@@ -1,0 +1,109 @@
+"""Reference attention over the paged KV cache, correct for ragged batches (torch SDPA inside).
+
+- `extend_attention`: new queries of each request attend causally over the request's whole sequence
+  (cached prefix + new tokens). One SDPA call per request; a prefill step is compute-bound anyway.
+- `decode_attention`: one query per request over its cached tokens. The cache rows are gathered into a padded
+  [B, max_len] block and masked, so a step is a few batched kernels with no per-request Python loop.
+
+`AttentionMetadata` is built once per forward from the ForwardBatch and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.engine.kv_pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer of one step needs, derived once from the batch."""
+
+    mode: ForwardMode
+    kv_pool: KVPool | None
+    out_cache_loc: torch.Tensor  # [T] slots written this step
+    kv_indices: torch.Tensor  # [sum(seq_lens)] slots of every request's whole sequence
+    cos: torch.Tensor  # [T, rotary_dim/2] float32
+    sin: torch.Tensor  # [T, rotary_dim/2] float32
+    extend_lens: list[int]  # host
+    seq_lens: list[int]  # host
+    decode_slots: torch.Tensor | None = None  # [B, max_len] int64 cache slots (0 = scratch where masked)
+    decode_mask: torch.Tensor | None = None  # [B, max_len] bool, True for a real token
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> AttentionMetadata:
+        meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
+                   kv_indices=batch.kv_indices, cos=cos, sin=sin, extend_lens=list(batch.extend_lens_cpu),
+                   seq_lens=list(batch.seq_lens_cpu))
+        if batch.mode.is_decode and batch.batch_size > 0:
+            meta.decode_slots, meta.decode_mask = padded_kv_slots(batch.kv_indices, batch.kv_indptr,
+                                                                  batch.seq_lens, max(batch.seq_lens_cpu))
+        return meta
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+
+def padded_kv_slots(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, seq_lens: torch.Tensor,
+                    max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged kv_indices -> slots [B, max_len] (scratch slot 0 past each length) and mask [B, max_len]."""
+    pos = torch.arange(max_len, device=kv_indices.device)
+    mask = pos[None, :] < seq_lens[:, None]
+    flat = (kv_indptr[:-1, None] + pos[None, :]).clamp_(max=max(kv_indices.shape[0] - 1, 0))
+    slots = kv_indices[flat].masked_fill_(~mask, 0)
+    return slots, mask
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
+                     seq_lens: list[int], scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's new queries over its whole sequence.
+
+    q [T, Hq, D] (request b's rows are its extend_lens[b] new tokens, positions seq_len - extend_len ..
+    seq_len - 1); k [S, Hkv, D] and v [S, Hkv, Dv], S = sum(seq_lens), request b's rows are its whole sequence.
+    Returns [T, Hq, Dv]. Hq must be a multiple of Hkv (GQA/MQA).
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    out = q.new_empty(q.shape[0], num_heads, v.shape[-1])
+    q_start = kv_start = 0
+    for n, s in zip(extend_lens, seq_lens, strict=True):
+        if n > 0:
+            qb = q[q_start:q_start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+            kb = k[kv_start:kv_start + s].transpose(0, 1)[None]  # [1, Hkv, s, D]
+            vb = v[kv_start:kv_start + s].transpose(0, 1)[None]
+            mask = None
+            if n != s or sliding_window is not None:
+                q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+                k_pos = torch.arange(s, device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask = mask & (k_pos > q_pos - sliding_window)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                enable_gqa=num_heads != num_kv_heads)
+            out[q_start:q_start + n] = ob[0].transpose(0, 1)
+        q_start += n
+        kv_start += s
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One query per request over its cached tokens.
+
+    q [B, Hq, D]; k_cache [num_slots, Hkv, D], v_cache [num_slots, Hkv, Dv] (views are fine: only the rows in
+    `slots` are read); slots, mask [B, L] from `padded_kv_slots`. Returns [B, Hq, Dv].
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    k = k_cache[slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = v_cache[slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, Dv]
+    if sliding_window is not None:
+        seq_lens = mask.sum(-1, keepdim=True)
+        pos = torch.arange(mask.shape[1], device=mask.device)[None, :]
+        mask = mask & (pos > seq_lens - 1 - sliding_window)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out[:, :, 0, :]

@@ -1,0 +1,35 @@
+"""Dense SwiGLU MLP (dense layers and shared experts), replicated on every rank.
+
+    y = W_down · (silu(W_gate x) * (W_up x)),   with W_gate and W_up fused into one [2I, H] weight
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.activation import silu_and_mul
+from moeserve.layers.weights import WeightSpec
+
+
+class GatedMLP(nn.Module):
+    """gate_up [2I, H] = [gate_proj; up_proj], down [H, I]; checkpoint keys gate_proj/up_proj/down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+    def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
+        inter, H = self.intermediate_size, self.hidden_size
+        yield WeightSpec(f"{prefix}.gate_proj.weight", (inter, H), f"{prefix}.gate_up_proj", dst=(slice(0, inter),))
+        yield WeightSpec(f"{prefix}.up_proj.weight", (inter, H), f"{prefix}.gate_up_proj", dst=(slice(inter, 2 * inter),))
+        yield WeightSpec(f"{prefix}.down_proj.weight", (H, inter), f"{prefix}.down_proj")

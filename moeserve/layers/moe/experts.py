@@ -1,0 +1,61 @@
+"""This rank's routed experts, fused: w13 [E_local, 2I, H] ([gate; up]) and w2 [E_local, H, I].
+
+    expert_e(x) = W2_e · (silu(W1_e x) * (W3_e x))
+
+Checkpoints store each expert separately (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `w1/w3/w2`); the
+loader fuses them, reading only the experts this rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
+from moeserve.layers.activation import silu_and_mul
+from moeserve.layers.moe.grouped_gemm import grouped_gemm
+from moeserve.layers.weights import WeightSpec
+
+
+class Experts(nn.Module):
+    """Experts held by this rank. Local slot i holds logical expert `expert_ids[i]` of the checkpoint."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts  # logical experts in the checkpoint
+        self.expert_ids = list(expert_ids)
+        self.num_local_experts = len(self.expert_ids)
+        self.checkpoint_names = checkpoint_names
+        E, inter, H = self.num_local_experts, intermediate_size, hidden_size
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
+
+    def forward(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
+        """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
+        if isinstance(layout, MaskedLayout):
+            # Rows past masked_m[e] are computed too and ignored by combine: static shapes for CUDA graphs.
+            h = silu_and_mul(torch.bmm(layout.x, self.w13.transpose(1, 2)))
+            return torch.bmm(h, self.w2.transpose(1, 2))
+        offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
+        h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
+        return grouped_gemm(h, self.w2, offs, counts)
+
+    def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
+        """Every expert's three tensors; those of experts this rank does not hold are expected but skipped."""
+        gate, up, down = self.checkpoint_names
+        inter, H = self.intermediate_size, self.hidden_size
+        held = set(self.expert_ids)
+        for logical in range(self.num_experts):
+            keys = [f"{prefix}.{logical}.{n}.weight" for n in (gate, up, down)]
+            if logical not in held:
+                yield from (WeightSpec(k, s, None) for k, s in zip(keys, ((inter, H), (inter, H), (H, inter)), strict=True))
+                continue
+            for slot in (i for i, e in enumerate(self.expert_ids) if e == logical):  # replicas: every slot
+                yield WeightSpec(keys[0], (inter, H), f"{prefix}.w13", dst=(slot, slice(0, inter)))
+                yield WeightSpec(keys[1], (inter, H), f"{prefix}.w13", dst=(slot, slice(inter, 2 * inter)))
+                yield WeightSpec(keys[2], (H, inter), f"{prefix}.w2", dst=(slot,))

@@ -1,0 +1,55 @@
+"""Grouped GEMM over a contiguous expert layout: each segment of rows times its own expert's weight.
+
+`grouped_gemm` runs torch._grouped_mm where the device and dtype take it (probed once), else
+`grouped_gemm_reference`, a loop over experts that touches valid rows only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+                           num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [E, N, K] -> [M, N]: rows offsets[e] .. offsets[e] + count[e] get x @ w[e]^T, the rest 0."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    offsets, counts = expert_offsets.tolist(), num_tokens_per_expert.tolist()
+    for e, n in enumerate(counts):
+        if n:
+            rows = slice(offsets[e], offsets[e] + n)
+            out[rows] = x[rows] @ w[e].t()
+    return out
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+                 num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [E, N, K], expert_offsets [E + 1] int32 -> [M, N].
+
+    Segment e (rows offsets[e]:offsets[e+1]) is multiplied by w[e]^T. Only the first num_tokens_per_expert[e]
+    rows of a segment are meaningful; padding rows and rows past offsets[E] hold unspecified values.
+    """
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[1])
+    if _grouped_mm_ok(x, w):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32))
+    return grouped_gemm_reference(x, w, expert_offsets, num_tokens_per_expert)
+
+
+_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or not x.is_contiguous():
+        return False
+    if x.is_cuda and (x.shape[1] % 8 or w.shape[1] % 8):  # 16-byte aligned rows for the CUDA kernel
+        return False
+    key = (x.device.type, x.dtype)
+    if key not in _PROBED:
+        try:
+            a = torch.ones(4, 8, dtype=x.dtype, device=x.device)
+            b = torch.ones(2, 8, 8, dtype=x.dtype, device=x.device)
+            y = torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=x.device))
+            _PROBED[key] = bool((y == 8).all())
+        except (RuntimeError, NotImplementedError):
+            _PROBED[key] = False
+    return _PROBED[key]

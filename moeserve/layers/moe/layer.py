@@ -1,0 +1,94 @@
+"""One MoE layer (DESIGN.md 'One MoE layer'):
+
+    hidden [T, H] -> gate (fp32 logits) -> select_experts -> (recorder) -> dispatch -> experts -> combine
+                  + shared_experts(hidden)
+
+The layer holds this rank's experts [ep_rank * E_local, (ep_rank + 1) * E_local) of the physical expert list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from moeserve.ep import make_dispatcher
+from moeserve.layers.mlp import GatedMLP
+from moeserve.layers.moe.experts import Experts
+from moeserve.layers.moe.router import Router, select_experts
+from moeserve.models.config import ModelConfig
+from moeserve.parallel.state import get_parallel_state
+
+if TYPE_CHECKING:
+    from moeserve.args import ServerArgs
+    from moeserve.engine.forward_batch import ForwardBatch
+
+
+class ExpertRecorder(Protocol):
+    def on_select_experts(self, layer_id: int, topk_ids: torch.Tensor) -> None: ...
+
+
+_recorder: ExpertRecorder | None = None
+
+
+def set_expert_recorder(recorder: ExpertRecorder | None) -> None:
+    """Install (or remove, with None) the object every MoE layer reports its chosen experts to."""
+    global _recorder
+    _recorder = recorder
+
+
+class MoE(nn.Module):
+    """Routed experts (expert-parallel) plus optional shared experts (replicated)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, server_args: ServerArgs | None = None,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 physical_to_logical: Sequence[int] | None = None):
+        super().__init__()
+        ps = get_parallel_state()
+        self.layer_id = layer_id
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.scoring_func = config.scoring_func
+        self.topk_method = config.topk_method
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.renormalize = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+        redundant = server_args.ep_num_redundant_experts if server_args is not None else 0
+        num_physical = config.num_experts + redundant
+        if num_physical % ps.ep_size:
+            raise ValueError(f"{num_physical} physical experts do not split over ep_size {ps.ep_size}")
+        num_local = num_physical // ps.ep_size
+        if physical_to_logical is None:  # trivial placement: physical p holds logical p mod E
+            physical_to_logical = [p % config.num_experts for p in range(num_physical)]
+        first = ps.ep_rank * num_local
+        local_ids = list(physical_to_logical[first:first + num_local])
+
+        self.gate = Router(config.hidden_size, config.num_experts, correction_bias=config.topk_method == "noaux_tc")
+        self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, local_ids,
+                               expert_names)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+            if config.num_shared_experts else None
+        )
+        self.dispatcher = make_dispatcher(server_args if server_args is not None else "none", num_physical, num_local,
+                                          hidden_size=config.hidden_size, top_k=self.top_k)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | Any = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. Runs even for T = 0 (an IDLE rank still joins the dispatch collectives)."""
+        topk_ids, topk_weights = select_experts(
+            self.gate(x), self.top_k, scoring_func=self.scoring_func, topk_method=self.topk_method,
+            n_group=self.n_group, topk_group=self.topk_group, correction_bias=self.gate.e_score_correction_bias,
+            renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
+        )
+        if _recorder is not None:
+            _recorder.on_select_experts(self.layer_id, topk_ids)
+        self.dispatcher.dispatch_a(x, topk_ids, topk_weights, batch)
+        expert_out = self.experts(self.dispatcher.dispatch_b())
+        self.dispatcher.combine_a(expert_out)
+        y = self.dispatcher.combine_b()
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

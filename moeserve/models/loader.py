@@ -1,0 +1,231 @@
+"""Build a model on a device and fill its weights from a safetensors checkpoint (or at random).
+
+    model, config = load_model(server_args, device)
+
+- The model is constructed on the 'meta' device (no memory), then every parameter is allocated once, directly
+  on `device`, in the chosen dtype (router weights stay float32), and filled in place.
+- Checkpoints: model.safetensors, or shards listed in model.safetensors.index.json (any *.safetensors when
+  there is neither). Tensors are read lazily with safe_open; each rank reads only its part (its experts, its
+  heads), so the whole checkpoint is never in memory.
+- Before anything is read, every tensor's name and shape is checked against what the model expects (from the
+  file headers): a missing, unexpected or mis-shaped tensor raises ValueError naming it and both shapes.
+  Skipped silently: rotary inv_freq buffers, MTP layers (model.layers.{num_hidden_layers}+), lm_head when the
+  embeddings are tied.
+- dtype: float32 / bfloat16 / float16, or auto = the checkpoint's dtype on CUDA and float32 on CPU (CPU bf16
+  matmuls are slow and the CPU runs are for development and tests).
+- load_format 'dummy': random weights of the real shapes, needing only config.json. Every checkpoint tensor is
+  drawn from its own generator seeded by (random_seed, tensor name), so ranks holding different parts of a
+  tensor agree; normal(0, 0.02), norms 1, e_score_correction_bias normal(0, 0.01).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from moeserve.args import ServerArgs
+from moeserve.layers.weights import WeightSpec, model_weight_specs
+from moeserve.models.config import ModelConfig
+from moeserve.models.registry import get_model_class
+from moeserve.parallel.state import get_parallel_state
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+DUMMY_STD = 0.02
+DUMMY_BIAS_STD = 0.01
+
+
+def load_model(server_args: ServerArgs, device: torch.device | str,
+               show_progress: bool | None = None) -> tuple[nn.Module, ModelConfig]:
+    """The model for this rank on `device`, weights loaded, in eval mode; and its config."""
+    device = torch.device(device)
+    path = server_args.model_path
+    if path is None:
+        from moeserve.models.default_model import default_model_path
+
+        path = default_model_path()
+    config = ModelConfig.from_pretrained(path)
+    dtype = resolve_dtype(server_args.dtype, config.dtype, device)
+    if show_progress is None:
+        show_progress = get_parallel_state().rank == 0
+    quant = server_args.quantization or config.quantization
+    if quant and server_args.load_format != "dummy":
+        raise ValueError(f"{path}: {quant} quantized checkpoints are not supported yet; use a bf16 checkpoint "
+                         "(or --load-format dummy to run with random weights of the real shapes)")
+
+    start = time.perf_counter()
+    model = build_model(config, server_args, device, dtype)
+    specs = list(model_weight_specs(model))
+    if server_args.load_format == "dummy":
+        fill_dummy(model, specs, server_args.random_seed, show_progress)
+    else:
+        load_safetensors(model, specs, Path(path), config, show_progress)
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("Loaded %s (%s): %.3fB params, %.2f GiB %s on %s in %.1f s", config.architecture,
+                "dummy" if server_args.load_format == "dummy" else path, n / 1e9, nbytes / 2**30,
+                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return model, config
+
+
+def resolve_dtype(name: str, config_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--dtype to a torch dtype: auto = the checkpoint's on CUDA, float32 on CPU."""
+    if name == "auto":
+        return config_dtype if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype {name!r}: choose auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def build_model(config: ModelConfig, server_args: ServerArgs | None, device: torch.device,
+                dtype: torch.dtype) -> nn.Module:
+    """Construct on 'meta', then allocate every parameter on `device` (uninitialized: the caller fills them)."""
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config, server_args)
+    for module in model.modules():
+        keep_fp32 = getattr(module, "fp32_params", ())
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            dt = torch.float32 if name in keep_fp32 else dtype
+            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
+                                                    requires_grad=False)
+    return model
+
+
+# ----------------------------------------------------------------------
+# safetensors
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shard(s) that are not there: {', '.join(absent)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def read_headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """key -> (file, shape) from the safetensors headers (no tensor data is read)."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                found[key] = (file, tuple(f.get_slice(key).get_shape()))
+    return found
+
+
+def _skipped(key: str, config: ModelConfig) -> bool:
+    """Checkpoint tensors we knowingly do not use."""
+    if key.endswith("rotary_emb.inv_freq") or key.endswith(".inv_freq"):
+        return True
+    m = _LAYER_KEY.match(key)
+    if m and int(m.group(1)) >= config.num_hidden_layers:  # MTP layers
+        return True
+    return config.tie_word_embeddings and key == "lm_head.weight"
+
+
+def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple[int, ...]]],
+                     config: ModelConfig, where: str) -> None:
+    """Raise ValueError listing every missing, unexpected and mis-shaped tensor."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for s in specs:
+        expected.setdefault(s.key, s.shape)
+    problems = []
+    for key, shape in expected.items():
+        if key not in found:
+            problems.append(f"missing tensor {key!r} (expected shape {shape})")
+        elif found[key][1] != shape:
+            problems.append(f"tensor {key!r} has shape {found[key][1]} in the checkpoint, expected {shape}")
+    for key, (_, shape) in found.items():
+        if key not in expected and not _skipped(key, config):
+            hint = " (FP8 scale: quantized checkpoints are not supported yet)" if "scale" in key else ""
+            problems.append(f"unexpected tensor {key!r} (shape {shape}){hint}")
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValueError(f"checkpoint {where} does not match {config.architecture} as configured in its config.json "
+                         f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:20]) + more)
+
+
+def load_safetensors(model: nn.Module, specs: list[WeightSpec], path: Path, config: ModelConfig,
+                     show_progress: bool = True) -> None:
+    """Check the checkpoint against `specs`, then copy each rank-local part into its parameter."""
+    from safetensors import safe_open
+
+    found = read_headers(checkpoint_files(path))
+    check_checkpoint(specs, found, config, str(path))
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[WeightSpec]] = defaultdict(list)
+    for s in specs:
+        if s.param is not None:
+            by_file[found[s.key][0]].append(s)
+    written: dict[str, int] = defaultdict(int)
+    with tqdm(total=sum(map(len, by_file.values())), desc="Loading safetensors", unit="tensor",
+              disable=not show_progress) as bar:
+        for file, file_specs in sorted(by_file.items()):
+            with safe_open(str(file), framework="pt") as f:
+                for s in file_specs:
+                    t = f.get_slice(s.key)[s.src] if s.src else f.get_tensor(s.key)
+                    dst = params[s.param].data[s.dst] if s.dst else params[s.param].data
+                    assert dst.shape == t.shape, f"{s.key}: slice {tuple(t.shape)} does not fit {tuple(dst.shape)}"
+                    dst.copy_(t)
+                    written[s.param] += t.numel()
+                    bar.update(1)
+    _check_written(params, written)
+
+
+# ----------------------------------------------------------------------
+# dummy weights
+
+
+def fill_dummy(model: nn.Module, specs: list[WeightSpec], seed: int, show_progress: bool = True) -> None:
+    """Random weights of the real shapes, identical on every rank for the parts they share."""
+    params = dict(model.named_parameters())
+    written: dict[str, int] = defaultdict(int)
+    needed = [s for s in specs if s.param is not None]
+    for s in tqdm(needed, desc="Dummy weights", unit="tensor", disable=not show_progress):
+        p = params[s.param]
+        full = torch.empty(s.shape, dtype=p.dtype, device=p.device)
+        if s.key.endswith("norm.weight"):
+            full.fill_(1.0)
+        else:
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(s.key.encode())) % (1 << 63))
+            std = DUMMY_BIAS_STD if s.key.endswith("e_score_correction_bias") else DUMMY_STD
+            full.normal_(0.0, std, generator=gen)
+        part = full[s.src] if s.src else full
+        (p.data[s.dst] if s.dst else p.data).copy_(part)
+        written[s.param] += part.numel()
+    _check_written(params, written)
+
+
+def _check_written(params: dict[str, nn.Parameter], written: dict[str, int]) -> None:
+    unfilled = [n for n, p in params.items() if written.get(n, 0) != p.numel()]
+    assert not unfilled, f"parameters not (exactly) filled by the checkpoint: {unfilled[:10]}"

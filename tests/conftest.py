@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny checkpoints (built once per session, keyed by name) and their transformers models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.checkpoints import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """tiny_checkpoint(name, sharded=False) -> directory of checkpoint `name` (see tests/checkpoints.py SPECS)."""
+    built: dict[tuple[str, bool], str] = {}
+
+    def get(name: str, sharded: bool = False) -> str:
+        if (name, sharded) not in built:
+            out = tmp_path_factory.mktemp(name + ("-sharded" if sharded else ""))
+            built[name, sharded] = build_checkpoint(name, out, sharded=sharded)
+        return built[name, sharded]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint: Callable[..., str]) -> Callable[[str], object]:
+    """hf_model(name) -> transformers' model loaded from tiny_checkpoint(name), float32, eager attention."""
+    import torch
+    import transformers
+
+    loaded: dict[str, object] = {}
+
+    def get(name: str) -> object:
+        if name not in loaded:
+            loaded[name] = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint(name), dtype=torch.float32, attn_implementation="eager").eval()
+        return loaded[name]
+
+    return get

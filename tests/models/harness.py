@@ -1,0 +1,68 @@
+"""Test harness: our model on CPU with a KV pool and a simple slot allocator, and the transformers reference."""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.args import ServerArgs
+from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.models.loader import load_model
+
+ATOL = RTOL = 1e-4  # fp32 parity with transformers
+
+
+class Runner:
+    """Our model plus a KV pool. Requests are keyed by any hashable id; slots come from a shuffled free list
+    (starting at page 1, page 0 is scratch), so a request's cache rows are not contiguous."""
+
+    def __init__(self, path: str, num_slots: int = 2048, seed: int = 0, dtype: str = "float32", **server_args):
+        args = ServerArgs(model_path=path, dtype=dtype, device="cpu", **server_args)
+        self.model, self.config = load_model(args, "cpu", show_progress=False)
+        kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed" in n)
+        self.pool = self.config.make_kv_pool(num_slots, 1, kv_dtype, "cpu")
+        gen = torch.Generator().manual_seed(seed)
+        self.free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+        self.slots: dict[object, list[int]] = {}
+
+    def _alloc(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    @torch.no_grad()
+    def extend(self, reqs: list[tuple[object, list[int]]], return_all_logits: bool = True) -> torch.Tensor:
+        """EXTEND with each request's new tokens (after whatever it has in the cache)."""
+        ids, seq_lens, ext, loc, kv = [], [], [], [], []
+        for rid, toks in reqs:
+            new = self._alloc(len(toks))
+            self.slots.setdefault(rid, []).extend(new)
+            ids += toks
+            seq_lens.append(len(self.slots[rid]))
+            ext.append(len(toks))
+            loc += new
+            kv += self.slots[rid]
+        batch = ForwardBatch.build(ForwardMode.EXTEND, ids, seq_lens, ext, loc, kv, self.pool, return_all_logits)
+        return self.model(batch)
+
+    @torch.no_grad()
+    def decode(self, reqs: list[tuple[object, int]]) -> torch.Tensor:
+        """DECODE one token per request -> logits [B, V]."""
+        ids, seq_lens, loc, kv = [], [], [], []
+        for rid, tok in reqs:
+            (new,) = self._alloc(1)
+            self.slots[rid].append(new)
+            ids.append(tok)
+            seq_lens.append(len(self.slots[rid]))
+            loc.append(new)
+            kv += self.slots[rid]
+        batch = ForwardBatch.build(ForwardMode.DECODE, ids, seq_lens, [1] * len(reqs), loc, kv, self.pool)
+        return self.model(batch)
+
+
+@torch.no_grad()
+def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits [len(tokens), V] of one sequence."""
+    return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
