@@ -104,6 +104,14 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
             "decode_tok_s": batch_size * (output_len - 1) / decode_s}
 
 
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moeserve bench one-batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
              "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed)}
+        _free_memory()
         if ns.compare_transformers:
             r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed)
+            _free_memory()
             r["decode_speedup"] = r["moeserve"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
             r["prefill_speedup"] = r["moeserve"]["prefill_tok_s"] / r["transformers"]["prefill_tok_s"]
         rows.append(r)
