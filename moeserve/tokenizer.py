@@ -42,6 +42,8 @@ class Tokenizer:
         special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         special |= {i for i in (self._token_id(t) for t in self.special_tokens.values()) if i is not None}
         self.all_special_ids: list[int] = sorted(special)
+        self._special_set = frozenset(special) | frozenset(backend.get_added_tokens_decoder())
+        self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
 
         # BOS: tokenizer.json's post-processor usually adds it; add_bos_token in the config decides, as the
         # transformers Llama-style tokenizers do by rewriting the post-processor.
@@ -75,6 +77,22 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self._special_set:
+            decoder = _byte_decoder()
+            if all(ch in decoder for ch in piece):
+                return bytes(decoder[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
@@ -150,6 +168,20 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the character byte-level BPE uses for each byte -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 @lru_cache(maxsize=16)

@@ -145,3 +145,11 @@ def test_add_bos_token_false_strips_post_processor_bos(model_dir, tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_token_bytes(tok):
+    ids = tok.encode("a 日本 😀 é", add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == "a 日本 😀 é".encode()
+    assert tok.token_bytes(tok.bos_token_id) == "<｜begin▁of▁sentence｜>".encode()
+    assert all(tok.token_bytes(i) == tok.decode([i]).encode() for i in range(5, tok.vocab_size)
+               if "\ufffd" not in tok.decode([i]))

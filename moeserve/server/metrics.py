@@ -1,0 +1,92 @@
+"""Prometheus metrics of the HTTP server, named like SGLang's (`moeserve:` where SGLang has `sglang:`).
+
+Latency histograms are observed by the server as outputs stream back (TTFT and inter-token latency only for
+requests served with `stream: true`, since a non-streamed request's tokens arrive all at once); counters at
+each request's end; load gauges are read from the engine's latest per-DP-group load at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """One server's metrics in its own registry (so tests can build many apps in one process)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        names = list(self.labels)
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(f"moeserve:{name}", doc, names, registry=r, buckets=buckets).labels(**self.labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"moeserve:{name}", doc, names, registry=r).labels(**self.labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (streamed requests).",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between streamed chunks.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("moeserve:prompt_tokens", "Prompt tokens of finished requests.", names,
+                                     registry=r).labels(**self.labels)
+        self.generation_tokens = Counter("moeserve:generation_tokens", "Generated tokens of finished requests.",
+                                         names, registry=r).labels(**self.labels)
+        self.cached_tokens = Counter("moeserve:cached_tokens", "Prompt tokens served from the prefix cache.",
+                                     names, registry=r).labels(**self.labels)
+        self.request_success = Counter("moeserve:request_success", "Finished requests by finish reason.",
+                                       [*names, "finished_reason"], registry=r)
+        self.num_running_reqs = gauge("num_running_reqs", "Requests decoding now (all DP groups).")
+        self.num_queue_reqs = gauge("num_queue_reqs", "Requests waiting to be scheduled (all DP groups).")
+        self.num_used_tokens = gauge("num_used_tokens", "KV cache tokens in use (all DP groups).")
+        self.token_usage = gauge("token_usage", "Fraction of the KV cache in use (SGLang's name).")
+        self.kv_cache_usage = gauge("kv_cache_usage", "Fraction of the KV cache in use (same as token_usage).")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.")
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    # ------------------------------------------------------------------
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_chunk_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_finish(self, meta: dict, e2e_seconds: float) -> None:
+        finish = meta.get("finish_reason") or {}
+        reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
+        prompt = int(meta.get("prompt_tokens") or 0)
+        cached = int(meta.get("cached_tokens") or 0)
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(int(meta.get("completion_tokens") or 0))
+        self.cached_tokens.inc(cached)
+        self.request_success.labels(**self.labels, finished_reason=reason).inc()
+        self._prompt_total += prompt
+        self._cached_total += cached
+
+    def update_load(self, loads: list[Any]) -> None:
+        """Set the gauges from the engine's latest LoadOut of each DP group."""
+        used = sum(getattr(x, "kv_used_tokens", 0) for x in loads)
+        total = sum(getattr(x, "kv_total_tokens", 0) for x in loads)
+        self.num_running_reqs.set(sum(getattr(x, "num_running", 0) for x in loads))
+        self.num_queue_reqs.set(sum(getattr(x, "num_waiting", 0) for x in loads))
+        self.num_used_tokens.set(used)
+        self.token_usage.set(used / total if total else 0.0)
+        self.kv_cache_usage.set(used / total if total else 0.0)
+        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def render(self, loads: list[Any]) -> bytes:
+        self.update_load(loads)
+        return generate_latest(self.registry)

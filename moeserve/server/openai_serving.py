@@ -1,0 +1,324 @@
+"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Each request becomes one engine request per prompt and choice (`n` fans out; choice i*n+j is sample j of prompt
+i). Chat prompts are rendered with the model's chat template and tokenized without adding special tokens again
+(the template writes BOS itself), as transformers' apply_chat_template(tokenize=True) does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moeserve.engine.client import GenerateInput
+from moeserve.server.context import SSE_DONE, ServerContext, engine_error, merged, serve, sse
+from moeserve.server.errors import APIError
+from moeserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    parse_body,
+)
+from moeserve.server.streams import SubRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_PROMPTS = 1024
+
+
+# ----------------------------------------------------------------------
+# request -> engine inputs
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream: true", 400, param="stream_options")
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", 400, param="logit_bias", code="unsupported_parameter")
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang sampling_params from OpenAI fields and extras (unset fields keep the engine's defaults)."""
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "stop", "stop_token_ids", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            sp[name] = value
+    if req.ignore_eos:
+        sp["ignore_eos"] = True
+    if not req.skip_special_tokens:
+        sp["skip_special_tokens"] = False
+    if req.no_stop_trim:
+        sp["no_stop_trim"] = True
+    return sp
+
+
+def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple[str | None, list[int] | None]],
+             sp_of: list[dict], request_id: str, top_logprobs_num: int, return_logprob: bool) -> list[GenerateInput]:
+    inputs = []
+    base = req.rid or request_id
+    for i, (text, ids) in enumerate(prompts):
+        for j in range(req.n):
+            sp = dict(sp_of[i])
+            if req.n > 1 and req.seed is not None:
+                sp["seed"] = req.seed + j  # n seeded samples differ from each other, reproducibly
+            k = i * req.n + j
+            rid = base if len(prompts) * req.n == 1 and req.rid else f"{base}-{k}"
+            inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
+                                        return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                        bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+                                        bootstrap_room=req.bootstrap_room))
+    return inputs
+
+
+def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_id: str) -> list[GenerateInput]:
+    _check_common(req)
+    if req.echo:
+        raise APIError("echo is not supported", 400, param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, param="suffix", code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported (it must be absent or equal n)", 400, param="best_of",
+                       code="unsupported_parameter")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[tuple[str | None, list[int] | None]] = [(prompt, None)]
+    elif not prompt:
+        raise APIError("prompt is an empty list", 400, param="prompt")
+    elif isinstance(prompt[0], str):
+        prompts = [(p, None) for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [(None, prompt)]
+    else:
+        prompts = [(None, p) for p in prompt]
+    for i, (text, ids) in enumerate(prompts):
+        if text == "" or ids == []:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(f"{where} is empty", 400, param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", 400, param="prompt")
+    if len(prompts) * req.n > MAX_PROMPTS:
+        raise APIError(f"prompts x n = {len(prompts) * req.n} exceeds {MAX_PROMPTS}", 400, param="n")
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    sp = sampling_params(req, max_tokens)
+    return _fan_out(req, prompts, [sp] * len(prompts), request_id, req.logprobs or 0, req.logprobs is not None)
+
+
+def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
+    if isinstance(m.content, list):
+        texts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"messages[{index}].content: content parts of type {part.type!r} are not supported "
+                               "(this server takes text only)", 400, param=f"messages[{index}].content")
+            texts.append(part.text)
+        content = "".join(texts)
+    else:
+        content = m.content if m.content is not None else ""
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        value = getattr(m, name)
+        if value is not None:
+            d[name] = value
+    return d
+
+
+def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
+    _check_common(req)
+    if req.tools:
+        raise APIError("tool calling is not supported", 400, param="tools", code="unsupported_parameter")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError("tool_choice is not supported", 400, param="tool_choice", code="unsupported_parameter")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise APIError(f"response_format {req.response_format.get('type')!r} is not supported (only 'text')", 400,
+                       param="response_format", code="unsupported_parameter")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
+    if ctx.tokenizer is None:
+        raise APIError("chat completions need a tokenizer; the server runs with --skip-tokenizer-init", 400)
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    try:
+        prompt = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   **(req.chat_template_kwargs or {}))
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), 400, param="messages") from None
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        # OpenAI's default: as much as the context leaves (the engine rejects a prompt that fills it).
+        room = ctx.context_length - len(ids)
+        if ctx.kv_capacity:
+            room = min(room, ctx.kv_capacity - len(ids))
+        max_tokens = max(room, 1)
+    sp = sampling_params(req, max_tokens)
+    return _fan_out(req, [(None, ids)], [sp], request_id, req.top_logprobs or 0, req.logprobs)
+
+
+# ----------------------------------------------------------------------
+# engine outputs -> OpenAI objects
+def finish_reason(meta: dict) -> str | None:
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None
+    return fr.get("type") if isinstance(fr, dict) else str(fr)
+
+
+def matched_stop(meta: dict) -> Any:
+    fr = meta.get("finish_reason")
+    return fr.get("matched") if isinstance(fr, dict) else None
+
+
+def usage(outs: list[dict], n: int) -> dict[str, Any]:
+    """Token counts of a whole request: each prompt counted once, every choice's output."""
+    metas = [o["meta_info"] for o in outs]
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
+    cached = sum(m.get("cached_tokens", 0) for m in metas[::n])
+    completion = sum(m.get("completion_tokens", 0) for m in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprob_slice(meta: dict, start: int) -> tuple[list, list | None]:
+    tokens = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs")
+    return tokens[start:], (tops[start:] if tops is not None else None)
+
+
+def completion_logprobs(ctx: ServerContext, meta: dict, start: int, text_offset: int, want_top: bool) -> dict:
+    tokens, tops = _logprob_slice(meta, start)
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if want_top else None,
+                           "text_offset": []}
+    offset = text_offset
+    for k, (lp, tid, _) in enumerate(tokens):
+        text = ctx.token_text(tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if want_top:
+            alts = tops[k] if tops is not None and k < len(tops) else []
+            out["top_logprobs"].append({ctx.token_text(t): a for a, t, _ in alts or []})
+    return out
+
+
+def chat_logprobs(ctx: ServerContext, meta: dict, start: int) -> dict:
+    tokens, tops = _logprob_slice(meta, start)
+    content = []
+    for k, (lp, tid, _) in enumerate(tokens):
+        text = ctx.token_text(tid)
+        alts = tops[k] if tops is not None and k < len(tops) else []
+        content.append({"token": text, "logprob": lp, "bytes": list(ctx.token_bytes(tid)),
+                        "top_logprobs": [{"token": ctx.token_text(t), "logprob": a, "bytes": list(ctx.token_bytes(t))}
+                                         for a, t, _ in alts or []]})
+    return {"content": content}
+
+
+# ----------------------------------------------------------------------
+# handlers
+async def completions(ctx: ServerContext, request: Request) -> Any:
+    req = parse_body(await request.body(), CompletionRequest, "/v1/completions request")
+    ctx.check_model(req.model)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    inputs = completion_inputs(ctx, req, request_id)
+    return await _serve(ctx, request, req, inputs, request_id, chat=False)
+
+
+async def chat_completions(ctx: ServerContext, request: Request) -> Any:
+    req = parse_body(await request.body(), ChatCompletionRequest, "/v1/chat/completions request")
+    ctx.check_model(req.model)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    inputs = chat_inputs(ctx, req, request_id)
+    return await _serve(ctx, request, req, inputs, request_id, chat=True)
+
+
+async def _serve(ctx: ServerContext, request: Request, req: Any, inputs: list[GenerateInput], request_id: str,
+                 chat: bool) -> Any:
+    def respond(outs: list[dict]) -> JSONResponse:
+        return JSONResponse(_response(ctx, req, outs, request_id, chat))
+
+    def events(subs: list[SubRequest], firsts: list[dict | None]) -> AsyncIterator[str]:
+        return _stream(ctx, req, subs, firsts, request_id, chat)
+
+    return await serve(ctx, request, inputs, req.stream, respond, events)
+
+
+def _response(ctx: ServerContext, req: Any, outs: list[dict], request_id: str, chat: bool) -> dict:
+    choices = []
+    for k, out in enumerate(outs):
+        meta = out["meta_info"]
+        choice: dict[str, Any] = {"index": k}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out["text"]}
+            choice["logprobs"] = chat_logprobs(ctx, meta, 0) if req.logprobs else None
+        else:
+            choice["text"] = out["text"]
+            choice["logprobs"] = (completion_logprobs(ctx, meta, 0, 0, req.logprobs > 0)
+                                  if req.logprobs is not None else None)
+        choice["finish_reason"] = finish_reason(meta)
+        choice["matched_stop"] = matched_stop(meta)
+        choices.append(choice)
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": ctx.model_name, "choices": choices, "usage": usage(outs, req.n)}
+
+
+async def _stream(ctx: ServerContext, req: Any, subs: list[SubRequest], firsts: list, request_id: str,
+                  chat: bool):
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent_logprobs = [0] * len(subs)  # logprob entries already sent per choice
+    text_offsets = [0] * len(subs)
+    finals: list[dict | None] = [None] * len(subs)
+
+    def chunk(choices: list[dict]) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
+                                "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    try:
+        if chat:  # the role first, as OpenAI does
+            for k in range(len(subs)):
+                yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+        async for k, out in merged(subs, firsts):
+            meta = out["meta_info"]
+            reason = finish_reason(meta)
+            delta = out.get("delta_text", "")
+            if not delta and reason is None:
+                continue
+            logprobs = None
+            if chat and req.logprobs:
+                logprobs = chat_logprobs(ctx, meta, sent_logprobs[k])
+            elif not chat and req.logprobs is not None:
+                logprobs = completion_logprobs(ctx, meta, sent_logprobs[k], text_offsets[k], req.logprobs > 0)
+            sent_logprobs[k] = len(meta.get("output_token_logprobs") or [])
+            text_offsets[k] += len(delta)
+            choice: dict[str, Any] = {"index": k}
+            if chat:
+                choice["delta"] = {"content": delta} if delta else {}
+            else:
+                choice["text"] = delta
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = reason
+            if reason is not None:
+                choice["matched_stop"] = matched_stop(meta)
+                finals[k] = out
+            yield chunk([choice])
+        if include_usage and all(f is not None for f in finals):
+            yield sse({"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
+                       "choices": [], "usage": usage(finals, req.n)})
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse(engine_error(e).body())
+    yield SSE_DONE
+
+
+def list_models(ctx: ServerContext) -> dict:
+    return {"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
+        "root": getattr(ctx.client.server_args, "model_path", None), "max_model_len": ctx.context_length,
+    }]}

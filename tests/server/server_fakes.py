@@ -1,0 +1,190 @@
+"""Test helpers: FakeClient, an in-process stand-in for EngineClient with the same shape, for fast tests of the HTTP layer.
+
+It validates like the real client (same exceptions and SamplingParams checks) and "generates" a deterministic
+token sequence per prompt, streamed one token at a time, honouring max_new_tokens, stop strings, stop token
+ids, EOS (after `eos_after` tokens unless ignore_eos) and logprobs. It records every request and abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import uvicorn
+
+from moeserve.args import ServerArgs
+from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.engine.client import EngineDeadError, GenerateInput, InvalidRequestError
+from moeserve.engine.io_struct import LoadOut
+from moeserve.engine.sampling_params import SamplingParams
+
+
+class FakeClient:
+    def __init__(self, tokenizer: Any, context_length: int = 512, api_key: str | None = None,
+                 max_concurrent_requests: int = 4096):
+        self.server_args = ServerArgs(model_path="/models/fake", served_model_name="fake-model", api_key=api_key,
+                                      max_concurrent_requests=max_concurrent_requests)
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 1024
+        self.context_length = context_length
+        self.max_total_tokens = 100_000
+        self.model_config = SimpleNamespace(context_length=context_length, vocab_size=self.vocab_size,
+                                            architecture="DeepseekV3ForCausalLM")
+        self.model_name = "fake-model"
+        self.healthy = True
+        self.dead_reason: str | None = None
+        self.last_load = [LoadOut(0, 0, 0, 0, 0, 1000, 0)]
+        self.token_delay = 0.0  # seconds per generated token
+        self.eos_after: int | None = None  # emit EOS as this output token (unless ignore_eos)
+        self.requests: list[GenerateInput] = []
+        self.aborted: list[str] = []
+        self.running: dict[str, GenerateInput] = {}
+        self.flushed = 0
+        self.shut_down = False
+
+    # ------------------------------------------------------------------
+    def tokenize(self, obj: GenerateInput) -> list[int]:
+        if obj.input_ids is not None:
+            if obj.text is not None:
+                raise InvalidRequestError("give either text or input_ids, not both")
+            bad = [t for t in obj.input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"input_ids has token ids outside the vocabulary [0, {self.vocab_size}):"
+                                          f" {bad[:5]}")
+            ids = list(obj.input_ids)
+        elif obj.text is not None:
+            ids = self.tokenizer.encode(obj.text)
+        else:
+            raise InvalidRequestError("give text or input_ids")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    @staticmethod
+    def token_at(ids: list[int], k: int, seed: int) -> int:
+        """The k-th output token of a prompt: deterministic, never a special token (ids 0..4)."""
+        return 5 + (sum(ids) * 31 + len(ids) * 17 + k * 7 + seed * 13) % 250
+
+    async def generate(self, obj: GenerateInput):
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        ids = self.tokenize(obj)
+        try:
+            params = SamplingParams.from_dict(obj.sampling_params or {})
+            params.validate(self.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(str(e)) from None
+        if len(ids) >= self.context_length:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but the context length is "
+                                      f"{self.context_length}")
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                      f"exceeds the context length of {self.context_length}")
+        if not 0 <= obj.top_logprobs_num <= 20:
+            raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]")
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.running:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self.requests.append(obj)
+        self.running[rid] = obj
+        try:
+            async for out in self._run(obj, rid, ids, params):
+                yield out
+        finally:
+            self.running.pop(rid, None)
+
+    async def _run(self, obj: GenerateInput, rid: str, ids: list[int], params: SamplingParams):
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+        out_ids: list[int] = []
+        logprobs: list = []
+        tops: list = []
+        sent = 0
+        stops = params.stop_strs
+        for k in range(params.max_new_tokens):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            else:
+                await asyncio.sleep(0)
+            if self.eos_after is not None and k == self.eos_after and not params.ignore_eos:
+                tok = 1
+            else:
+                tok = self.token_at(ids, k, params.seed or 0)
+            out_ids.append(tok)
+            logprobs.append((-0.5 - 0.01 * k, tok, None))
+            if obj.top_logprobs_num:
+                tops.append([(-0.5 - 0.01 * k - a, tok + a, None) for a in range(obj.top_logprobs_num)])
+            finish = None
+            if tok == 1 and not params.ignore_eos:
+                finish = {"type": "stop", "matched": 1}
+            elif tok in (params.stop_token_ids or []):
+                finish = {"type": "stop", "matched": tok}
+            text = ""
+            if detok is not None:
+                detok.add([tok])
+                text = detok.text
+                hit = [(text.find(s), s) for s in stops if s in text]
+                if hit and finish is None:
+                    cut, s = min(hit)
+                    finish = {"type": "stop", "matched": s}
+                    if not params.no_stop_trim:
+                        text = text[:cut]
+            if finish is None and k == params.max_new_tokens - 1:
+                finish = {"type": "length", "matched": None}
+                if detok is not None:
+                    text = text + detok.flush()
+            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                    "completion_tokens": len(out_ids), "cached_tokens": 0, "e2e_latency": 0.01}
+            if obj.return_logprob:
+                meta["output_token_logprobs"] = list(logprobs)
+                if obj.top_logprobs_num:
+                    meta["output_top_logprobs"] = list(tops)
+            out = {"text": text, "output_ids": list(out_ids), "delta_text": text[sent:], "delta_ids": [tok],
+                   "meta_info": meta}
+            sent = len(text)
+            if obj.stream or finish is not None:
+                yield out
+            if finish is not None:
+                return
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    async def flush_cache(self) -> bool:
+        self.flushed += 1
+        return not self.running
+
+    async def get_load(self) -> list[LoadOut]:
+        return list(self.last_load)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serve `app` with uvicorn in a background thread; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
