@@ -1,0 +1,428 @@
+"""Capacity planning: a step-time model of one decode or prefill step of a DP-attention + EP deployment.
+
+Per GPU and per step (all GPUs run in lock-step, each with its own sequences):
+- GEMMs (attention projections, dense MLP, shared and routed experts, LM head): a roofline of FLOPs at the
+  tensor peak (FP8 for FP8 checkpoints) times `gemm` efficiency, against weight + activation bytes at HBM
+  bandwidth times `mem` efficiency, combined as (c^p + m^p)^(1/p): p = inf is the plain max; p = 2 matches
+  DeepGEMM's published grouped-GEMM figures near the ridge, where the max is 1.5x too optimistic.
+- Core attention: MLA absorbed for decode (FLOPs per (query, key) pair, KV bytes read once per sequence),
+  naive multi-head for prefill (causal: a new token sees its cached prefix and half the new tokens), BF16
+  peak times `attn` efficiency.
+- Routed experts: the busiest GPU receives 1/balancedness times the mean (T * topk pairs per GPU), so
+  imbalance stretches both their GEMMs and the dispatch/combine that feed them.
+- Dispatch (FP8, h + h/32 + 16 bytes per row) and combine (BF16, 2h per row): low-latency mode sends one
+  row per (token, expert) pair; normal mode one row per (token, destination node) over RDMA, then NVLink
+  inside the node. Rows to other nodes go at `rdma` x NIC line rate, rows inside the node at `nvlink` x
+  NVLink rate, the slower of the two sets the time, plus a fixed latency per call. Routing is taken as
+  uniform over experts (group-limited routing, which would cut inter-node rows further, is ignored).
+- Elementwise kernels (norms, residual adds, RoPE, FP8 quantization, permuting rows to and from expert
+  order, SiLU): bytes per token and per routed pair at HBM bandwidth.
+- Two-batch overlap: each MoE layer runs two half micro-batches A and B through four slots, each as long
+  as the longer of its compute and its communication: [attn B | dispatch A] [experts A | dispatch B]
+  [experts B | combine A] [attn A of the next layer | combine B] (attn includes the shared expert). In
+  prefill DeepEP's normal kernels hold `prefill_comm_sms` SMs meanwhile, slowing compute by
+  sms / (sms - comm_sms), and both streams run `prefill_tbo_interference` times slower than alone (the
+  SGLang blog finds prefill kernels and communication slower under overlap than in unit tests; decode's
+  0-SM communication does not contend). Without TBO a layer takes compute + communication. Dense layers
+  never overlap.
+- Overheads: a fixed time per layer and micro-batch (launch gaps, CPU waits, small kernels) and per step
+  (scheduling, sampling, the lock-step header).
+The efficiency constants are calibrated in plan_calibration.py against published SGLang and DeepSeek runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from moeserve.eplb.plan_balancedness import estimate_balancedness
+from moeserve.eplb.plan_hardware import GpuSpec
+from moeserve.eplb.plan_models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Efficiency constants (fractions of peak) and fixed overheads.
+
+    `gemm`, `rdma`, `prefill_tbo_interference` and `decode_layer_overhead_us` are fitted
+    (plan_calibration.fit_efficiency, `moeserve eplb plan --calibration --fit`); the rest are set from
+    microbenchmarks or published kernel figures, as their comments say.
+    """
+
+    gemm: float = 0.75  # fitted; DeepGEMM reaches 1200-1550 of 1979 FP8 TFLOP/s on large shapes (0.6-0.78)
+    attn: float = 0.55  # fraction of BF16 peak for core attention (FlashMLA: 580 of 989 on H800)
+    mem: float = 0.80  # fraction of HBM bandwidth when streaming weights and KV (FlashMLA 3000 of 3350 GB/s)
+    rdma: float = 0.68  # fitted; DeepEP unit tests reach 0.73-0.87 of the NIC on rows to other nodes
+    nvlink: float = 0.80  # fraction of NVLink rate (DeepEP intranode: 153-158 GB/s on H800)
+    roofline_p: float = 2.0  # p of the p-norm roofline (fits DeepGEMM's tables); math.inf is the plain max
+    comm_latency_us: float = 15.0  # fixed latency of one dispatch or combine call
+    prefill_comm_sms: int = 24  # SMs DeepEP's normal kernels take while overlapping (DeepSeek's prefill)
+    prefill_tbo_interference: float = 1.15  # fitted; slowdown of compute and comm overlapping in prefill
+    decode_layer_overhead_us: float = 0.0  # fitted; per layer and micro-batch, decode (CUDA graphs)
+    prefill_layer_overhead_us: float = (
+        100.0  # per layer and micro-batch, prefill (eager; CPU waits on dispatch)
+    )
+    decode_step_overhead_ms: float = 2.0  # per step: scheduler, sampling, lock-step header
+    prefill_step_overhead_ms: float = 20.0
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where and how the model runs: GPUs, EP group, redundancy, batch, lengths, dispatch mode, TBO."""
+
+    num_gpus: int = 72
+    gpus_per_node: int = 8
+    ep_size: int = 0  # GPUs in one EP group (0: all GPUs); num_gpus / ep_size groups serve independently
+    redundant: int = 32
+    phase: str = "decode"  # decode | prefill
+    batch_per_gpu: int = 256  # decode: running sequences per GPU
+    context_len: int = 2000  # decode: KV length per sequence
+    tokens_per_gpu: int = 16384  # prefill: new (computed) tokens per GPU per step
+    input_len: int = 2000  # prefill: prompt length
+    cache_hit: float = 0.0  # prefill: fraction of prompt tokens already in the KV cache (not computed)
+    dispatch: str = "auto"  # normal | low_latency | auto (prefill: normal, decode: low_latency)
+    tbo: bool = True
+    eplb: bool = True  # False: experts laid out without a load balancer (for the no-EPLB balancedness)
+    balancedness: float | None = None  # None: estimated from a synthetic workload (simulate)
+    mtp_draft: int = 0  # decode: draft tokens per sequence per step (multi-token prediction)
+    mtp_accept: float = 0.8  # decode: expected accepted tokens per draft token
+
+    @property
+    def ep(self) -> int:
+        return self.ep_size or self.num_gpus
+
+    @property
+    def ep_nodes(self) -> int:
+        return max(1, math.ceil(self.ep / self.gpus_per_node))
+
+    @property
+    def dispatch_mode(self) -> str:
+        if self.dispatch != "auto":
+            return self.dispatch
+        return "normal" if self.phase == "prefill" else "low_latency"
+
+    def validate(self, model: ModelSpec) -> None:
+        """Raise ValueError for a deployment the model cannot describe."""
+        if self.phase not in ("decode", "prefill"):
+            raise ValueError(f"phase must be decode or prefill, got {self.phase!r}")
+        if self.dispatch not in ("auto", "normal", "low_latency"):
+            raise ValueError(f"dispatch must be normal, low_latency or auto, got {self.dispatch!r}")
+        if self.num_gpus < 1 or self.gpus_per_node < 1 or self.num_gpus % self.ep:
+            raise ValueError(f"EP size {self.ep} must divide the {self.num_gpus} GPUs")
+        if self.ep > self.gpus_per_node and self.ep % self.gpus_per_node:
+            raise ValueError(f"an EP group of {self.ep} GPUs must fill whole nodes of {self.gpus_per_node}")
+        if self.eplb and (model.num_experts + self.redundant) % self.ep:
+            raise ValueError(
+                f"experts + redundant = {model.num_experts + self.redundant} must be a multiple of "
+                f"EP size {self.ep}; change --redundant"
+            )
+        if self.balancedness is not None and not 0 < self.balancedness <= 1:
+            raise ValueError(f"balancedness must be in (0, 1], got {self.balancedness}")
+        if not 0 <= self.cache_hit < 1:
+            raise ValueError(f"cache_hit must be in [0, 1), got {self.cache_hit}")
+        if min(self.batch_per_gpu, self.context_len, self.tokens_per_gpu, self.input_len) < 1:
+            raise ValueError("batch, context, tokens per GPU and input length must be >= 1")
+
+
+@dataclass
+class PlanResult:
+    """One step of one GPU: time, throughput, a breakdown in ms per step, memory, and the inputs used."""
+
+    phase: str
+    step_ms: float
+    tokens_per_step: float  # per GPU: output tokens (decode) or input tokens incl. cache hits (prefill)
+    tokens_per_s_gpu: float
+    tokens_per_s_node: float
+    tokens_per_s_total: float
+    balancedness: float
+    balancedness_source: str
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    memory_gb: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pieces
+# ---------------------------------------------------------------------------------------------------------
+
+
+def roofline_s(
+    flops: float, nbytes: float, peak_tflops: float, compute_eff: float, gpu: GpuSpec, eff: Efficiency
+) -> float:
+    """Seconds for a kernel of `flops` and `nbytes`: p-norm of compute time and memory time."""
+    compute = flops / (peak_tflops * 1e12 * compute_eff)
+    memory = nbytes / (gpu.hbm_tbps * 1e12 * eff.mem)
+    if math.isinf(eff.roofline_p):
+        return max(compute, memory)
+    p = eff.roofline_p
+    return (compute**p + memory**p) ** (1.0 / p)
+
+
+def expected_distinct(bins: int, picks: int) -> float:
+    """Expected number of distinct bins hit by `picks` uniform picks among `bins`."""
+    return bins * (1.0 - (1.0 - 1.0 / bins) ** picks) if bins > 0 else 0.0
+
+
+def comm_s(
+    tokens: float,
+    row_bytes: float,
+    model: ModelSpec,
+    gpu: GpuSpec,
+    dep: Deployment,
+    eff: Efficiency,
+    balancedness: float,
+) -> float:
+    """Seconds for one dispatch or combine of `tokens` tokens per GPU, rows of `row_bytes` bytes."""
+    if dep.ep == 1 or tokens <= 0:
+        return 0.0
+    k, nodes = model.topk, dep.ep_nodes
+    gpus_in_node = min(dep.ep, dep.gpus_per_node)
+    if dep.dispatch_mode == "low_latency":  # one row per (token, expert) pair
+        remote_rows = tokens * k * (nodes - 1) / nodes
+        local_rows = tokens * k * (gpus_in_node - 1) / (gpus_in_node * nodes)
+    else:  # one row per (token, node) over RDMA, fanned out over NVLink inside the node
+        remote_rows = tokens * expected_distinct(nodes, k) * (nodes - 1) / nodes
+        local_rows = tokens * expected_distinct(gpus_in_node, k / nodes) * (gpus_in_node - 1) / gpus_in_node
+    rdma = remote_rows * row_bytes / (gpu.rdma_gbps * 1e9 * eff.rdma)
+    nvlink = local_rows * row_bytes / (gpu.nvlink_gbps * 1e9 * eff.nvlink)
+    return max(rdma, nvlink) / balancedness + eff.comm_latency_us * 1e-6
+
+
+@dataclass
+class LayerWork:
+    """Seconds of each part of one layer for one micro-batch."""
+
+    attn_proj: float = 0.0
+    attn_core: float = 0.0
+    mlp: float = 0.0  # dense MLP (dense layers) or shared experts (MoE layers)
+    elementwise: float = 0.0
+    experts: float = 0.0
+    dispatch: float = 0.0
+    combine: float = 0.0
+
+    @property
+    def attn(self) -> float:
+        """Everything but the routed experts: the compute that overlaps dispatch/combine around attention."""
+        return self.attn_proj + self.attn_core + self.mlp + self.elementwise
+
+    @property
+    def compute(self) -> float:
+        return self.attn + self.experts
+
+    @property
+    def comm(self) -> float:
+        return self.dispatch + self.combine
+
+
+def layer_work(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    dep: Deployment,
+    eff: Efficiency,
+    tokens: float,
+    seqs: float,
+    context: float,
+    cached: float,
+    moe: bool,
+    balancedness: float,
+) -> LayerWork:
+    """One layer, one micro-batch of `tokens` tokens from `seqs` sequences on one GPU.
+
+    context: keys each new token attends to on average; cached: prefix tokens per sequence whose latent KV
+    prefill must expand (MLA naive attention).
+    """
+    h, wb = model.hidden, model.weight_bytes
+    gemm_peak = gpu.fp8_tflops if wb <= 1 else gpu.bf16_tflops
+    act = tokens * h * 2 * 2  # read and write of BF16 hidden states around each block
+
+    def gemm(params: float, rows: float) -> float:
+        return roofline_s(2 * params * rows, params * wb + act, gemm_peak, eff.gemm, gpu, eff)
+
+    w = LayerWork()
+    w.attn_proj = gemm(model.attn_params + model.gate_params * moe, tokens)
+    if cached and model.kv_b_params:
+        w.attn_proj += gemm(model.kv_b_params, seqs * cached)
+    kv_read = seqs * (cached if dep.phase == "prefill" else context) * model.kv_bytes_per_token_layer
+    w.attn_core = roofline_s(
+        model.pair_flops(dep.phase) * tokens * context, kv_read, gpu.bf16_tflops, eff.attn, gpu, eff
+    )
+    # norms, residual adds, RoPE, quantization: ~12 BF16 passes over the hidden state per token
+    elementwise_bytes = tokens * 12 * 2 * h
+    if not moe:
+        w.mlp = gemm(model.dense_mlp_params, tokens)
+        w.elementwise = elementwise_bytes / (gpu.hbm_tbps * 1e12 * eff.mem)
+        return w
+    if model.shared_params:
+        w.mlp = gemm(model.shared_params, tokens)
+    local_experts = (model.num_experts + dep.redundant) / dep.ep if dep.eplb else model.num_experts / dep.ep
+    pairs = tokens * model.topk / balancedness  # (token, expert) pairs on the busiest GPU
+    touched = min(local_experts, pairs)
+    w.experts = roofline_s(
+        2 * model.expert_params * pairs,
+        touched * model.expert_params * wb + pairs * h * (1 + 2 + 2),  # weights; FP8 in, BF16 mid/out
+        gemm_peak,
+        eff.gemm,
+        gpu,
+        eff,
+    )
+    # per routed pair on the busiest GPU: FP8 row scattered to expert order (read + write), SiLU*mul over
+    # 2I -> I in BF16 plus FP8 requantization, BF16 output gathered back and weighted
+    pair_bytes = 2 * h + 2 * 2 * model.moe_intermediate + 2 * model.moe_intermediate + 2 * 2 * h
+    w.elementwise = (elementwise_bytes + pairs * pair_bytes) / (gpu.hbm_tbps * 1e12 * eff.mem)
+    w.dispatch = comm_s(tokens, h + h / 32 + 16, model, gpu, dep, eff, balancedness)
+    w.combine = comm_s(tokens, 2 * h, model, gpu, dep, eff, balancedness)
+    return w
+
+
+def moe_layer_s(w: LayerWork, dep: Deployment, gpu: GpuSpec, eff: Efficiency, micro_batches: int) -> float:
+    """Seconds of one MoE layer for the whole step, given one micro-batch's work."""
+    if micro_batches == 1:
+        return w.compute + w.comm
+    slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
+    attn, experts = w.attn * slow_compute, w.experts * slow_compute
+    dispatch, combine = w.dispatch * slow_comm, w.combine * slow_comm
+    return max(attn, dispatch) + max(experts, dispatch) + max(experts, combine) + max(attn, combine)
+
+
+def tbo_slowdown(dep: Deployment, gpu: GpuSpec, eff: Efficiency) -> tuple[float, float]:
+    """(compute, communication) slowdown factors while two micro-batches overlap."""
+    if dep.phase != "prefill" or not dep.tbo:
+        return 1.0, 1.0
+    sms = gpu.num_sms / (gpu.num_sms - eff.prefill_comm_sms)
+    return sms * eff.prefill_tbo_interference, eff.prefill_tbo_interference
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------------------
+
+
+def memory_gb(model: ModelSpec, gpu: GpuSpec, dep: Deployment) -> dict[str, float]:
+    """Per-GPU memory: weights (DP attention, dense and shared parts replicated) and the decode KV cache."""
+    wb = model.weight_bytes
+    local = (model.num_experts + dep.redundant) / dep.ep if dep.eplb else model.num_experts / dep.ep
+    weights = (
+        wb
+        * (
+            model.num_layers * model.attn_params
+            + model.num_dense_layers * model.dense_mlp_params
+            + model.num_moe_layers * (model.shared_params + local * model.expert_params)
+        )
+        + 2 * 2 * model.head_params
+    )  # BF16 embedding and LM head
+    kv = 0.0
+    if dep.phase == "decode":
+        kv = dep.batch_per_gpu * dep.context_len * model.kv_bytes_per_token_layer * model.num_layers
+    return {"weights": weights / 1e9, "kv_cache": kv / 1e9, "capacity": gpu.hbm_gb}
+
+
+def plan_step(
+    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency = DEFAULT_EFFICIENCY
+) -> PlanResult:
+    """Model one step on one GPU and return its time, throughput and breakdown."""
+    dep.validate(model)
+    if dep.balancedness is not None:
+        bal, source = dep.balancedness, "given"
+    else:
+        bal, source = estimate_balancedness(model, dep)
+    micro = 2 if dep.tbo else 1
+    prefill = dep.phase == "prefill"
+    if prefill:
+        new_per_seq = dep.input_len * (1.0 - dep.cache_hit)
+        cached = dep.input_len * dep.cache_hit
+        tokens = float(dep.tokens_per_gpu)
+        seqs = tokens / new_per_seq
+        context = cached + new_per_seq / 2
+        out_tokens = tokens / (1.0 - dep.cache_hit)
+        head_rows = seqs
+        layer_overhead, step_overhead = eff.prefill_layer_overhead_us, eff.prefill_step_overhead_ms
+    else:
+        seqs = float(dep.batch_per_gpu)
+        tokens = seqs * (1 + dep.mtp_draft)
+        cached, context = 0.0, float(dep.context_len)
+        out_tokens = seqs * (1 + dep.mtp_draft * dep.mtp_accept)
+        head_rows = tokens
+        layer_overhead, step_overhead = eff.decode_layer_overhead_us, eff.decode_step_overhead_ms
+
+    dense = layer_work(model, gpu, dep, eff, tokens, seqs, context, cached, moe=False, balancedness=bal)
+    moe_mb = layer_work(
+        model, gpu, dep, eff, tokens / micro, seqs / micro, context, cached, moe=True, balancedness=bal
+    )
+    moe_layer = moe_layer_s(moe_mb, dep, gpu, eff, micro)
+    head = roofline_s(
+        2 * model.head_params * head_rows, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
+    )
+    layers = model.num_dense_layers * dense.compute + model.num_moe_layers * moe_layer
+    overheads = (model.num_dense_layers + model.num_moe_layers * micro) * layer_overhead * 1e-6
+    # multi-token prediction: each draft token runs the MTP block (one MoE layer) and the head over the batch
+    mtp = 0.0
+    if dep.mtp_draft and not prefill:
+        mtp_mb = layer_work(
+            model, gpu, dep, eff, seqs / micro, seqs / micro, context, 0.0, moe=True, balancedness=bal
+        )
+        mtp_head = roofline_s(
+            2 * model.head_params * seqs, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
+        )
+        mtp = dep.mtp_draft * (
+            moe_layer_s(mtp_mb, dep, gpu, eff, micro) + mtp_head + micro * layer_overhead * 1e-6
+        )
+    step = layers + head + overheads + mtp + step_overhead * 1e-3
+
+    n_moe = model.num_moe_layers * micro
+    compute_parts = {
+        "attention projections": model.num_dense_layers * dense.attn_proj + n_moe * moe_mb.attn_proj,
+        "core attention": model.num_dense_layers * dense.attn_core + n_moe * moe_mb.attn_core,
+        "dense MLP": model.num_dense_layers * dense.mlp,
+        "shared experts": n_moe * moe_mb.mlp,
+        "routed experts": n_moe * moe_mb.experts,
+        "elementwise": model.num_dense_layers * dense.elementwise + n_moe * moe_mb.elementwise,
+        "LM head": head,
+    }
+    slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
+    if slow_compute > 1.0:
+        compute_parts["TBO slowdown (SMs lent, contention)"] = n_moe * (
+            (slow_compute - 1.0) * moe_mb.compute + (slow_comm - 1.0) * moe_mb.comm
+        )
+    comm_total = n_moe * moe_mb.comm
+    breakdown = {k: v * 1e3 for k, v in compute_parts.items()}
+    breakdown["dispatch + combine (total)"] = comm_total * 1e3
+    # what overlap hides: everything listed minus what the layers actually take
+    hidden = sum(compute_parts.values()) + comm_total - (layers + head)
+    breakdown["  of which hidden by TBO"] = -hidden * 1e3
+    breakdown["MTP draft"] = mtp * 1e3
+    breakdown["fixed overheads"] = (overheads + step_overhead * 1e-3) * 1e3
+    breakdown = {k: v for k, v in breakdown.items() if abs(v) > 1e-6 or k.startswith("dispatch")}
+
+    per_gpu = out_tokens / step
+    mem = memory_gb(model, gpu, dep)
+    warnings = []
+    if mem["weights"] + mem["kv_cache"] > 0.92 * gpu.hbm_gb:
+        warnings.append(
+            f"weights {mem['weights']:.1f} GB + KV {mem['kv_cache']:.1f} GB exceed ~92% of "
+            f"{gpu.hbm_gb:.0f} GB"
+        )
+    if dep.dispatch_mode == "low_latency" and tokens / micro > 1024:
+        warnings.append(
+            f"{tokens / micro:.0f} tokens per micro-batch exceed DeepEP's low-latency limit (1024)"
+        )
+    return PlanResult(
+        phase=dep.phase,
+        step_ms=step * 1e3,
+        tokens_per_step=out_tokens,
+        tokens_per_s_gpu=per_gpu,
+        tokens_per_s_node=per_gpu * min(dep.gpus_per_node, dep.num_gpus),
+        tokens_per_s_total=per_gpu * dep.num_gpus,
+        balancedness=bal,
+        balancedness_source=source,
+        breakdown_ms=breakdown,
+        memory_gb=mem,
+        warnings=warnings,
+    )
+
+
+def with_overrides(dep: Deployment, **kwargs) -> Deployment:
+    """A copy of dep with the non-None fields of kwargs replaced."""
+    return replace(dep, **{k: v for k, v in kwargs.items() if v is not None})
