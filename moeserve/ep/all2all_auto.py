@@ -1,0 +1,69 @@
+"""The all2all backend as the MoE layer sees it: normal, low-latency, or `auto` (choose per step, as SGLang does)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
+from moeserve.ep.all2all_normal import NormalDispatcher
+from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
+
+if TYPE_CHECKING:
+    from moeserve.engine.forward_batch import ForwardBatch
+
+DEEPEP_MODES = ("normal", "low_latency", "auto")
+
+
+def resolve_deepep_mode(mode: str, batch: ForwardBatch | None) -> str:
+    """'normal' or 'low_latency' for this step. `auto` picks normal when any rank prefills this step
+    (`batch.any_extend`, the OR over ranks from the lock-step header), so every rank resolves the same way."""
+    if mode not in DEEPEP_MODES:
+        raise ValueError(f"--deepep-mode must be one of {', '.join(DEEPEP_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "normal" if batch is not None and batch.any_extend else "low_latency"
+
+
+class AutoDispatcher:
+    """Dispatcher (see layouts.Dispatcher) for `--moe-a2a-backend all2all`: holds the mode(s) `deepep_mode` can
+    resolve to and delegates each step to one. One per MoE layer call site."""
+
+    def __init__(self, *, num_experts: int, hidden_size: int, topk: int, dtype: torch.dtype,
+                 device: torch.device | str, ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
+                 deepep_mode: str = "auto", max_tokens_per_rank: int = 128, align: int = 1) -> None:
+        resolve_deepep_mode(deepep_mode, None)  # validates the name
+        self.deepep_mode = deepep_mode
+        common = dict(num_experts=num_experts, hidden_size=hidden_size, dtype=dtype, device=device,
+                      ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size)
+        self.normal = NormalDispatcher(**common, align=align) if deepep_mode != "low_latency" else None
+        self.low_latency = (LowLatencyDispatcher(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank)
+                            if deepep_mode != "normal" else None)
+        self._active: NormalDispatcher | LowLatencyDispatcher | None = None
+        self.last_mode: str | None = None  # the mode the last dispatch_a resolved to
+
+    def buffer_bytes(self) -> int:
+        """Bytes of fixed communication buffers (the low-latency ones; normal mode allocates per step)."""
+        return self.low_latency.buffer_bytes() if self.low_latency is not None else 0
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        return self._active.comm_bytes if self._active is not None else {"dispatch": 0, "combine": 0}
+
+    def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   batch: ForwardBatch | None) -> None:
+        """x [T, H] dtype; topk_ids [T, k] int64 physical ids (-1 = none); topk_weights [T, k] fp32."""
+        self.last_mode = resolve_deepep_mode(self.deepep_mode, batch)
+        self._active = self.normal if self.last_mode == "normal" else self.low_latency
+        self._active.dispatch_a(x, topk_ids, topk_weights, batch)
+
+    def dispatch_b(self) -> ContiguousLayout | MaskedLayout:
+        return self._active.dispatch_b()
+
+    def combine_a(self, expert_out: torch.Tensor) -> None:
+        self._active.combine_a(expert_out)
+
+    def combine_b(self) -> torch.Tensor:
+        return self._active.combine_b()

@@ -1,0 +1,170 @@
+"""The all2all dispatcher, low-latency mode (decode): static shapes, no host sync, CUDA-graph capturable.
+
+Each rank owns fixed buffers sized by `cap = ep_max_tokens_per_rank`:
+- dispatch: this rank's (up to) `cap` tokens go to every rank in a fixed slot [cap, H] (slot row t = token t; a
+  token reaches a rank once however many of its experts live there), with their k local expert ids and weights
+  [cap, 2k] (-1 ids where the expert lives elsewhere or the token is padding). Equal-split all_to_all_single.
+- the receiver deduplicates each row's experts (a repeated expert's weights are summed) and scatters the rows into
+  MaskedLayout x [E_local, C, H], masked_m [E_local] valid rows per expert, C = rounds * R * cap (one row per
+  source row at most per round, so no expert can overflow).
+- combine: the owning rank applies the top-k weights and sums each received row's experts in fp32, casts to x's
+  dtype and sends the [cap, H] slot back by the reverse equal-split all_to_all_single; the source sums over ranks
+  in fp32 and casts to x's dtype.
+
+Rounds: a step whose largest per-rank token count (the lock-step header `batch.global_num_tokens`, known on every
+rank) exceeds `cap` runs ceil(max / cap) rounds through the same buffers, token chunks [i*cap, (i+1)*cap); every
+rank runs the same number of rounds, so nothing is dropped or truncated. The layout then holds all rounds (C grows
+with them); a captured graph has a static T <= cap and one round.
+
+What is captured: every shape depends on T (static per graph), cap, R, E_local and k only; no `.item()`,
+`.tolist()`, `nonzero` or boolean indexing runs on the device path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moeserve.ep.layouts import MaskedLayout
+from moeserve.ep.routing import (
+    MaskedPlan,
+    combine_masked,
+    local_topk,
+    max_tokens_over_ranks,
+    num_local_experts,
+    pack_meta,
+    plan_masked,
+    scatter_masked,
+    unpack_meta,
+)
+
+if TYPE_CHECKING:
+    from moeserve.engine.forward_batch import ForwardBatch
+
+
+class LowLatencyDispatcher:
+    """Dispatcher (see layouts.Dispatcher) by fixed-slot equal-split all_to_all_single. One per MoE layer call site;
+    two-batch overlap needs one per micro-batch (the buffers are per instance)."""
+
+    def __init__(self, *, num_experts: int, hidden_size: int, topk: int, dtype: torch.dtype,
+                 device: torch.device | str, ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
+                 max_tokens_per_rank: int) -> None:
+        self.num_local_experts = num_local_experts(num_experts, ep_size)
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"--ep-max-tokens-per-rank must be >= 1, got {max_tokens_per_rank}")
+        assert 0 <= ep_rank < ep_size and topk >= 1
+        self.hidden_size, self.topk, self.dtype, self.device = hidden_size, topk, dtype, torch.device(device)
+        self.group, self.rank, self.size = ep_group, ep_rank, ep_size
+        self.cap = max_tokens_per_rank
+        rows = ep_size * self.cap  # slot r * cap + t: token t of (to / from) rank r
+        # Dispatch sends from _send_x and receives into _recv_x; combine reuses the same two (dispatch_b has
+        # consumed _recv_x by then).
+        self._send_x = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
+        self._recv_x = torch.empty_like(self._send_x)
+        self._send_meta = torch.empty(rows, 2 * topk, dtype=torch.int32, device=self.device)
+        self._recv_meta = torch.empty_like(self._send_meta)
+        self._reset()
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the fixed communication buffers of this instance (for the memory log line)."""
+        return sum(b.nbytes for b in (self._send_x, self._recv_x, self._send_meta, self._recv_meta))
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes sent to other ranks by the last step (benchmarks): fixed slots, whatever the routing."""
+        per_round = (self.size - 1) * self.cap
+        row = self.hidden_size * self.dtype.itemsize
+        return {"dispatch": self._rounds * per_round * (row + 2 * self.topk * 4),
+                "combine": self._rounds * per_round * row}
+
+    def _reset(self) -> None:
+        self._x = self._topk_ids = self._topk_weights = None
+        self._rounds = 0
+        self._works: list[dist.Work] = []
+        self._plans: list[MaskedPlan] = []
+        self._out_flat: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # dispatch
+
+    def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   batch: ForwardBatch | None) -> None:
+        """x [T, H] dtype; topk_ids [T, k] int64 physical ids (-1 = none); topk_weights [T, k] fp32.
+
+        T is a host-side shape (static per graph). Rounds come from `batch.global_num_tokens` (no communication);
+        without the header an all-reduce agrees on them, which syncs the host and cannot be captured."""
+        assert x.dtype == self.dtype and x.shape[1] == self.hidden_size, (x.dtype, x.shape)
+        assert topk_ids.shape[1] == self.topk, (topk_ids.shape, self.topk)
+        t = x.shape[0]
+        bound = max_tokens_over_ranks(batch, t, self.group, self.device)
+        self._rounds = max(1, -(-bound // self.cap))
+        assert t <= self._rounds * self.cap, (t, self._rounds, self.cap)
+        self._x, self._topk_ids, self._topk_weights = x, topk_ids, topk_weights
+        self._send_dispatch(0)
+
+    def _chunk(self, i: int) -> tuple[int, int]:
+        lo = min(i * self.cap, self._x.shape[0])
+        return lo, min(lo + self.cap, self._x.shape[0])
+
+    def _send_dispatch(self, i: int) -> None:
+        lo, hi = self._chunk(i)
+        n, k, r = hi - lo, self.topk, self.size
+        self._send_x.view(r, self.cap, -1)[:, :n] = self._x[lo:hi]  # every rank gets the slot; ids say what counts
+        ranks = torch.arange(r, device=self.device).view(r, 1, 1)
+        local_ids, weights = local_topk(self._topk_ids[lo:hi].unsqueeze(0), self._topk_weights[lo:hi].unsqueeze(0),
+                                        ranks, self.num_local_experts)  # [R, n, k]
+        meta = self._send_meta.view(r, self.cap, 2 * k)
+        meta[:, :n] = pack_meta(local_ids, weights)
+        meta[:, n:, :k] = -1  # padding rows: no expert
+        meta[:, n:, k:] = 0
+        self._works = [
+            dist.all_to_all_single(self._recv_x, self._send_x, group=self.group, async_op=True),
+            dist.all_to_all_single(self._recv_meta, self._send_meta, group=self.group, async_op=True),
+        ]
+
+    def dispatch_b(self) -> MaskedLayout:
+        """x [E_local, C, H] with C = rounds * R * cap; the first masked_m[e] rows of expert e are valid."""
+        e_local, cap_total = self.num_local_experts, self._rounds * self.size * self.cap
+        x_flat = self._recv_x.new_zeros(e_local * cap_total + 1, self.hidden_size)  # last row: spare for invalid
+        filled = torch.zeros(e_local, dtype=torch.int64, device=self.device)
+        self._plans = []
+        for i in range(self._rounds):
+            for w in self._works:
+                w.wait()
+            local_ids, weights = unpack_meta(self._recv_meta)
+            plan = plan_masked(local_ids, weights, e_local, cap_total, filled)
+            scatter_masked(self._recv_x, plan, x_flat)
+            self._plans.append(plan)
+            if i + 1 < self._rounds:
+                self._send_dispatch(i + 1)
+        x = x_flat[: e_local * cap_total].view(e_local, cap_total, self.hidden_size)
+        return MaskedLayout(x=x, masked_m=filled.to(torch.int32))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # combine
+
+    def combine_a(self, expert_out: torch.Tensor) -> None:
+        """expert_out [E_local, C, H]: unweighted expert outputs; rows past masked_m are never read."""
+        assert self._plans, "combine_a before dispatch_b"
+        self._out_flat = expert_out.reshape(-1, self.hidden_size)
+        self._send_combine(0)
+
+    def _send_combine(self, i: int) -> None:
+        self._send_x.copy_(combine_masked(self._out_flat, self._plans[i]))  # weighted, fp32 sum, cast to dtype
+        self._works = [dist.all_to_all_single(self._recv_x, self._send_x, group=self.group, async_op=True)]
+
+    def combine_b(self) -> torch.Tensor:
+        """[T, H] in x's dtype: sum_k w_k * expert_k(x_t)."""
+        out = self._x.new_empty(self._x.shape)
+        for i in range(self._rounds):
+            for w in self._works:
+                w.wait()
+            lo, hi = self._chunk(i)
+            back = self._recv_x.view(self.size, self.cap, self.hidden_size)[:, : hi - lo]
+            out[lo:hi] = back.float().sum(0).to(self.dtype)
+            if i + 1 < self._rounds:
+                self._send_combine(i + 1)
+        self._reset()
+        return out
