@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._kv_b()
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [B, h, r]
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
-        cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: key, one head
-        o_latent = decode_attention(q, cache, cache[..., : self.kv_lora_rank], meta.decode_slots, meta.decode_mask,
-                                    self.scale)  # [B, h, r]
+        cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: the key, one head
+        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_mask,
+                                    self.scale)  # [B, h, r]: value = the c_kv part of the latent
         return torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [B, h, v]

@@ -67,8 +67,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_l
     seq_len - 1); k [S, Hkv, D] and v [S, Hkv, Dv], S = sum(seq_lens), request b's rows are its whole sequence.
     Returns [T, Hq, Dv]. Hq must be a multiple of Hkv (GQA/MQA).
     """
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    out = q.new_empty(q.shape[0], num_heads, v.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     q_start = kv_start = 0
     for n, s in zip(extend_lens, seq_lens, strict=True):
         if n > 0:
@@ -82,28 +81,48 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_l
                 mask = k_pos <= q_pos
                 if sliding_window is not None:
                     mask = mask & (k_pos > q_pos - sliding_window)
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                enable_gqa=num_heads != num_kv_heads)
+            ob = _sdpa(qb, kb, vb, mask, mask is None, scale)
             out[q_start:q_start + n] = ob[0].transpose(0, 1)
         q_start += n
         kv_start += s
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | int, slots: torch.Tensor,
                      mask: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """One query per request over its cached tokens.
 
-    q [B, Hq, D]; k_cache [num_slots, Hkv, D], v_cache [num_slots, Hkv, Dv] (views are fine: only the rows in
-    `slots` are read); slots, mask [B, L] from `padded_kv_slots`. Returns [B, Hq, Dv].
+    q [B, Hq, D]; k_cache [num_slots, Hkv, D]; v_cache [num_slots, Hkv, Dv], or an int Dv: the value is the
+    first Dv dims of the key (MLA's latent cache, gathered once); slots, mask [B, L] from `padded_kv_slots`.
+    Returns [B, Hq, Dv].
+    The query heads sharing a KV head are the rows of one matmul, so K and V are never repeated per head
+    (for MLA's absorbed form, all heads against one latent head).
     """
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    k = k_cache[slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    v = v_cache[slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, Dv]
+    B, num_heads, D = q.shape
+    num_kv_heads = k_cache.shape[1]
+    rep = num_heads // num_kv_heads
+    k_rows = k_cache[slots].to(q.dtype)  # [B, L, Hkv, D]
+    v_rows = k_rows[..., :v_cache] if isinstance(v_cache, int) else v_cache[slots].to(q.dtype)
+    k = k_rows.permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v = v_rows.transpose(1, 2)  # [B, Hkv, L, Dv]
     if sliding_window is not None:
         seq_lens = mask.sum(-1, keepdim=True)
         pos = torch.arange(mask.shape[1], device=mask.device)[None, :]
         mask = mask & (pos > seq_lens - 1 - sliding_window)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                         enable_gqa=num_heads != num_kv_heads)
-    return out[:, :, 0, :]
+    scores = torch.matmul(q.reshape(B, num_kv_heads, rep, D), k).float() * scale  # [B, Hkv, rep, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, num_heads, v.shape[-1])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """SDPA on [B, H, L, D] with Hq a multiple of Hkv."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not q.is_cuda:
+        # NOTE: on CPU, enable_gqa is far slower than repeating K and V per query head (as transformers does).
+        B, Hkv, L = k.shape[:3]
+        k = k[:, :, None].expand(B, Hkv, rep, L, k.shape[-1]).reshape(B, Hkv * rep, L, k.shape[-1])
+        v = v[:, :, None].expand(B, Hkv, rep, L, v.shape[-1]).reshape(B, Hkv * rep, L, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=rep > 1 and q.is_cuda)
