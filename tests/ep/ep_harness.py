@@ -31,11 +31,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, queue, fn, args, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world_size, *args)
         dist.barrier()
@@ -45,12 +47,13 @@ def _entry(rank: int, world_size: int, port: int, queue, fn, args) -> None:
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> list:
-    """Results of fn(rank, world_size, *args) on each rank of a fresh gloo group, in rank order."""
+def run_ranks(world_size: int, fn, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """Results of fn(rank, world_size, *args) on each rank of a fresh group (gloo on CPU; nccl: one GPU a rank), in
+    rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, fn, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, queue, fn, args, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
