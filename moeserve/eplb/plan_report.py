@@ -35,7 +35,7 @@ def format_plan(model: ModelSpec, gpu: GpuSpec, dep: Deployment, r: PlanResult) 
         f"{r.tokens_per_s_total:,.0f} total",
         "  breakdown, ms per step:",
     ]
-    lines += [f"    {name:30s} {ms:9.2f}" for name, ms in r.breakdown_ms.items()]
+    lines += [f"    {name:36s} {ms:9.2f}" for name, ms in r.breakdown_ms.items()]
     mem = r.memory_gb
     lines.append(
         f"  memory per GPU: weights {mem['weights']:.1f} GB + KV cache {mem['kv_cache']:.1f} GB "
