@@ -3,8 +3,8 @@
 Per GPU and per step (all GPUs run in lock-step, each with its own sequences):
 - GEMMs (attention projections, dense MLP, shared and routed experts, LM head): a roofline of FLOPs at the
   tensor peak (FP8 for FP8 checkpoints) times `gemm` efficiency, against weight + activation bytes at HBM
-  bandwidth times `mem` efficiency, combined as (c^p + m^p)^(1/p): p = inf is the plain max; p = 2 matches
-  DeepGEMM's published grouped-GEMM figures near the ridge, where the max is 1.5x too optimistic.
+  bandwidth times `mem` efficiency, combined as (c^p + m^p)^(1/p): p = inf is the plain max; p = 2 is
+  closer to DeepGEMM's published tables near the ridge (the max overshoots its grouped GEMMs by up to 62%).
 - Core attention: MLA absorbed for decode (FLOPs per (query, key) pair, KV bytes read once per sequence),
   naive multi-head for prefill (causal: a new token sees its cached prefix and half the new tokens), BF16
   peak times `attn` efficiency.

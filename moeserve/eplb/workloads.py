@@ -20,6 +20,7 @@ balanced than many independent tokens (decode), as in recorded serving runs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,8 @@ def spec_meta(spec: WorkloadSpec) -> dict[str, Any]:
 
 
 def save_dump(path: str | Path, logical_count: np.ndarray | torch.Tensor, meta: dict | None = None) -> Path:
-    """Write a recorder-format dump: .pt {logical_count: int64 tensor [T, L, E], meta}, or .npy / .npz."""
+    """Write a recorder-format dump: .pt {logical_count: int64 tensor [T, L, E], meta}, .npz (same keys, meta as
+    JSON) or .npy (the array only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     array = np.asarray(logical_count.cpu() if isinstance(logical_count, torch.Tensor) else logical_count)
@@ -151,7 +153,7 @@ def save_dump(path: str | Path, logical_count: np.ndarray | torch.Tensor, meta: 
     if path.suffix == ".npy":
         np.save(path, array)
     elif path.suffix == ".npz":
-        np.savez_compressed(path, logical_count=array)
+        np.savez_compressed(path, logical_count=array, meta=np.array(json.dumps(dict(meta or {}))))
     else:
         torch.save({"logical_count": torch.from_numpy(array), "meta": dict(meta or {})}, path)
     return path
@@ -171,6 +173,8 @@ def load_dump(path: str | Path) -> tuple[np.ndarray, dict[str, Any]]:
     elif path.suffix == ".npz":
         with np.load(path) as data:
             keys = list(data.keys())
+            if "meta" in data:
+                meta = json.loads(str(data["meta"]))
             if "logical_count" in data:
                 array = data["logical_count"]
             elif len(keys) == 1:
