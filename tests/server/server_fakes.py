@@ -28,8 +28,8 @@ from moeserve.engine.sampling_params import SamplingParams
 
 class FakeClient:
     def __init__(self, tokenizer: Any, context_length: int = 512, api_key: str | None = None,
-                 max_concurrent_requests: int = 4096):
-        self.server_args = ServerArgs(model_path="/models/fake", served_model_name="fake-model", api_key=api_key,
+                 max_concurrent_requests: int = 4096, model_path: str = "/models/fake"):
+        self.server_args = ServerArgs(model_path=model_path, served_model_name="fake-model", api_key=api_key,
                                       max_concurrent_requests=max_concurrent_requests)
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 1024

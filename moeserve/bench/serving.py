@@ -1,0 +1,376 @@
+"""`moeserve bench serving`: an online load generator for moeserve, SGLang or any OpenAI-compatible server.
+
+It sends streamed requests (Poisson arrivals at --request-rate, or all at once with inf; at most
+--max-concurrency in flight) and measures, per request, TTFT (send -> first token), ITL (gaps between streamed
+chunks), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency, as SGLang's and vLLM's bench_serving do.
+Output lengths are exact (ignore_eos). It prints a table and can write every number to --output-file (JSON).
+
+    moeserve bench serving --port 30000 --dataset random --random-input-len 512 --random-output-len 128 \\
+        --num-prompts 200 --request-rate 16 --max-concurrency 64 --output-file result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moeserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, sharegpt_requests
+
+BACKENDS = {  # name -> (endpoint, kind)
+    "moeserve": ("/generate", "native"),
+    "sglang": ("/generate", "native"),
+    "openai": ("/v1/completions", "completions"),
+    "openai-chat": ("/v1/chat/completions", "chat"),
+}
+DATASETS = ("random", "sharegpt", "generated-shared-prefix")
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # seconds, send -> last byte
+    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
+    error: str = ""
+    expected_output_len: int = 0
+
+
+# ----------------------------------------------------------------------
+# one request
+def _payload(kind: str, model: str | None, req: BenchRequest, ignore_eos: bool, extra: dict) -> dict:
+    if kind == "native":
+        return {"text": req.prompt, "stream": True,
+                "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos,
+                                    **extra}}
+    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+                            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}, **extra}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+async def send_request(session: Any, url: str, kind: str, model: str | None, req: BenchRequest,
+                       ignore_eos: bool = True, extra: dict | None = None,
+                       headers: dict | None = None) -> RequestResult:
+    """Send one streamed request and time it; never raises (failures are recorded in the result)."""
+    res = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.output_len)
+    body = _payload(kind, model, req, ignore_eos, extra or {})
+    start = time.perf_counter()
+    last = start
+    tokens_seen = 0
+    usage_tokens = None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    res.error = str(ev["error"].get("message", ev["error"]))[:300]
+                    return res
+                now = time.perf_counter()
+                if kind == "native":
+                    new = ev["meta_info"]["completion_tokens"] - tokens_seen
+                    tokens_seen = ev["meta_info"]["completion_tokens"]
+                    if ev["meta_info"].get("prompt_tokens"):
+                        res.prompt_len = ev["meta_info"]["prompt_tokens"]
+                else:
+                    if ev.get("usage"):
+                        usage_tokens = ev["usage"].get("completion_tokens")
+                        res.prompt_len = ev["usage"].get("prompt_tokens") or res.prompt_len
+                    choices = ev.get("choices") or []
+                    text = ""
+                    for ch in choices:
+                        if kind == "chat":
+                            text += (ch.get("delta") or {}).get("content") or ""
+                        else:
+                            text += ch.get("text") or ""
+                    new = 1 if text else 0
+                    tokens_seen += new
+                if new <= 0:
+                    continue
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.latency = time.perf_counter() - start
+        res.output_len = usage_tokens if usage_tokens is not None else tokens_seen
+        res.success = res.ttft > 0.0 or req.output_len == 0
+        if not res.success:
+            res.error = "the stream ended without any output"
+    except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+# ----------------------------------------------------------------------
+# the run
+async def _arrivals(reqs: list[BenchRequest], rate: float, rng: random.Random):
+    for i, req in enumerate(reqs):
+        yield req
+        if math.isfinite(rate) and rate > 0 and i < len(reqs) - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: list[BenchRequest],
+                        request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
+                        ignore_eos: bool = True, extra: dict | None = None, api_key: str | None = None,
+                        warmup_requests: int = 1, show_progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Run all requests; returns their results (in request order) and the duration in seconds."""
+    import aiohttp
+
+    endpoint, kind = BACKENDS[backend]
+    url = base_url.rstrip("/") + endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        for req in reqs[:warmup_requests]:
+            warm = await send_request(session, url, kind, model, BenchRequest(req.prompt, req.prompt_len,
+                                                                               min(req.output_len, 16)),
+                                      ignore_eos, extra, headers)
+            if not warm.success:
+                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        progress = _progress(len(reqs), show_progress)
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                res = await send_request(session, url, kind, model, req, ignore_eos, extra, headers)
+            else:
+                async with sem:
+                    res = await send_request(session, url, kind, model, req, ignore_eos, extra, headers)
+            progress.update(1)
+            return res
+
+        rng = random.Random(seed)
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(req)) async for req in _arrivals(reqs, request_rate, rng)]
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        progress.close()
+    return results, duration
+
+
+def _progress(total: int, show: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not show, desc="requests", unit="req")
+
+
+# ----------------------------------------------------------------------
+# statistics
+def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        # linear interpolation between closest ranks, as numpy.percentile's default
+        k = (len(ordered) - 1) * p / 100.0
+        lo, hi = math.floor(k), math.ceil(k)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(values) * scale, "median": pct(50) * scale,
+            "std": (statistics.pstdev(values) if len(values) > 1 else 0.0) * scale,
+            "p90": pct(90) * scale, "p99": pct(99) * scale, "max": ordered[-1] * scale}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """The benchmark's numbers: throughputs and latency statistics (milliseconds) over successful requests."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
+        "output_len_mismatches": sum(1 for r in ok if r.output_len != r.expected_output_len),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "input_throughput": total_in / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_throughput": (total_in + total_out) / duration if duration else 0.0,
+        "concurrency": sum(r.latency for r in ok) / duration if duration else 0.0,
+        "e2e_ms": _stats([r.latency for r in ok]),
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats([g for r in ok for g in r.itl]),
+    }
+
+
+def format_report(summary: dict[str, Any], backend: str, request_rate: float, max_concurrency: int | None) -> str:
+    w = 50
+    lines = [" Serving Benchmark Result ".center(w, "=")]
+
+    def row(name: str, value: Any) -> None:
+        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"{name:<40}{text:>10}")
+
+    row("Backend:", backend)
+    row("Traffic request rate:", "inf" if math.isinf(request_rate) else f"{request_rate:g}")
+    row("Max request concurrency:", max_concurrency if max_concurrency else "not set")
+    row("Successful requests:", summary["completed"])
+    row("Failed requests:", summary["failed"])
+    row("Benchmark duration (s):", summary["duration_s"])
+    row("Total input tokens:", summary["total_input_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Request throughput (req/s):", summary["request_throughput"])
+    row("Input token throughput (tok/s):", summary["input_throughput"])
+    row("Output token throughput (tok/s):", summary["output_throughput"])
+    row("Total token throughput (tok/s):", summary["total_throughput"])
+    row("Concurrency:", summary["concurrency"])
+    for key, title, short in (("e2e_ms", "End-to-End Latency", "E2E Latency"), ("ttft_ms", "Time to First Token",
+                                                                                 "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-Token Latency", "ITL")):
+        lines.append(title.center(w, "-"))
+        for stat in ("mean", "median", "p99"):
+            row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms):", summary[key][stat])
+    if summary["output_len_mismatches"]:
+        lines.append(f"NOTE: {summary['output_len_mismatches']} requests returned a different number of tokens "
+                     "than asked (is ignore_eos honoured?)")
+    for err, count in summary["errors"].items():
+        lines.append(f"FAILED x{count}: {err}")
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------
+# command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeserve bench serving", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=list(BACKENDS), default="moeserve",
+                   help="moeserve/sglang: native /generate; openai: /v1/completions; openai-chat: "
+                        "/v1/chat/completions")
+    p.add_argument("--base-url", default=None, help="Server URL (overrides --host/--port), e.g. http://h:30000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=None, help="Model name for OpenAI backends (default: the server's first)")
+    p.add_argument("--tokenizer", default=None,
+                   help="Tokenizer directory (default: the tokenizer_path of the server's /get_model_info)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="Lengths are uniform in [max(1, len * ratio), len]: 1.0 fixes them (SGLang's meaning)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="Fixed output length for ShareGPT")
+    p.add_argument("--gsp-num-groups", type=int, default=64)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Requests per second, Poisson arrivals; inf sends all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--disable-ignore-eos", action="store_true", help="Let requests stop at EOS")
+    p.add_argument("--extra-request-body", default=None, help="JSON merged into each request's sampling options")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--output-file", default=None, help="Write the summary and per-request numbers as JSON")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def _get_json(url: str, api_key: str | None) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+    if args.dataset == "random":
+        return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, args.seed)
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset sharegpt needs --dataset-path to a ShareGPT JSON file")
+        return sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)
+    return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                  args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("--max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
+
+    tokenizer_path = args.tokenizer
+    model = args.model
+    try:
+        if tokenizer_path is None:
+            tokenizer_path = _get_json(f"{base_url}/get_model_info", args.api_key).get("tokenizer_path")
+            if not tokenizer_path:
+                print("the server has no tokenizer; pass --tokenizer", file=sys.stderr)
+                return 2
+        if model is None and args.backend in ("openai", "openai-chat"):
+            model = _get_json(f"{base_url}/v1/models", args.api_key)["data"][0]["id"]
+    except OSError as e:
+        print(f"cannot reach {base_url}: {e} (is the server up? else pass --tokenizer and --model)", file=sys.stderr)
+        return 1
+
+    from moeserve.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+        reqs = load_requests(args, tokenizer)
+    except (ValueError, OSError) as e:
+        print(f"dataset: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens, "
+          f"{sum(r.output_len for r in reqs)} output tokens -> {base_url}{BACKENDS[args.backend][0]}")
+
+    results, duration = asyncio.run(run_benchmark(
+        base_url, args.backend, model, reqs, args.request_rate, args.max_concurrency, args.seed,
+        not args.disable_ignore_eos, extra, args.api_key, args.warmup_requests, not args.disable_tqdm))
+    summary = summarize(results, duration)
+    print(format_report(summary, args.backend, args.request_rate, args.max_concurrency))
+    if args.output_file:
+        config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+        record = {"config": {**config, "base_url": base_url, "model": model, "tokenizer": tokenizer_path},
+                  "summary": summary, "requests": [asdict(r) for r in results]}
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.output_file}")
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
