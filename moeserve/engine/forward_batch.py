@@ -59,6 +59,9 @@ class ForwardBatch:
     # Which rows of the output need logits: last token of each request by default.
     logits_indices: torch.Tensor | None = None  # [B] int64 rows of the hidden states fed to the LM head
     return_all_logits: bool = False  # tests and prompt logprobs: logits for every new token
+    # DECODE only: every request's cache slots as a padded block [B, L >= max seq_len]; entries past a
+    # request's seq_len are any valid slot (attention masks them by seq_lens). Static shapes for CUDA graphs.
+    decode_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,7 +75,7 @@ class ForwardBatch:
         """Move the tensors to the device (non-blocking); host lists stay."""
         moved = {}
         for name in ("input_ids", "positions", "seq_lens", "extend_lens", "prefix_lens", "out_cache_loc",
-                     "kv_indices", "kv_indptr", "qo_indptr", "logits_indices"):
+                     "kv_indices", "kv_indptr", "qo_indptr", "logits_indices", "decode_slots"):
             t = getattr(self, name)
             moved[name] = None if t is None else t.to(device, non_blocking=True)
         return _replace(self, **moved)

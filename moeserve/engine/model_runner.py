@@ -46,6 +46,13 @@ class ModelRunner:
         self.num_pages = self._num_kv_pages()
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = self.config.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+            from moeserve.engine.cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.kv_pool, min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
+                self.context_length, self.device)
         logger.info(
             "Memory: weights %.2f GiB, KV pool %.2f GiB (%d tokens, page size %d), dtype %s, device %s",
             self.weight_bytes / 2**30, self.kv_pool.total_bytes / 2**30, self.num_pages * server_args.page_size,
@@ -79,6 +86,8 @@ class ModelRunner:
         """Run the model on one batch: logits [rows of batch.logits_indices, V] float32."""
         fb = batch.to(self.device)
         fb.kv_pool = self.kv_pool
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.run(fb)
         return self.model(fb)
 
     @torch.inference_mode()

@@ -285,6 +285,8 @@ class Scheduler:
         fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
                                 np.concatenate(out_loc_parts), kv_indices)
         fb.logits_indices = fb.logits_indices[torch.tensor(finishes, dtype=torch.bool)]
+        if mode.is_decode:
+            fb.decode_slots = torch.from_numpy(self.req_table.table[rows, : max(seq_lens)])
         return ScheduledBatch(mode, reqs, extend_lens, fb, finishes)
 
     # ------------------------------------------------------------------ results

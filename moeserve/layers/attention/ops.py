@@ -40,8 +40,12 @@ class AttentionMetadata:
                    kv_indices=batch.kv_indices, cos=cos, sin=sin, extend_lens=list(batch.extend_lens_cpu),
                    seq_lens=list(batch.seq_lens_cpu))
         if batch.mode.is_decode and batch.batch_size > 0:
-            meta.decode_slots, meta.decode_mask = padded_kv_slots(batch.kv_indices, batch.kv_indptr,
-                                                                  batch.seq_lens, max(batch.seq_lens_cpu))
+            if batch.decode_slots is not None:  # the scheduler's padded block (static shape under CUDA graphs)
+                pos = torch.arange(batch.decode_slots.shape[1], device=batch.decode_slots.device)
+                meta.decode_slots, meta.decode_mask = batch.decode_slots, pos[None, :] < batch.seq_lens[:, None]
+            else:
+                meta.decode_slots, meta.decode_mask = padded_kv_slots(batch.kv_indices, batch.kv_indptr,
+                                                                      batch.seq_lens, max(batch.seq_lens_cpu))
         return meta
 
     @property

@@ -1,0 +1,25 @@
+"""CUDA-graph decode equals eager decode (GPU only; skipped on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.engine.sampling_params import SamplingParams
+from tests.checkpoints import build_checkpoint
+from tests.engine.inprocess import InProcessEngine
+from tests.engine.test_generation import MIXED, _prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("name", ["v3_groups", "qwen3_moe"])
+def test_graph_decode_equals_eager(tmp_path, name):
+    path = build_checkpoint(name, tmp_path / name)
+    prompts = _prompts(3, MIXED + [40, 3, 7])
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    eager = InProcessEngine(model_path=path, device="cuda", disable_cuda_graph=True).run(prompts, params)
+    graph_engine = InProcessEngine(model_path=path, device="cuda", cuda_graph_max_bs=16)
+    graphed = graph_engine.run(prompts, params)
+    assert graph_engine.runner.graph_runner is not None and graph_engine.runner.graph_runner.graphs
+    assert [r["output_ids"] for r in graphed] == [r["output_ids"] for r in eager]
