@@ -87,7 +87,9 @@ class ServerArgs:
 
     # --- MoE / EP ---
     moe_a2a_backend: str = _flag(
-        "none", "Expert dispatch: none (all experts local), allgather (oracle), all2all.", A2A_BACKENDS
+        "none", "Expert dispatch: none (all experts local; with --ep-size > 1 it means allgather, like SGLang's "
+        "default all-reduce MoE path), allgather (every rank sees every token: the oracle), all2all (see "
+        "--deepep-mode).", A2A_BACKENDS
     )
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")

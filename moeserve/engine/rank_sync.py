@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 from moeserve.parallel.state import ParallelState
 
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch has only the former.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class RankSync:
     """Collectives of the worker loop for one rank (a no-op object for a single-rank server)."""
@@ -43,8 +46,9 @@ class RankSync:
         if not self.multi:
             return [num_tokens], is_extend
         t = torch.tensor([num_tokens, int(is_extend)], dtype=torch.int64)
-        out = torch.zeros(self.state.world_size, 2, dtype=torch.int64)
-        dist.all_gather_into_tensor(out, t, group=self.state.world_group)
+        out = torch.zeros(self.state.world_size * 2, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+        _all_gather(out, t, group=self.state.world_group)
+        out = out.view(self.state.world_size, 2)
         per_group = out[:: self.group_size, 0].tolist()
         return per_group, bool(out[:, 1].any())
 
