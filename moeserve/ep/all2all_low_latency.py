@@ -65,19 +65,12 @@ class LowLatencyDispatcher:
         self._recv_x = torch.empty_like(self._send_x)
         self._send_meta = torch.empty(rows, 2 * topk, dtype=torch.int32, device=self.device)
         self._recv_meta = torch.empty_like(self._send_meta)
+        self.comm_bytes = {"dispatch": 0, "combine": 0}  # sent to other ranks by the last step (benchmarks)
         self._reset()
 
     def buffer_bytes(self) -> int:
         """Bytes of the fixed communication buffers of this instance (for the memory log line)."""
         return sum(b.nbytes for b in (self._send_x, self._recv_x, self._send_meta, self._recv_meta))
-
-    @property
-    def comm_bytes(self) -> dict[str, int]:
-        """Bytes sent to other ranks by the last step (benchmarks): fixed slots, whatever the routing."""
-        per_round = (self.size - 1) * self.cap
-        row = self.hidden_size * self.dtype.itemsize
-        return {"dispatch": self._rounds * per_round * (row + 2 * self.topk * 4),
-                "combine": self._rounds * per_round * row}
 
     def _reset(self) -> None:
         self._x = self._topk_ids = self._topk_weights = None
@@ -102,6 +95,9 @@ class LowLatencyDispatcher:
         self._rounds = max(1, -(-bound // self.cap))
         assert t <= self._rounds * self.cap, (t, self._rounds, self.cap)
         self._x, self._topk_ids, self._topk_weights = x, topk_ids, topk_weights
+        slots = self._rounds * (self.size - 1) * self.cap  # fixed slots, whatever the routing
+        self.comm_bytes = {"dispatch": slots * (self._send_x[0].nbytes + self._send_meta[0].nbytes),
+                           "combine": slots * self._send_x[0].nbytes}
         self._send_dispatch(0)
 
     def _chunk(self, i: int) -> tuple[int, int]:
@@ -125,9 +121,12 @@ class LowLatencyDispatcher:
         ]
 
     def dispatch_b(self) -> MaskedLayout:
-        """x [E_local, C, H] with C = rounds * R * cap; the first masked_m[e] rows of expert e are valid."""
+        """x [E_local, C, H] with C = rounds * R * cap; the first masked_m[e] rows of expert e are valid, the rest
+        uninitialized."""
         e_local, cap_total = self.num_local_experts, self._rounds * self.size * self.cap
-        x_flat = self._recv_x.new_zeros(e_local * cap_total + 1, self.hidden_size)  # last row: spare for invalid
+        # Not zeroed (a memset of the whole layout would cost more than the dispatch): rows past masked_m hold
+        # garbage, which grouped GEMMs skip and combine never reads. The last row is a spare for invalid pairs.
+        x_flat = self._recv_x.new_empty(e_local * cap_total + 1, self.hidden_size)
         filled = torch.zeros(e_local, dtype=torch.int64, device=self.device)
         self._plans = []
         for i in range(self._rounds):

@@ -47,7 +47,8 @@ def max_tokens_over_ranks(batch: ForwardBatch | None, num_tokens: int, group: di
     bound every EP rank's count); otherwise an all-reduce MAX, which syncs the host and cannot be captured."""
     if batch is not None and batch.global_num_tokens:
         bound = max(batch.global_num_tokens)
-        assert num_tokens <= bound, f"{num_tokens} tokens on this rank, header says at most {bound}"
+        # A runner that pads T (to a CUDA-graph size) must put the padded counts in the header too.
+        assert num_tokens <= bound, f"{num_tokens} tokens on this rank, global_num_tokens says at most {bound}"
         return bound
     t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -125,7 +126,7 @@ def plan_contiguous(local_ids: torch.Tensor, weights: torch.Tensor, num_local_ex
     own weight. Reads M back to the host (normal mode is not graph-capturable anyway)."""
     assert align >= 1
     k = local_ids.shape[1]
-    flat = local_ids.reshape(-1)
+    flat = local_ids.reshape(-1).long()
     valid = torch.nonzero(flat >= 0).squeeze(1)  # [P], in (row, slot) order
     experts = flat[valid]
     experts_sorted, order = torch.sort(experts, stable=True)
@@ -158,7 +159,7 @@ def combine_contiguous(expert_out: torch.Tensor, plan: ContiguousPlan, num_rows:
 
     Reads only valid layout rows, so padding rows of `expert_out` may hold anything (NaN included)."""
     out = torch.zeros(num_rows, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-    out.index_add_(0, plan.pair_row, expert_out[plan.pair_dest].float() * plan.pair_weight[:, None])
+    out.index_add_(0, plan.pair_row, expert_out[plan.pair_dest] * plan.pair_weight[:, None])  # fp32 by promotion
     return out
 
 
@@ -192,8 +193,9 @@ def plan_masked(local_ids: torch.Tensor, weights: torch.Tensor, num_local_expert
                 filled: torch.Tensor) -> MaskedPlan:
     """Place rows after the `filled [E_local]` rows each expert already holds; adds this batch's rows to `filled`
     in place. Row order is kept within each expert. The caller guarantees no expert overflows `capacity`."""
+    local_ids = local_ids.long()
     valid, merged = dedupe_topk(local_ids, weights)
-    n, k = local_ids.shape
+    n = local_ids.shape[0]
     spare = num_local_experts
     col = torch.where(valid, local_ids, spare)
     hits = torch.zeros(n, num_local_experts + 1, dtype=torch.int64, device=local_ids.device)
@@ -219,6 +221,6 @@ def combine_masked(out_flat: torch.Tensor, plan: MaskedPlan) -> torch.Tensor:
     out = torch.zeros(n, out_flat.shape[1], dtype=torch.float32, device=out_flat.device)
     for j in range(k):
         idx = torch.where(plan.valid[:, j], plan.dest[:, j], 0)
-        picked = out_flat.index_select(0, idx).float() * plan.weight[:, j, None]
+        picked = out_flat.index_select(0, idx) * plan.weight[:, j, None]  # fp32 by promotion
         out += torch.where(plan.valid[:, j, None], picked, 0.0)
     return out

@@ -1,0 +1,168 @@
+"""EP dispatch benchmark: dispatch and combine time and bytes per step for each backend, beside a plain
+all_to_all_single of the same bytes, on CPU ranks over gloo.
+
+    python -m moeserve.bench.dispatch --world-size 2 --tokens 256 --hidden 2048 --topk 8 --experts 64
+    python -m moeserve.bench.dispatch --world-size 2 4 --tokens 64 256 1024      # a table over sizes
+
+Per step and rank: `tokens` tokens of `hidden` (bf16 by default) with uniform random top-k experts (distinct per
+token). Identity experts: the time between dispatch and combine is not measured. Times are the mean over
+`--iters` steps after `--warmup`, the slowest rank's; bytes are what a rank sends to the other ranks (the largest
+over ranks): rows, expert ids and weights for dispatch, result rows for combine. The baseline is one
+all_to_all_single per phase with equal splits that sends each rank that many bytes to its peers.
+Low latency runs with cap = tokens (one round) unless --cap is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeserve.engine.forward_batch import ForwardBatch
+
+MODES = ("allgather", "normal", "low_latency")
+
+
+def _build(mode: str, a: argparse.Namespace, tokens: int, rank: int, world: int, dtype: torch.dtype):
+    from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
+    from moeserve.ep.all2all_normal import NormalDispatcher
+    from moeserve.ep.allgather import AllGatherDispatcher
+
+    common = dict(num_experts=a.experts, hidden_size=a.hidden, dtype=dtype, device="cpu", ep_group=None,
+                  ep_rank=rank, ep_size=world)
+    if mode == "allgather":
+        return AllGatherDispatcher(**common, align=a.align)
+    if mode == "normal":
+        return NormalDispatcher(**common, align=a.align)
+    return LowLatencyDispatcher(**common, topk=a.topk, max_tokens_per_rank=a.cap or tokens)
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _time_plain_a2a(nbytes_to_peers: int, world: int, iters: int, warmup: int) -> float:
+    """Mean seconds of one equal-split all_to_all_single that sends `nbytes_to_peers` to the other ranks."""
+    chunk = max(1, -(-nbytes_to_peers // max(1, world - 1)))
+    send = torch.ones(world * chunk, dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    total = 0.0
+    for i in range(warmup + iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send)
+        if i >= warmup:
+            total += time.perf_counter() - t0
+    return total / iters
+
+
+def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    dtype = getattr(torch, a.dtype)
+    rows = []
+    for tokens in a.tokens:
+        gen = torch.Generator().manual_seed(1000 * rank + tokens)
+        x = torch.randn(tokens, a.hidden, generator=gen).to(dtype)
+        topk_ids = torch.rand(tokens, a.experts, generator=gen).argsort(1)[:, : a.topk]
+        topk_weights = torch.rand(tokens, a.topk, generator=gen).softmax(1)
+        batch = ForwardBatch.idle()
+        batch.global_num_tokens = [tokens] * world
+        for mode in a.modes:
+            batch.any_extend = mode != "low_latency"
+            disp = _build(mode, a, tokens, rank, world, dtype)
+            t_dispatch = t_combine = 0.0
+            for i in range(a.warmup + a.iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                disp.dispatch_a(x, topk_ids, topk_weights, batch)
+                layout = disp.dispatch_b()
+                t1 = time.perf_counter()
+                dist.barrier()
+                t2 = time.perf_counter()
+                disp.combine_a(layout.x)  # identity experts
+                disp.combine_b()
+                t3 = time.perf_counter()
+                if i >= a.warmup:
+                    t_dispatch += t1 - t0
+                    t_combine += t3 - t2
+            nbytes = disp.comm_bytes
+            d_bytes, c_bytes = (int(v) for v in _max_over_ranks([nbytes["dispatch"], nbytes["combine"]]))
+            base_d = _time_plain_a2a(d_bytes, world, a.iters, a.warmup)
+            base_c = _time_plain_a2a(c_bytes, world, a.iters, a.warmup)
+            times = _max_over_ranks([t_dispatch / a.iters, t_combine / a.iters, base_d, base_c])
+            rows.append(dict(world=world, tokens=tokens, mode=mode, dispatch_ms=times[0] * 1e3,
+                             combine_ms=times[1] * 1e3, dispatch_mb=d_bytes / 1e6, combine_mb=c_bytes / 1e6,
+                             a2a_dispatch_ms=times[2] * 1e3, a2a_combine_ms=times[3] * 1e3))
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(a: argparse.Namespace) -> list[dict]:
+    rows = []
+    ctx = mp.get_context("spawn")
+    for world in a.world_size:
+        if a.experts % world:
+            raise SystemExit(f"--experts {a.experts} must be a multiple of --world-size {world}")
+        queue = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, a, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows += queue.get(timeout=3600)
+        for p in procs:
+            p.join()
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| ranks | tokens/rank | mode | dispatch ms | combine ms | dispatch MB | combine MB "
+            "| a2a same bytes: dispatch ms | combine ms |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['tokens']} | {r['mode']} | {r['dispatch_ms']:.2f} | {r['combine_ms']:.2f} "
+                     f"| {r['dispatch_mb']:.2f} | {r['combine_mb']:.2f} | {r['a2a_dispatch_ms']:.2f} "
+                     f"| {r['a2a_combine_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, nargs="+", default=[2], help="EP ranks (CPU processes), one or more")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256], help="tokens per rank per step, one or more")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64, help="physical experts over all ranks")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--align", type=int, default=1, help="ContiguousLayout segment alignment (allgather, normal)")
+    p.add_argument("--cap", type=int, default=0, help="low_latency tokens per rank per round (0: = tokens)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.topk > a.experts:
+        raise SystemExit(f"--topk {a.topk} exceeds --experts {a.experts}")
+    rows = run(a)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
