@@ -223,7 +223,7 @@ def run_server(server_args: Any) -> None:
                                 log_level=getattr(server_args, "log_level", "info"), access_log=False,
                                 timeout_keep_alive=30, timeout_graceful_shutdown=5)
         server = _Server(config)
-        server.moeserve_model = client.model_name
+        server.moeserve_ctx = app.state.ctx
         server.run()
     except (KeyboardInterrupt, SystemExit):
         logger.info("interrupted; shutting down")
@@ -248,14 +248,23 @@ def _raise_on_sigterm() -> Any:
 class _Server(uvicorn.Server):
     """uvicorn's Server, logging moeserve's URL once listening and not re-raising the stop signal."""
 
-    moeserve_model = ""
+    moeserve_ctx: ServerContext | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
         if self.started:
             host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
-            logger.info("moeserve serving %s at http://%s:%d (OpenAI API under /v1)", self.moeserve_model, host,
-                        self.config.port)
+            name = self.moeserve_ctx.model_name if self.moeserve_ctx else "?"
+            logger.info("moeserve serving %s at http://%s:%d (OpenAI API under /v1)", name, host, self.config.port)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        # End the requests in flight (finish reason 'abort') so that their responses complete at once instead
+        # of being cut when the graceful-shutdown timeout runs out.
+        if self.moeserve_ctx is not None and self.moeserve_ctx.inflight:
+            logger.info("shutting down: aborting %d requests in flight", len(self.moeserve_ctx.inflight))
+            for sub in list(self.moeserve_ctx.inflight.values()):
+                sub.abort("the server is shutting down")
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

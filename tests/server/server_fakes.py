@@ -168,14 +168,16 @@ class FakeClient:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app) -> Iterator[str]:
-    """Serve `app` with uvicorn in a background thread; yields its base URL."""
+def serve_in_thread(app, server_cls: type = uvicorn.Server, holder: dict | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn in a background thread; yields its base URL (the server goes in `holder`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
+    server = server_cls(config)
+    if holder is not None:
+        holder["server"] = server
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -527,3 +527,30 @@ def test_no_tokenizer():
         r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200 and r.json()["text"] == ""
         assert c.get("/get_model_info").json()["tokenizer_path"] is None
+
+
+def test_shutdown_ends_streams_with_abort(default_tokenizer):
+    from moeserve.server.app import _Server
+
+    fake = FakeClient(default_tokenizer)
+    fake.token_delay = 0.05
+    app = build_app(fake)
+    holder: dict = {}
+    result: dict = {}
+    with serve_in_thread(app, _Server, holder) as url:
+        holder["server"].moeserve_ctx = app.state.ctx
+
+        def run():
+            with httpx.Client(base_url=url, timeout=30) as c:
+                result["r"] = c.post("/generate", json={"text": "x", "stream": True,
+                                                        "sampling_params": {"max_new_tokens": 400}})
+
+        t = threading.Thread(target=run)
+        t.start()
+        _wait_until(lambda: fake.running)
+        start = time.monotonic()
+        holder["server"].should_exit = True
+        t.join(timeout=10)
+        assert time.monotonic() - start < 3  # not the 5 s graceful timeout
+    events = sse_events(result["r"].text)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "the server is shutting down"}
