@@ -18,8 +18,9 @@ def test_graph_decode_equals_eager(tmp_path, name):
     path = build_checkpoint(name, tmp_path / name)
     prompts = _prompts(3, MIXED + [40, 3, 7])
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-    eager = InProcessEngine(model_path=path, device="cuda", disable_cuda_graph=True).run(prompts, params)
-    graph_engine = InProcessEngine(model_path=path, device="cuda", cuda_graph_max_bs=16)
+    eager = InProcessEngine(model_path=path, device="cuda", disable_cuda_graph=True,
+                           max_total_tokens=4096).run(prompts, params)
+    graph_engine = InProcessEngine(model_path=path, device="cuda", cuda_graph_max_bs=16, max_total_tokens=4096)
     graphed = graph_engine.run(prompts, params)
     assert graph_engine.runner.graph_runner is not None and graph_engine.runner.graph_runner.graphs
     assert [r["output_ids"] for r in graphed] == [r["output_ids"] for r in eager]
