@@ -102,12 +102,29 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, InvalidRequestError):
-        return APIError(str(e), 400)
+        return APIError(str(e), 400, param=_param_of(str(e)))
     if isinstance(e, EngineDeadError):
         return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
     if isinstance(e, asyncio.TimeoutError):
         return APIError("the engine did not answer in time", 503, code="timeout")
     raise e
+
+
+_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "stop_token_ids", "stop", "seed", "ignore_eos", "skip_special_tokens", "n",
+            "input_ids", "text", "top_logprobs_num", "sampling_params")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine error message is about (its first word, or the prompt)."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in _PARAMS:
+        return first
+    if "unknown sampling_params" in message:
+        return "sampling_params"
+    if "prompt" in message:
+        return "prompt"
+    return None
 
 
 def sse(obj: Any) -> str:
