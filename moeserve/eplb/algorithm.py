@@ -121,9 +121,8 @@ def logical_to_physical_map(
     logcnt = torch.zeros(num_layers, num_logical_experts, dtype=torch.int64)
     logcnt.scatter_add_(1, p2l, torch.ones_like(p2l))
     width = max(int(logcnt.max()), 1) if logcnt.numel() else 1
-    slots_by_expert = torch.argsort(
-        p2l * num_slots + torch.arange(num_slots), dim=1
-    )  # [L, R] grouped by expert
+    # [L, R] slot ids grouped by expert, ascending within an expert
+    slots_by_expert = torch.argsort(p2l * num_slots + torch.arange(num_slots), dim=1)
     starts = torch.cumsum(logcnt, 1) - logcnt  # [L, E] first position of each expert in slots_by_expert
     experts_sorted = torch.gather(p2l, 1, slots_by_expert)  # [L, R]
     rank = torch.arange(num_slots).expand(num_layers, -1) - torch.gather(starts, 1, experts_sorted)
@@ -206,9 +205,8 @@ class _Best:
         self.dups: np.ndarray | None = None  # [L] replicas on a GPU that already holds their expert
 
     def _score(self, phy2log: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return _objective(self.w_lte[layers], self.tw, phy2log, self.num_gpus), _duplicates(
-            phy2log, self.num_gpus
-        )
+        obj = _objective(self.w_lte[layers], self.tw, phy2log, self.num_gpus)
+        return obj, _duplicates(phy2log, self.num_gpus)
 
     def would_take(self, phy2log: np.ndarray, layers: np.ndarray | None = None) -> np.ndarray:
         """Which of the given layers phy2log [len(layers), R] strictly improves -> bool [len(layers)]."""
@@ -249,9 +247,8 @@ class _Candidate:
         slot_item = self.slot_item[rows] if slot_item is None else slot_item
         local = np.take_along_axis(self.labels[rows], slot_item.reshape(len(rows), -1), 1)  # [B', R']
         nodes = self.nodes if layers is None else self.nodes[layers]
-        return np.take_along_axis(nodes, local.reshape(len(nodes), self.p.N, -1), 2).reshape(
-            len(nodes), self.p.R
-        )
+        phy2log = np.take_along_axis(nodes, local.reshape(len(nodes), self.p.N, -1), 2)  # [L', N, R']
+        return phy2log.reshape(len(nodes), self.p.R)
 
     def polish(
         self, w_lte: np.ndarray, tw: np.ndarray, layers: np.ndarray | None = None, allow_new_dups: bool = True
@@ -480,8 +477,7 @@ def _local_search(
     num_rows, num_packs, per_pack = slot_item.shape
     if num_packs == 1 or per_pack <= 1:  # with one item per pack a swap only renames packs
         return slot_item
-    state = _SwapState(slot_item, v, tw, labels, num_labels)
-    state.allow_new_dups = allow_new_dups
+    state = _SwapState(slot_item, v, tw, labels, num_labels, allow_new_dups)
     max_swaps = 4 * v.shape[1] + 16 if max_swaps is None else max_swaps
     for mode in ("balance", "dedup"):
         active = np.arange(num_rows)
@@ -498,21 +494,26 @@ class _SwapState:
     """Packs, their loads and label counts for the local search; step() applies one best swap per row."""
 
     def __init__(
-        self, slot_item: np.ndarray, v: np.ndarray, tw: np.ndarray, labels: np.ndarray, num_labels: int
+        self,
+        slot_item: np.ndarray,
+        v: np.ndarray,
+        tw: np.ndarray,
+        labels: np.ndarray,
+        num_labels: int,
+        allow_new_dups: bool,
     ):
         num_rows, num_packs, per_pack = slot_item.shape
         self.slot_item, self.v, self.tw, self.labels = slot_item, v, tw, labels
+        self.allow_new_dups = allow_new_dups
         rows = np.arange(num_rows)[:, None]
         flat = slot_item.reshape(num_rows, -1)
         self.pack_of = np.empty_like(flat)  # [B, n]
         self.pack_of[rows, flat] = np.arange(flat.shape[1]) // per_pack
         self.pos_of = np.empty_like(flat)  # [B, n]
         self.pos_of[rows, flat] = np.arange(flat.shape[1]) % per_pack
-        self.loads = (
-            np.take_along_axis(v, flat[..., None], 1).reshape(num_rows, num_packs, per_pack, -1).sum(2)
-        )
+        item_loads = np.take_along_axis(v, flat[..., None], 1)  # [B, n, T] in slot order
+        self.loads = item_loads.reshape(num_rows, num_packs, per_pack, -1).sum(2)  # [B, packs, T]
         self.count = np.zeros((num_rows, num_packs, num_labels), dtype=np.int64)  # [B, packs, labels]
-        self.allow_new_dups = True
         np.add.at(self.count, (rows, self.pack_of, labels), 1)
 
     def has_dups(self, rows: np.ndarray) -> np.ndarray:
@@ -528,9 +529,8 @@ class _SwapState:
                 crit = np.argmax(loads[..., 0], 1)
             else:  # the pack that sets the max at the most (weighted) steps, then the heaviest
                 total = loads @ self.tw  # [A, packs]
-                score = ((loads >= peak) @ self.tw) + 1e-6 * total / np.maximum(
-                    total.max(1, keepdims=True), 1e-30
-                )
+                heaviest = total / np.maximum(total.max(1, keepdims=True), 1e-30)  # in [0, 1], a tie-break
+                score = ((loads >= peak) @ self.tw) + 1e-6 * heaviest
                 crit = np.argmax(score, 1)
             pack = np.broadcast_to(crit[:, None], (len(rows), per_pack))
             pos = np.broadcast_to(np.arange(per_pack), (len(rows), per_pack))
@@ -562,9 +562,9 @@ class _SwapState:
         x = np.take_along_axis(labels, src_item, 1)  # [A, S]
         x_held = count[r, :, x] >= 1  # [A, S, packs]
         cbx = np.take_along_axis(x_held, np.broadcast_to(dst_pack[:, None, :], (*x.shape, len(labels[0]))), 2)
-        gain = (count[r, src_pack, x] >= 2)[:, :, None].astype(np.int8) + (count[r, dst_pack, labels] >= 2)[
-            :, None
-        ]
+        x_gone = (count[r, src_pack, x] >= 2)[:, :, None]  # [A, S, 1] pack a loses a duplicate of x
+        y_gone = (count[r, dst_pack, labels] >= 2)[:, None]  # [A, 1, n] pack b loses a duplicate of y
+        gain = x_gone.astype(np.int8) + y_gone
         if mode == "balance":  # one source pack
             cay = (count[r, src_pack[:, :1], labels] >= 1)[:, None]  # [A, 1, n]
         else:

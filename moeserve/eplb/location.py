@@ -87,6 +87,8 @@ class ExpertLocation:
                 f"physical_to_logical_map must be an integer [layers, slots] array, got {p2l.dtype} "
                 f"{tuple(p2l.shape)}"
             )
+        if p2l.numel() == 0:
+            raise ValueError(f"physical_to_logical_map is empty (shape {tuple(p2l.shape)})")
         p2l = p2l.to("cpu", torch.int64).contiguous()
         num_layers, num_slots = p2l.shape
         gpn = ep_size if num_gpus_per_node is None else num_gpus_per_node
@@ -197,12 +199,21 @@ class ExpertLocation:
 
         A placement holds `physical_to_logical_map` [L, R]. A recorder dump holds `logical_count`
         [steps, L, E] or [L, E] (SGLang's expert_distribution_recorder_*.pt); a placement is planned from it
-        for num_physical_experts slots (required then) and num_groups (default 1). num_layers and
-        num_logical_experts, when given, are checked against the file.
+        for num_physical_experts slots (required then) and num_groups (default 1). num_gpus_per_node
+        defaults to the saved placement's, else all GPUs on one node. num_layers and num_logical_experts,
+        when given, are checked against the file.
         """
         record = _read_record(Path(path))
         if "physical_to_logical_map" in record:
             file_experts = record.get("num_logical_experts")
+            file_gpn = record.get("num_gpus_per_node")
+            if (
+                num_gpus_per_node is None
+                and isinstance(file_gpn, int)
+                and file_gpn > 0
+                and ep_size % file_gpn == 0
+            ):
+                num_gpus_per_node = file_gpn  # the node size the placement was saved with
             loc = cls.from_placement(
                 _as_tensor(record["physical_to_logical_map"]),
                 ep_size,
