@@ -24,6 +24,7 @@ from moeserve.args import ServerArgs
 from moeserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FinishReason,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -238,6 +239,8 @@ class EngineClient:
         elif obj.text is not None:
             if not isinstance(obj.text, str):
                 raise InvalidRequestError("text must be a string")
+            if not obj.text:
+                raise InvalidRequestError("the prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("the server runs without a tokenizer (--skip-tokenizer-init): "
                                           "send input_ids")
@@ -357,11 +360,16 @@ class EngineClient:
                 "meta_info": meta}
 
     async def abort(self, rid: str) -> None:
+        """End a request: the worker frees its KV, and its generate() ends with finish reason 'abort'."""
         with self._lock:
             st = self._states.pop(rid, None)
             if st is not None:
                 self._live_tokens[st.dp_rank] -= st.num_tokens
-        if st is not None and not self.dead_reason:
+        if st is None:
+            return
+        done = TokenOut(rid, [], FinishReason("abort", message="aborted by request"), 0, len(st.output_ids), 0)
+        st.loop.call_soon_threadsafe(st.queue.put_nowait, done)
+        if not self.dead_reason:
             self._send(st.dp_rank, AbortReq(rid))
 
     async def _control(self, msg: Any, reply: type, n: int) -> list:

@@ -116,3 +116,18 @@ def test_generate_cli_bad_flag_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "moeserve.cli", "generate", "--prompt", "x", "--page-size", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--page-size must be >= 1" in out.stderr
+
+
+def test_abort_ends_generate(engine):
+    async def run():
+        agen = engine.client.generate(__import__("moeserve.engine.client", fromlist=["GenerateInput"]).GenerateInput(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 400, "ignore_eos": True}, rid="to-abort",
+            stream=True))
+        first = await agen.__anext__()
+        await engine.client.abort("to-abort")
+        rest = [c async for c in agen]
+        return first, rest
+
+    first, rest = asyncio.run_coroutine_threadsafe(run(), engine._loop).result(timeout=60)
+    assert rest and rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(rest[-1]["output_ids"]) < 400
