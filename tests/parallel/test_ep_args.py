@@ -1,0 +1,35 @@
+"""make_dispatcher's backend choice (no processes): none means allgather when ep_size > 1, bad names fail early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.args import ServerArgs
+from moeserve.ep import make_dispatcher, resolve_backend
+from moeserve.ep.local import LocalDispatcher
+
+
+def test_none_means_allgather_with_ep():
+    assert resolve_backend("none", 1) == "none"
+    assert resolve_backend("none", 2) == "allgather"
+    assert resolve_backend("all2all", 2) == "all2all"
+    with pytest.raises(ValueError, match="unknown MoE dispatch backend"):
+        resolve_backend("deepep", 2)
+
+
+def test_single_rank_none_is_local():
+    assert isinstance(make_dispatcher(ServerArgs(), 8, 8, hidden_size=16, top_k=2), LocalDispatcher)
+
+
+def test_ep_dispatcher_built_lazily_and_checked():
+    # ep_size 2 without a process group: only construction is exercised (the lazy wrapper builds nothing yet)
+    d = make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, ep_group=None, ep_rank=0, ep_size=2)
+    assert d.inner is None and d.comm_bytes == {"dispatch": 0, "combine": 0}
+    with pytest.raises(ValueError, match="deepep-mode"):
+        make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, deepep_mode="fast", ep_size=2, ep_rank=0)
+    with pytest.raises(ValueError, match="per rank"):
+        make_dispatcher("allgather", 8, 8, hidden_size=16, top_k=2, ep_size=2, ep_rank=0)
+    eager = make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, ep_size=2, ep_rank=1, deepep_mode="low_latency",
+                            max_tokens_per_rank=4, dtype=torch.float32, device="cpu")
+    assert eager.low_latency.cap == 4 and eager.normal is None
