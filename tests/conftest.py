@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -11,10 +12,17 @@ from tests.checkpoints import build_checkpoint
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """tiny_checkpoint(name, sharded=False) -> directory of checkpoint `name` (see tests/checkpoints.py SPECS)."""
+    """tiny_checkpoint(name, sharded=False) -> directory of checkpoint `name` (see tests/checkpoints.py SPECS).
+
+    With MOESERVE_TEST_CHECKPOINTS=DIR, DIR/NAME is used where it exists (prebuilt checkpoints for a machine
+    whose transformers differs, e.g. the GPU machine).
+    """
     built: dict[tuple[str, bool], str] = {}
+    prebuilt = os.environ.get("MOESERVE_TEST_CHECKPOINTS")
 
     def get(name: str, sharded: bool = False) -> str:
+        if prebuilt and not sharded and os.path.isdir(os.path.join(prebuilt, name)):
+            return os.path.join(prebuilt, name)
         if (name, sharded) not in built:
             out = tmp_path_factory.mktemp(name + ("-sharded" if sharded else ""))
             built[name, sharded] = build_checkpoint(name, out, sharded=sharded)

@@ -39,7 +39,8 @@ class LocalDispatcher:
         E, align = self.num_experts, self.align
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside a group
-        counts = torch.bincount(flat, minlength=E)[:E]  # [E]
+        # scatter_add, not bincount: bincount reads the max id back to the host (a sync; breaks CUDA graphs)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         padded = (counts + align - 1) // align * align
         offsets = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
         offsets[1:] = torch.cumsum(padded, 0)

@@ -15,11 +15,13 @@ class Runner:
     """Our model plus a KV pool. Requests are keyed by any hashable id; slots come from a shuffled free list
     (starting at page 1, page 0 is scratch), so a request's cache rows are not contiguous."""
 
-    def __init__(self, path: str, num_slots: int = 2048, seed: int = 0, dtype: str = "float32", **server_args):
-        args = ServerArgs(model_path=path, dtype=dtype, device="cpu", **server_args)
-        self.model, self.config = load_model(args, "cpu", show_progress=False)
+    def __init__(self, path: str, num_slots: int = 2048, seed: int = 0, dtype: str = "float32",
+                 device: str = "cpu", **server_args):
+        args = ServerArgs(model_path=path, dtype=dtype, device=device, **server_args)
+        self.device = torch.device(device)
+        self.model, self.config = load_model(args, self.device, show_progress=False)
         kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed" in n)
-        self.pool = self.config.make_kv_pool(num_slots, 1, kv_dtype, "cpu")
+        self.pool = self.config.make_kv_pool(num_slots, 1, kv_dtype, self.device)
         gen = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
         self.slots: dict[object, list[int]] = {}
@@ -41,7 +43,7 @@ class Runner:
             loc += new
             kv += self.slots[rid]
         batch = ForwardBatch.build(ForwardMode.EXTEND, ids, seq_lens, ext, loc, kv, self.pool, return_all_logits)
-        return self.model(batch)
+        return self.model(batch.to(self.device)).cpu()
 
     @torch.no_grad()
     def decode(self, reqs: list[tuple[object, int]]) -> torch.Tensor:
@@ -55,7 +57,7 @@ class Runner:
             loc.append(new)
             kv += self.slots[rid]
         batch = ForwardBatch.build(ForwardMode.DECODE, ids, seq_lens, [1] * len(reqs), loc, kv, self.pool)
-        return self.model(batch)
+        return self.model(batch.to(self.device)).cpu()
 
 
 @torch.no_grad()

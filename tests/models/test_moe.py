@@ -106,7 +106,5 @@ def test_make_dispatcher():
     assert isinstance(make_dispatcher("none", 8, 8), LocalDispatcher)
     with pytest.raises(ValueError, match="allgather or all2all"):
         make_dispatcher("none", 8, 4)
-    with pytest.raises(NotImplementedError, match="allgather"):
-        make_dispatcher("allgather", 8, 4)
     with pytest.raises(ValueError, match="unknown"):
         make_dispatcher("nccl", 8, 8)
