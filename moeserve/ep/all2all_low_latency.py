@@ -72,6 +72,11 @@ class LowLatencyDispatcher:
         """Bytes of the fixed communication buffers of this instance (for the memory log line)."""
         return sum(b.nbytes for b in (self._send_x, self._recv_x, self._send_meta, self._recv_meta))
 
+    def layout_bytes(self, rounds: int = 1) -> int:
+        """Bytes of the MaskedLayout x one step allocates (E_local x rounds*R*cap x H); the experts' output is as
+        large again. Not part of buffer_bytes: it comes from the allocator (the graph pool under CUDA graphs)."""
+        return self.num_local_experts * rounds * self.size * self.cap * self.hidden_size * self.dtype.itemsize
+
     def _reset(self) -> None:
         self._x = self._topk_ids = self._topk_weights = None
         self._rounds = 0

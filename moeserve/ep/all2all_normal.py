@@ -68,7 +68,7 @@ class NormalDispatcher:
         dest_rank, send_token = torch.nonzero(in_rank.T, as_tuple=True)  # rank-major, token order within a rank
         local_ids, weights = local_topk(topk_ids[send_token], topk_weights[send_token], dest_rank[:, None],
                                         self.num_local_experts)
-        send_x = x[send_token]
+        send_x = x.index_select(0, send_token)
         send_meta = pack_meta(local_ids, weights)  # [S, 2k] int32
 
         recv_counts = torch.empty_like(send_counts)

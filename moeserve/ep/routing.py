@@ -149,7 +149,7 @@ def plan_contiguous(local_ids: torch.Tensor, weights: torch.Tensor, num_local_ex
 def scatter_contiguous(rows: torch.Tensor, plan: ContiguousPlan) -> ContiguousLayout:
     """Build the layout from `rows [N, H]`. Padding rows are zero."""
     x = rows.new_zeros(plan.num_rows, rows.shape[1])
-    x[plan.pair_dest] = rows[plan.pair_row]
+    x.index_copy_(0, plan.pair_dest, rows.index_select(0, plan.pair_row))
     return ContiguousLayout(x=x, expert_offsets=plan.offsets.to(torch.int32),
                             num_tokens_per_expert=plan.counts.to(torch.int32))
 
@@ -159,7 +159,8 @@ def combine_contiguous(expert_out: torch.Tensor, plan: ContiguousPlan, num_rows:
 
     Reads only valid layout rows, so padding rows of `expert_out` may hold anything (NaN included)."""
     out = torch.zeros(num_rows, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-    out.index_add_(0, plan.pair_row, expert_out[plan.pair_dest] * plan.pair_weight[:, None])  # fp32 by promotion
+    weighted = expert_out.index_select(0, plan.pair_dest).float().mul_(plan.pair_weight[:, None])
+    out.index_add_(0, plan.pair_row, weighted)
     return out
 
 
@@ -221,6 +222,6 @@ def combine_masked(out_flat: torch.Tensor, plan: MaskedPlan) -> torch.Tensor:
     out = torch.zeros(n, out_flat.shape[1], dtype=torch.float32, device=out_flat.device)
     for j in range(k):
         idx = torch.where(plan.valid[:, j], plan.dest[:, j], 0)
-        picked = out_flat.index_select(0, idx) * plan.weight[:, j, None]  # fp32 by promotion
-        out += torch.where(plan.valid[:, j, None], picked, 0.0)
+        picked = out_flat.index_select(0, idx).float().mul_(plan.weight[:, j, None])
+        out += picked.masked_fill_(~plan.valid[:, j, None], 0.0)  # NaN * 0 would be NaN: fill, not multiply
     return out

@@ -176,6 +176,7 @@ def test_low_latency_has_no_host_reads(monkeypatch, tokens: int, rounds: int) ->
     disp = LowLatencyDispatcher(num_experts=e, hidden_size=h, topk=k, dtype=torch.bfloat16, device="meta",
                                 ep_group=None, ep_rank=1, ep_size=r, max_tokens_per_rank=cap)
     assert disp.buffer_bytes() == 2 * r * cap * (h * 2 + 2 * k * 4)
+    assert disp.layout_bytes(rounds) == (e // r) * rounds * r * cap * h * 2
     batch = dataclasses.replace(ForwardBatch.idle(), global_num_tokens=[tokens, 3, 0, 1])
     x = torch.empty(tokens, h, dtype=torch.bfloat16, device="meta")
     ids = torch.empty(tokens, k, dtype=torch.int64, device="meta")
