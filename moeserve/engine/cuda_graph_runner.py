@@ -49,7 +49,7 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, **i64)
         self.decode_slots = torch.zeros(self.max_bs, self.max_len, **i64)
         self.arange = torch.arange(self.max_bs + 1, **i64)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -101,7 +101,15 @@ class CudaGraphRunner:
             self.decode_slots[b:bs].zero_()
         key = (bs, length)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bs, length)
-        graph, logits = self.graphs[key]
+            try:
+                self.graphs[key] = self._capture(bs, length)
+            except RuntimeError as e:  # some op cannot be captured: run this shape eagerly from now on
+                logger.warning("CUDA graph capture failed for batch %d, length %d; running it eagerly: %s",
+                               bs, length, e)
+                self.graphs[key] = None
+        entry = self.graphs[key]
+        if entry is None:
+            return self.model(batch)
+        graph, logits = entry
         graph.replay()
         return logits[:b]
