@@ -2,10 +2,11 @@
 
 The offline Engine spawns the rank processes. One mixed batch of prompts (32 new greedy tokens each, ignore_eos)
 must be token-identical to the single-rank in-process run of the same checkpoint (which test_generation ties to
-transformers). Configurations: attention TP (tp 2) and DP attention (tp 2, dp 2) x allgather / all2all normal /
-all2all low_latency (ep_max_tokens_per_rank 4, so prefill steps run several rounds) / all2all auto; plus the
+transformers). Configurations: attention TP (tp 2) and DP attention (tp 2, dp 2) x allgather / all2all normal
+(attention TP only) / all2all low_latency (ep_max_tokens_per_rank 4, so prefill steps run several rounds) / all2all auto; plus the
 default backend `none` (allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2) and Mixtral.
-With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards).
+With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
+lone request (one group busy, the other stepping IDLE batches) must match too.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ ATTN = {
     "attn_tp2": dict(tp_size=2),
     "dp2": dict(tp_size=2, enable_dp_attention=True, dp_size=2),
 }
+# DP x a2a_normal is left out to keep the directory near 3 minutes on 2 cores: under DP, auto runs normal mode for
+# every prefill step (and attn_tp2-a2a_normal runs it alone).
 CASES = [(model, f"{a}-{b}", {**ATTN[a], **BACKENDS[b]})
-         for model in ("v3_groups", "qwen3_moe") for a in ATTN for b in BACKENDS]
+         for model in ("v3_groups", "qwen3_moe") for a in ATTN for b in BACKENDS if (a, b) != ("dp2", "a2a_normal")]
 CASES += [
     ("qwen3_moe", "attn_tp2-none", dict(tp_size=2)),  # the default backend: none means allgather for ep_size 2
     ("mixtral", "dp2-a2a_auto", {**ATTN["dp2"], **BACKENDS["a2a_auto"]}),
@@ -74,5 +77,7 @@ def test_multi_rank_greedy_matches_single_rank(tiny_checkpoint, name, config, kw
             # every group prefilled some of the (concurrently submitted) prompts: its radix cache holds them
             assert all(load.num_cached_tokens > 0 for load in loads), loads
             assert all(load.num_running == 0 and load.num_waiting == 0 for load in loads), loads
+            # one request alone: one group works, the other runs IDLE batches through the MoE collectives
+            assert eng.generate(input_ids=_prompts()[2], sampling_params=GREEDY)["output_ids"] == ref[2]
     finally:
         eng.shutdown()
