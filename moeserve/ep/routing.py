@@ -108,49 +108,62 @@ def aligned_offsets(counts: torch.Tensor, align: int) -> torch.Tensor:
 
 @dataclass
 class ContiguousPlan:
-    """Where each valid pair's row goes in a ContiguousLayout. P valid pairs, M layout rows."""
+    """Where each pair's row goes in a ContiguousLayout of M rows. P pairs: the valid ones, or (static) all N*k."""
 
     pair_row: torch.Tensor  # [P] int64, source row of each pair, pairs sorted by (local expert, row, slot)
-    pair_dest: torch.Tensor  # [P] int64, row of the pair in the layout
-    pair_weight: torch.Tensor  # [P] fp32, the pair's top-k weight
+    pair_dest: torch.Tensor  # [P] int64, row of the pair in the layout; M (a spare row) for an invalid pair
+    pair_weight: torch.Tensor  # [P] fp32, the pair's top-k weight, 0 for an invalid pair
     offsets: torch.Tensor  # [E_local + 1] int64, aligned segment starts
     counts: torch.Tensor  # [E_local] int64, valid rows per expert
-    num_rows: int  # M = offsets[-1]
+    num_rows: int  # M: offsets[-1], or (static) the bound N*k + E_local*(align-1) >= offsets[-1]
+    pair_valid: torch.Tensor | None = None  # [P] bool (static plans only; None: every pair is valid)
 
 
 def plan_contiguous(local_ids: torch.Tensor, weights: torch.Tensor, num_local_experts: int,
-                    align: int = 1) -> ContiguousPlan:
+                    align: int = 1, *, static: bool = False) -> ContiguousPlan:
     """Sort the valid pairs of `local_ids [N, k]` (-1 = skip) by local expert, stable in (row, slot) order.
 
     One row per valid pair: a row that names the same expert twice gets two rows in that segment, each with its
-    own weight. Reads M back to the host (normal mode is not graph-capturable anyway)."""
+    own weight. By default M = offsets[-1] is read back to the host (a sync; normal mode syncs anyway).
+    `static`: no host sync, shapes from N and k only (CUDA-graph safe): the layout gets the upper bound of rows,
+    rows past offsets[-1] are zero, and invalid pairs travel along aimed at a spare row. Worth it when most pairs
+    are valid (a single rank); with many ranks most rows would be dead weight for the experts."""
     assert align >= 1
     k = local_ids.shape[1]
+    e = num_local_experts
     flat = local_ids.reshape(-1).long()
-    valid = torch.nonzero(flat >= 0).squeeze(1)  # [P], in (row, slot) order
-    experts = flat[valid]
-    experts_sorted, order = torch.sort(experts, stable=True)
-    pair = valid[order]
-    counts = torch.zeros(num_local_experts, dtype=torch.int64, device=local_ids.device)
+    device = local_ids.device
+    if static:
+        experts_sorted, pair = torch.sort(torch.where(flat >= 0, flat, e), stable=True)  # invalid pairs last
+    else:
+        valid = torch.nonzero(flat >= 0).squeeze(1)  # [P], in (row, slot) order
+        experts_sorted, order = torch.sort(flat[valid], stable=True)
+        pair = valid[order]
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=device)  # the last slot counts invalid pairs
     counts.scatter_add_(0, experts_sorted, torch.ones_like(experts_sorted))
+    counts = counts[:e]
     offsets = aligned_offsets(counts, align)
     unpadded_start = torch.cumsum(counts, 0) - counts
-    rank_in_segment = torch.arange(pair.shape[0], device=local_ids.device) - unpadded_start[experts_sorted]
-    return ContiguousPlan(
-        pair_row=pair // k,
-        pair_dest=offsets[experts_sorted] + rank_in_segment,
-        pair_weight=weights.reshape(-1)[pair].float(),
-        offsets=offsets,
-        counts=counts,
-        num_rows=int(offsets[-1]),
-    )
+    expert = experts_sorted.clamp(max=e - 1)
+    dest = offsets[expert] + torch.arange(pair.shape[0], device=device) - unpadded_start[expert]
+    pair_weight = weights.reshape(-1)[pair].float()
+    pair_valid = None
+    if static:
+        num_rows = flat.shape[0] + e * (align - 1)
+        pair_valid = experts_sorted < e
+        dest = torch.where(pair_valid, dest, num_rows)
+        pair_weight = torch.where(pair_valid, pair_weight, 0.0)
+    else:
+        num_rows = int(offsets[-1])
+    return ContiguousPlan(pair_row=pair // k, pair_dest=dest, pair_weight=pair_weight, offsets=offsets,
+                          counts=counts, num_rows=num_rows, pair_valid=pair_valid)
 
 
 def scatter_contiguous(rows: torch.Tensor, plan: ContiguousPlan) -> ContiguousLayout:
     """Build the layout from `rows [N, H]`. Padding rows are zero."""
-    x = rows.new_zeros(plan.num_rows, rows.shape[1])
+    x = rows.new_zeros(plan.num_rows + (plan.pair_valid is not None), rows.shape[1])  # static: + a spare row
     x.index_copy_(0, plan.pair_dest, rows.index_select(0, plan.pair_row))
-    return ContiguousLayout(x=x, expert_offsets=plan.offsets.to(torch.int32),
+    return ContiguousLayout(x=x[: plan.num_rows], expert_offsets=plan.offsets.to(torch.int32),
                             num_tokens_per_expert=plan.counts.to(torch.int32))
 
 
@@ -159,7 +172,10 @@ def combine_contiguous(expert_out: torch.Tensor, plan: ContiguousPlan, num_rows:
 
     Reads only valid layout rows, so padding rows of `expert_out` may hold anything (NaN included)."""
     out = torch.zeros(num_rows, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-    weighted = expert_out.index_select(0, plan.pair_dest).float().mul_(plan.pair_weight[:, None])
+    dest = plan.pair_dest if plan.pair_valid is None else torch.where(plan.pair_valid, plan.pair_dest, 0)
+    weighted = expert_out.index_select(0, dest).float().mul_(plan.pair_weight[:, None])
+    if plan.pair_valid is not None:
+        weighted.masked_fill_(~plan.pair_valid[:, None], 0.0)  # NaN * 0 would be NaN: fill, not multiply
     out.index_add_(0, plan.pair_row, weighted)
     return out
 

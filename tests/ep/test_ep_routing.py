@@ -65,19 +65,21 @@ def test_token_rank_mask_and_local_topk(case) -> None:
 
 
 @SETTINGS
-@given(routings(), st.integers(1, 5))
-def test_plan_contiguous_matches_python(case, align: int) -> None:
+@given(routings(), st.integers(1, 5), st.booleans())
+def test_plan_contiguous_matches_python(case, align: int, static: bool) -> None:
     ids, weights, e, _ = case  # as if one rank held all E experts
     h = 3
     rows = torch.randn(ids.shape[0], h, generator=torch.Generator().manual_seed(ids.numel()))
-    plan = plan_contiguous(ids, weights, e, align)
+    plan = plan_contiguous(ids, weights, e, align, static=static)
     layout = scatter_contiguous(rows, plan)
     expected_pairs = {x: [(n, j) for n in range(ids.shape[0]) for j in range(ids.shape[1]) if ids[n, j] == x]
                       for x in range(e)}
     counts = [len(expected_pairs[x]) for x in range(e)]
     assert layout.num_tokens_per_expert.tolist() == counts
     assert torch.equal(layout.expert_offsets.long(), aligned_offsets(torch.tensor(counts), align))
-    assert layout.x.shape == (layout.expert_offsets[-1], h)
+    end = int(layout.expert_offsets[-1])
+    assert layout.x.shape == (ids.numel() + e * (align - 1) if static else end, h)
+    assert not layout.x[end:].any()  # static: the rows past the last segment are zero
     for x in range(e):  # each segment: that expert's pairs in (row, slot) order, then zero padding
         lo, hi = int(layout.expert_offsets[x]), int(layout.expert_offsets[x + 1])
         want = [rows[n] for n, _ in expected_pairs[x]]
@@ -85,6 +87,7 @@ def test_plan_contiguous_matches_python(case, align: int) -> None:
         assert torch.equal(got, torch.stack(want) if want else got)
         assert not layout.x[lo + counts[x] : hi].any()
     out = torch.randn_like(layout.x)
+    out[end:] = float("nan")  # never read
     want = torch.zeros(ids.shape[0], h)
     for x in range(e):
         lo = int(layout.expert_offsets[x])
@@ -190,3 +193,13 @@ def test_low_latency_has_no_host_reads(monkeypatch, tokens: int, rounds: int) ->
         disp.combine_a(torch.empty_like(layout.x))
         out = disp.combine_b()
         assert out.shape == x.shape and out.dtype == x.dtype
+
+
+def test_static_contiguous_plan_has_no_host_reads() -> None:
+    n, k, e, h, align = 6, 3, 4, 8, 4
+    ids = torch.empty(n, k, dtype=torch.int64, device="meta")
+    weights = torch.empty(n, k, device="meta")
+    plan = plan_contiguous(ids, weights, e, align, static=True)
+    layout = scatter_contiguous(torch.empty(n, h, device="meta"), plan)
+    assert layout.x.shape == (n * k + e * (align - 1), h) and layout.expert_offsets.shape == (e + 1,)
+    assert combine_contiguous(torch.empty_like(layout.x), plan, n).shape == (n, h)
