@@ -58,6 +58,8 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.is_cuda and (x.shape[1] % 8 or w.shape[1] % 8):  # 16-byte aligned rows for the CUDA kernel
         return False
+    if x.is_cuda and x.dtype != torch.bfloat16:  # other dtypes take a fallback that reads offsets to the host
+        return False
     key = (x.device.type, x.dtype)
     if key not in _PROBED:
         try:
