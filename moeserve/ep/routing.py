@@ -1,4 +1,4 @@
-"""Pure routing helpers shared by every dispatcher: where each (token, top-k slot) pair goes, and in which row.
+"""Routing helpers shared by every dispatcher: where each (token, top-k slot) pair goes, and in which row.
 
 Vocabulary:
 - a *pair* is one (row, slot) of a `topk_ids [N, k]` table; slot value -1 means masked (no expert), skipped.
@@ -6,12 +6,14 @@ Vocabulary:
   there (DeepEP's deduplication), so a row carries `k` local expert ids, -1 where the expert lives elsewhere.
 - physical expert `e` lives on rank `e // num_local_experts` as local expert `e % num_local_experts`.
 
-Two families of helpers:
-- contiguous (normal mode, allgather, single rank): `plan_contiguous` sorts pairs by local expert on the host's
-  terms (it reads the row count back, a host sync), `scatter_contiguous` builds the ContiguousLayout and
-  `combine_contiguous` returns the weighted sum per row.
+All functions are pure tensor code except `max_tokens_over_ranks` (the one agreement between ranks). Two layout
+families:
+- contiguous (normal mode, allgather, single rank): `plan_contiguous` sorts pairs by local expert (reading the row
+  count back to the host, or with `static=True` sized by an upper bound, sync-free), `scatter_contiguous` builds
+  the ContiguousLayout and `combine_contiguous` returns each row's weighted sum.
 - masked (low-latency mode): `plan_masked` places rows into `[E_local, C, H]` with static shapes only, no host
-  sync, so it can be captured in a CUDA graph.
+  sync, so it can be captured in a CUDA graph; `scatter_masked` and `combine_masked` move the rows.
+Weights: the combine helpers apply the top-k weights (on the rank that ran the experts) and sum in fp32.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def aligned_offsets(counts: torch.Tensor, align: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Contiguous layout (normal mode, allgather, single rank): data-dependent M, one host sync
+# Contiguous layout (normal mode, allgather, single rank)
 
 
 @dataclass
