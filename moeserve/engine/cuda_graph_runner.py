@@ -53,7 +53,10 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and batch.decode_slots is not None
+        # NOTE: with several DP groups, ranks would need to agree on one padded batch size (and an idle rank on
+        # the dispatch rounds); until the header carries that, multi-group steps run eagerly.
+        one_group = batch.global_num_tokens is None or len(batch.global_num_tokens) == 1
+        return (one_group and batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and batch.decode_slots is not None
                 and batch.decode_slots.shape[1] <= self.max_len and not batch.return_all_logits)
 
     def _static_batch(self, bs: int, length: int) -> ForwardBatch:
@@ -65,6 +68,7 @@ class CudaGraphRunner:
             kv_indptr=self.arange[: bs + 1] * length, qo_indptr=self.arange[: bs + 1], kv_pool=self.kv_pool,
             seq_lens_cpu=[length] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[length - 1] * bs,
             logits_indices=self.arange[:bs], decode_slots=self.decode_slots[:bs, :length],
+            global_num_tokens=[bs],  # the dispatch rounds of a low-latency EP step follow the padded size
         )
 
     def _capture(self, bs: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
