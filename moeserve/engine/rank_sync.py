@@ -38,7 +38,7 @@ class RankSync:
         if self.group_size == 1:
             return msgs
         box = [msgs if self.is_leader else None]
-        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_group)
+        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
         return box[0]
 
     def exchange_header(self, num_tokens: int, is_extend: bool) -> tuple[list[int], bool]:
@@ -47,7 +47,7 @@ class RankSync:
             return [num_tokens], is_extend
         t = torch.tensor([num_tokens, int(is_extend)], dtype=torch.int64)
         out = torch.zeros(self.state.world_size * 2, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
-        _all_gather(out, t, group=self.state.world_group)
+        _all_gather(out, t, group=self.state.world_cpu_group)
         out = out.view(self.state.world_size, 2)
         per_group = out[:: self.group_size, 0].tolist()
         return per_group, bool(out[:, 1].any())
@@ -57,6 +57,6 @@ class RankSync:
         if self.group_size == 1:
             return sample
         box = [(sample.next_token_ids, sample.logprobs, sample.top_logprobs) if self.is_leader else None]
-        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_group)
+        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
         sample.next_token_ids, sample.logprobs, sample.top_logprobs = box[0]
         return sample

@@ -23,6 +23,9 @@ class ParallelState:
     world_group: dist.ProcessGroup | None = None
     attn_tp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
+    # gloo twins for the host-side control collectives (lock-step header, request fan-out) under NCCL
+    world_cpu_group: dist.ProcessGroup | None = None
+    attn_tp_cpu_group: dist.ProcessGroup | None = None
 
     @property
     def attn_tp_rank(self) -> int:
@@ -60,9 +63,18 @@ def init_parallel_state(world_size: int, rank: int, dp_size: int, ep_size: int) 
             grp = dist.new_group(ranks) if attn_tp > 1 and attn_tp < world_size else (world if attn_tp > 1 else None)
             if rank in ranks:
                 attn_group = grp
+    world_cpu = attn_cpu = None
+    if world_size > 1:
+        world_cpu = dist.new_group(list(range(world_size)), backend="gloo")
+        for g in range(dp_size):
+            ranks = list(range(g * attn_tp, (g + 1) * attn_tp))
+            grp = dist.new_group(ranks, backend="gloo") if attn_tp > 1 else None
+            if rank in ranks:
+                attn_cpu = grp
     state = ParallelState(
         world_size=world_size, rank=rank, dp_size=dp_size, attn_tp_size=attn_tp, ep_size=ep_size,
         world_group=world, attn_tp_group=attn_group, ep_group=world if ep_size > 1 else None,
+        world_cpu_group=world_cpu, attn_tp_cpu_group=attn_cpu,
     )
     set_parallel_state(state)
     return state
