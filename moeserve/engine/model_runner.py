@@ -18,6 +18,14 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 CPU_DEFAULT_MAX_TOKENS = 1 << 17
 
 
+def _graph_safe_dispatch(args: ServerArgs) -> bool:
+    """Decode can be captured unless its MoE dispatch reads counts on the host (allgather, normal all2all)."""
+    from moeserve.ep import resolve_backend
+
+    backend = resolve_backend(args.moe_a2a_backend, args.ep_size)
+    return backend == "none" or (backend == "all2all" and args.deepep_mode != "normal")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,7 +55,7 @@ class ModelRunner:
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = self.config.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device)
         self.graph_runner = None
-        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph and _graph_safe_dispatch(server_args):
             from moeserve.engine.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
