@@ -11,6 +11,7 @@ A model's whole input is a ForwardBatch; its output is float32 logits.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.engine.tbo_split import should_use_tbo, tbo_enabled
 from moeserve.layers.attention.gqa import GQAttention
 from moeserve.layers.attention.mla import MLAttention
 from moeserve.layers.attention.ops import AttentionMetadata
@@ -27,6 +29,9 @@ from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.config import ModelConfig
+
+from moeserve.models.tbo import MicroBatchState, run_two_batch_overlap
+from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs
@@ -53,6 +58,27 @@ class DecoderLayer(nn.Module):
         ffn = getattr(self, self.ffn_name)
         x = self.post_attention_layernorm(h)
         return h + (ffn(x, batch) if self.is_moe else ffn(x))
+
+    def stages(self, mb: MicroBatchState, index: int) -> Generator[None, None, None]:
+        """The same layer as stages for two-batch overlap (moeserve/models/tbo.py): updates mb.h and yields
+        while a dispatch or combine is in flight. `index` (0 = A, 1 = B) picks the MoE dispatcher.
+
+            attention -> [dense MLP]                      (a dense layer: no yield)
+            attention -> gate -> dispatch_a    | yield   (dispatch in flight)
+            dispatch_b -> experts -> combine_a | yield   (combine in flight)
+            shared experts -> combine_b -> residual
+        """
+        h = mb.h + self.self_attn(self.input_layernorm(mb.h), mb.meta)
+        ffn = getattr(self, self.ffn_name)
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            mb.h = h + ffn(x)
+            return
+        ffn.op_dispatch_a(x, mb.batch, index)
+        yield
+        ffn.op_experts(index)
+        yield
+        mb.h = h + ffn.op_combine(x, index)
 
 
 class DecoderModel(nn.Module):
@@ -82,14 +108,18 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rotary_dim, config.rope)
         self.model = DecoderModel(config, self.rotary, server_args, self.moe_name, self.expert_names)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.tbo_enabled, self.tbo_threshold = tbo_enabled(server_args)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
         cos, sin = self.rotary(batch.positions)
-        meta = AttentionMetadata.build(batch, cos, sin)
         h = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            h = layer(h, meta, batch)
+        if should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold, get_parallel_state().world_size):
+            h = run_two_batch_overlap(self.model.layers, batch, h, cos, sin)
+        else:
+            meta = AttentionMetadata.build(batch, cos, sin)
+            for layer in self.model.layers:
+                h = layer(h, meta, batch)
         if not batch.return_all_logits:
             rows = batch.logits_indices if batch.logits_indices is not None else batch.qo_indptr[1:] - 1
             h = h[rows]

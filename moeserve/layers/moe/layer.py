@@ -73,11 +73,27 @@ class MoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts else None
         )
-        self.dispatcher = make_dispatcher(server_args if server_args is not None else "none", num_physical, num_local,
-                                          hidden_size=config.hidden_size, top_k=self.top_k)
+        def dispatcher():
+            return make_dispatcher(server_args if server_args is not None else "none", num_physical, num_local,
+                                   hidden_size=config.hidden_size, top_k=self.top_k)
+
+        self.dispatcher = dispatcher()
+        # Two-batch overlap: micro-batch B needs its own dispatcher (each keeps state between its a and b halves);
+        # micro-batch A uses `dispatcher`, like a step without overlap.
+        tbo = server_args is not None and getattr(server_args, "enable_two_batch_overlap", False)
+        self.dispatchers = (self.dispatcher, dispatcher()) if tbo else (self.dispatcher,)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. Runs even for T = 0 (an IDLE rank still joins the dispatch collectives)."""
+        self.op_dispatch_a(x, batch)
+        self.op_experts()
+        return self.op_combine(x)
+
+    # The same computation as stages, for two-batch overlap (moeserve/models/tbo.py). `mb` picks the dispatcher
+    # (0: micro-batch A or no overlap, 1: micro-batch B). Between op_dispatch_a and op_experts the dispatch is in
+    # flight; between op_experts and op_combine the combine is.
+    def op_dispatch_a(self, x: torch.Tensor, batch: ForwardBatch | Any = None, mb: int = 0) -> None:
+        """gate -> select_experts -> (recorder) -> dispatch_a."""
         topk_ids, topk_weights = select_experts(
             self.gate(x), self.top_k, scoring_func=self.scoring_func, topk_method=self.topk_method,
             n_group=self.n_group, topk_group=self.topk_group, correction_bias=self.gate.e_score_correction_bias,
@@ -85,10 +101,15 @@ class MoE(nn.Module):
         )
         if _recorder is not None:
             _recorder.on_select_experts(self.layer_id, topk_ids)
-        self.dispatcher.dispatch_a(x, topk_ids, topk_weights, batch)
-        expert_out = self.experts(self.dispatcher.dispatch_b())
-        self.dispatcher.combine_a(expert_out)
-        y = self.dispatcher.combine_b()
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        self.dispatchers[mb].dispatch_a(x, topk_ids, topk_weights, batch)
+
+    def op_experts(self, mb: int = 0) -> None:
+        """dispatch_b (wait) -> experts -> combine_a (issue)."""
+        d = self.dispatchers[mb]
+        d.combine_a(self.experts(d.dispatch_b()))
+
+    def op_combine(self, x: torch.Tensor, mb: int = 0) -> torch.Tensor:
+        """Shared experts (while the combine is in flight), then combine_b (wait) and the sum."""
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        y = self.dispatchers[mb].combine_b()
+        return y + shared if shared is not None else y

@@ -1,0 +1,161 @@
+"""Two-batch overlap (TBO), part 1: when to overlap, and how one ForwardBatch becomes two micro-batches.
+
+Split rule: micro-batch A takes the first ceil(T/2) new tokens of the step, B the other floor(T/2).
+- DECODE (one token per request): that is A = the first ceil(B/2) requests, B = the rest (a split by sequences).
+- EXTEND: token-balanced. The request that straddles the midpoint is cut in two: its first part (positions
+  prefix .. prefix + n_A - 1) goes to A, its second part to B with prefix_len = prefix + n_A, the same seq_len and
+  the same KV slots. B's part reads the KV that A's part writes: the executor runs A's attention of a layer before
+  B's attention of the same layer, so those rows are in the cache when B reads them.
+- IDLE, or a side with no tokens: an IDLE micro-batch (it still joins every collective).
+
+Because the cut is a fixed fraction of the token count, every rank knows every other rank's micro-batch sizes from
+the lock-step header alone: micro-batch A's header is [ceil(t/2) for t in global_num_tokens], B's [t // 2]. The
+EP dispatchers size their buffers / rounds from it, so no extra communication is needed.
+
+The two parts are contiguous token ranges [0, s) and [s, T), so merging hidden states (or all-token logits) back is
+`torch.cat([a, b])`; with the default logits rows (last token of each request), A's rows followed by B's rows are
+the parent's rows in order (a cut request has its last token in B). `merge_rows` does it for any row set.
+
+Decision (`should_use_tbo`): every rank must take the same path (a TBO layer issues twice the collectives), so it
+depends only on the header, the same list on every rank: enabled and max(global_num_tokens) >= tbo_token_threshold.
+A rank with no tokens then runs two IDLE micro-batches. Without a header (one rank, no lock-step) the local token
+count decides; a multi-rank run without a header never overlaps (the ranks could disagree).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.engine.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from moeserve.args import ServerArgs
+
+
+def should_use_tbo(batch: ForwardBatch, enabled: bool, threshold: int, world_size: int = 1) -> bool:
+    """Whether this step runs as two micro-batches. The same answer on every rank (see the module doc)."""
+    if not enabled:
+        return False
+    if batch.global_num_tokens:
+        return max(batch.global_num_tokens) >= max(threshold, 1)
+    if world_size > 1:
+        return False
+    return batch.num_tokens >= max(threshold, 1)
+
+
+def tbo_enabled(server_args: ServerArgs | None) -> tuple[bool, int]:
+    if server_args is None:
+        return False, 0
+    return bool(getattr(server_args, "enable_two_batch_overlap", False)), int(getattr(server_args,
+                                                                                       "tbo_token_threshold", 1))
+
+
+def split_point(num_tokens: int) -> int:
+    """Tokens [0, s) go to micro-batch A, [s, T) to B."""
+    return (num_tokens + 1) // 2
+
+
+def micro_headers(global_num_tokens: list[int] | None) -> tuple[list[int] | None, list[int] | None]:
+    """The lock-step headers of micro-batches A and B (exact per-rank token counts, see split_point)."""
+    if global_num_tokens is None:
+        return None, None
+    return [split_point(t) for t in global_num_tokens], [t - split_point(t) for t in global_num_tokens]
+
+
+def _idle_like(batch: ForwardBatch, header: list[int] | None) -> ForwardBatch:
+    dev = batch.input_ids.device
+    out = ForwardBatch.idle(batch.kv_pool)
+    out = out.to(dev) if dev.type != "cpu" else out
+    out.global_num_tokens, out.any_extend = header, batch.any_extend
+    out.return_all_logits = batch.return_all_logits
+    return out
+
+
+def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+    """Micro-batches A and B of `batch` (see the module doc). Host-side bookkeeping only: no device sync."""
+    T = batch.num_tokens
+    s = split_point(T)
+    head_a, head_b = micro_headers(batch.global_num_tokens)
+    if T == 0 or batch.mode.is_idle:
+        return _idle_like(batch, head_a), _idle_like(batch, head_b)
+    ext, seq, pre = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.prefix_lens_cpu
+    B = len(ext)
+    qo = [0] * (B + 1)
+    kv = [0] * (B + 1)
+    for b in range(B):
+        qo[b + 1] = qo[b] + ext[b]
+        kv[b + 1] = kv[b] + seq[b]
+    # request j is the first one not entirely in A (qo[j + 1] > s); it is cut when it starts before s
+    j = next((b for b in range(B) if qo[b + 1] > s), B)
+    cut = j < B and qo[j] < s
+    n_a = s - qo[j] if cut else 0  # tokens of request j that go to A
+
+    # A: requests [0, j) whole, plus the first n_a tokens of request j
+    a_ext, a_seq, a_pre = ext[:j], seq[:j], pre[:j]
+    b_ext, b_seq, b_pre = ext[j:], seq[j:], pre[j:]
+    a_kv_end = kv[j]
+    if cut:
+        a_ext, a_seq, a_pre = a_ext + [n_a], a_seq + [pre[j] + n_a], a_pre + [pre[j]]
+        b_ext = [ext[j] - n_a] + b_ext[1:]
+        b_pre = [pre[j] + n_a] + b_pre[1:]
+        a_kv_end = kv[j] + pre[j] + n_a
+    a_req, b_req = (slice(0, j + 1) if cut else slice(0, j)), slice(j, B)
+
+    def part(tok: slice, req: slice, kv_rows: slice, e: list[int], sq: list[int], pf: list[int],
+             header: list[int] | None) -> ForwardBatch:
+        if not e:
+            return _idle_like(batch, header)
+        dev = batch.input_ids.device
+        i64 = torch.int64
+        qo_p = [0]
+        kv_p = [0]
+        for n, L in zip(e, sq, strict=True):
+            qo_p.append(qo_p[-1] + n)
+            kv_p.append(kv_p[-1] + L)
+        logits_rows = None
+        if not batch.return_all_logits:
+            # the last token of every request whose last token is in this part (A's cut request has none)
+            logits_rows = [qo_p[i + 1] - 1 for i in range(len(e))
+                           if e[i] > 0 and not (cut and req is a_req and i == len(e) - 1)]
+            logits_rows = torch.tensor(logits_rows, dtype=i64).to(dev, non_blocking=True)
+        decode_slots = batch.decode_slots[req] if batch.decode_slots is not None else None
+        return ForwardBatch(
+            mode=batch.mode,
+            input_ids=batch.input_ids[tok],
+            positions=batch.positions[tok],
+            seq_lens=torch.tensor(sq, dtype=i64).to(dev, non_blocking=True),
+            extend_lens=torch.tensor(e, dtype=i64).to(dev, non_blocking=True),
+            prefix_lens=torch.tensor(pf, dtype=i64).to(dev, non_blocking=True),
+            out_cache_loc=batch.out_cache_loc[tok],
+            kv_indices=batch.kv_indices[kv_rows],
+            kv_indptr=torch.tensor(kv_p, dtype=i64).to(dev, non_blocking=True),
+            qo_indptr=torch.tensor(qo_p, dtype=i64).to(dev, non_blocking=True),
+            kv_pool=batch.kv_pool,
+            seq_lens_cpu=list(sq), extend_lens_cpu=list(e), prefix_lens_cpu=list(pf),
+            global_num_tokens=header, any_extend=batch.any_extend,
+            logits_indices=logits_rows, return_all_logits=batch.return_all_logits,
+            decode_slots=decode_slots,
+        )
+
+    a = part(slice(0, s), a_req, slice(0, a_kv_end), a_ext, a_seq, a_pre, head_a)
+    b = part(slice(s, T), b_req, slice(kv[j], kv[B]), b_ext, b_seq, b_pre, head_b)
+    return a, b
+
+
+def merge_rows(parent: ForwardBatch, a_rows: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
+    """Per-token outputs of A and B (hidden states, or all-token logits) -> the parent's token order."""
+    del parent
+    return torch.cat([a_rows, b_rows], dim=0)
+
+
+def merge_logits(parent: ForwardBatch, a: ForwardBatch, b: ForwardBatch, a_logits: torch.Tensor,
+                 b_logits: torch.Tensor) -> torch.Tensor:
+    """Logits of the micro-batches' own logits rows -> the parent's default rows (last token of each request)."""
+    del parent, a, b
+    return torch.cat([a_logits, b_logits], dim=0)
+
+
+__all__ = ["merge_logits", "merge_rows", "micro_headers", "should_use_tbo", "split_batch", "split_point",
+           "tbo_enabled"]
