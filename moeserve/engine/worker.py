@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class WorkerReady:
 
 def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
     """Entry point of a rank process. Never raises: a fatal error is reported to the client, then we exit."""
+    # The server process decides when workers stop (ShutdownReq, then terminate): a Ctrl-C in the terminal
+    # reaches the whole process group, and must not kill a worker mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -209,5 +213,8 @@ class WorkerLoop:
                 "cached %d, retracted %d", gen / dt, pre / dt, load.num_running, load.num_waiting,
                 load.kv_used_tokens, load.kv_total_tokens, 100 * load.kv_used_tokens / max(load.kv_total_tokens, 1),
                 load.num_cached_tokens, st.retractions)
+        util = self.runner.expert_utilization_line(dt)  # also on ranks whose own group is idle
+        if util:
+            logger.info("%s", util)
         self.last_log = now
         self.last_counts = (st.generated, st.prefilled)

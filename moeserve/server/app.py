@@ -221,7 +221,7 @@ def run_server(server_args: Any) -> None:
         app = build_app(client)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=getattr(server_args, "log_level", "info"), access_log=False,
-                                timeout_keep_alive=30, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
         server = _Server(config)
         server.moeserve_ctx = app.state.ctx
         server.run()
