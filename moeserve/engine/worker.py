@@ -82,7 +82,9 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     local_rank = rank % (world // server_args.nnodes)
     on_cuda = server_args.device == "cuda" or (server_args.device == "auto" and torch.cuda.is_available())
     if not on_cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world // server_args.nnodes)))
+        # One core stays with the server process (HTTP, tokenizer); oversubscribed OpenMP threads spin-wait
+        # on each other and can make a step ten times slower.
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // (world // server_args.nnodes)))
     if world > 1 or server_args.moe_a2a_backend != "none":  # EP dispatchers talk through a process group
         import datetime
 
