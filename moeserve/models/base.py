@@ -29,7 +29,6 @@ from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.config import ModelConfig
-
 from moeserve.models.tbo import MicroBatchState, run_two_batch_overlap
 from moeserve.parallel.state import get_parallel_state
 
@@ -114,7 +113,9 @@ class CausalLM(nn.Module):
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
         cos, sin = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
-        if should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold, get_parallel_state().world_size):
+        # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
+        if (should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold, get_parallel_state().world_size)
+                and not (h.is_cuda and torch.cuda.is_current_stream_capturing())):
             h = run_two_batch_overlap(self.model.layers, batch, h, cos, sin)
         else:
             meta = AttentionMetadata.build(batch, cos, sin)
