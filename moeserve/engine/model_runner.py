@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,7 @@ from moeserve.args import ServerArgs
 from moeserve.engine.forward_batch import ForwardBatch
 from moeserve.engine.request import Req
 from moeserve.engine.sampler import SampleOutput, SamplingBatch, sample
+from moeserve.ep.stats import enable_local_expert_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,67 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class _EPInfo:
+    """This rank's share of the MoE layers, for the memory and expert-utilization log lines."""
+
+    rank: int
+    world_size: int
+    ep_rank: int
+    ep_size: int
+    num_moe_layers: int
+    num_local_experts: int  # per MoE layer (physical expert slots on this rank)
+    num_physical_experts: int  # per MoE layer, over all EP ranks
+    expert_bytes: int  # routed experts' weights on this rank, all layers
+    backend: str | None  # the dispatch backend that runs (None: no MoE layer)
+    backend_desc: str
+    dispatch_buffer_bytes: int  # fixed buffers of the dispatchers (all2all low-latency); 0 for the others
+
+    @classmethod
+    def collect(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> _EPInfo:
+        """Walks the model's MoE layers. Lazily built EP dispatchers are built here (`prepare`: buffers allocated
+        now, before the KV pool is sized from the free memory), so their buffer bytes are real allocations."""
+        from moeserve.layers.moe.layer import MoE
+        from moeserve.parallel.state import get_parallel_state
+
+        ps = get_parallel_state()
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        dispatchers = []
+        for m in moes:
+            for v in vars(m).values():  # the layer's dispatcher(s): one, or one per micro-batch
+                for d in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if hasattr(d, "dispatch_a") and hasattr(d, "combine_b") and all(d is not e for e in dispatchers):
+                        dispatchers.append(d)
+        for d in dispatchers:
+            if hasattr(d, "prepare"):
+                d.prepare(dtype, device)
+        buffer_bytes = sum(d.buffer_bytes() for d in dispatchers if hasattr(d, "buffer_bytes"))
+        backend, desc = None, ""
+        if moes:
+            inner = getattr(moes[0].dispatcher, "inner", moes[0].dispatcher)
+            backend = {"LocalDispatcher": "none", "AllGatherDispatcher": "allgather",
+                       "AutoDispatcher": "all2all"}.get(type(inner).__name__, type(inner).__name__)
+            desc = backend
+            if backend == "all2all":
+                ll = getattr(inner, "low_latency", None)
+                desc = f"all2all {inner.deepep_mode}"
+                if ll is not None:
+                    desc += (f", low-latency slots of {ll.cap} tokens x {ll.size} ranks in each of "
+                             f"{len(dispatchers)} dispatchers")
+        local = moes[0].experts.num_local_experts if moes else 0
+        return cls(rank=ps.rank, world_size=ps.world_size, ep_rank=ps.ep_rank, ep_size=ps.ep_size,
+                   num_moe_layers=len(moes), num_local_experts=local, num_physical_experts=local * ps.ep_size,
+                   expert_bytes=sum(p.nbytes for m in moes for p in m.experts.parameters()),
+                   backend=backend, backend_desc=desc, dispatch_buffer_bytes=buffer_bytes)
+
+
 class ModelRunner:
     """Loads the model on this rank's device, sizes the KV pool from the memory budget, runs steps."""
 
@@ -48,6 +111,7 @@ class ModelRunner:
         self.model, self.config = load_model(server_args, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.ep = _EPInfo.collect(self.model, self.dtype, self.device)  # dispatch buffers allocated before the KV pool
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
         self.vocab_size = self.config.vocab_size
@@ -61,11 +125,42 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_pool, min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
                 self.context_length, self.device)
-        logger.info(
-            "Memory: weights %.2f GiB, KV pool %.2f GiB (%d tokens, page size %d), dtype %s, device %s",
-            self.weight_bytes / 2**30, self.kv_pool.total_bytes / 2**30, self.num_pages * server_args.page_size,
-            server_args.page_size, str(self.dtype).removeprefix("torch."), self.device,
-        )
+        self.expert_tokens = (enable_local_expert_tokens(self.ep.num_local_experts, self.device)
+                              if self.ep.num_moe_layers else None)
+        logger.info("%s", self.memory_line())
+
+    def memory_line(self) -> str:
+        """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""
+        ep, a = self.ep, self.args
+        experts = ""
+        if ep.num_moe_layers:
+            experts = (f" (routed experts {_fmt_bytes(ep.expert_bytes)}: {ep.num_local_experts} of "
+                       f"{ep.num_physical_experts} experts in each of {ep.num_moe_layers} MoE layers)")
+        buffers = ""
+        if ep.backend not in ("none", None):
+            buffers = f", EP dispatch buffers {_fmt_bytes(ep.dispatch_buffer_bytes)} ({ep.backend_desc})"
+        return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
+                f"{_fmt_bytes(self.weight_bytes)}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
+                f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "
+                f"{str(self.dtype).removeprefix('torch.')}, device {self.device}")
+
+    def expert_utilization_line(self, interval_s: float) -> str | None:
+        """Pairs this rank's experts computed since the last call (one host sync), as a log line; None when there
+        were none (or the model has no MoE layer). The worker calls it from its periodic log."""
+        if self.expert_tokens is None:
+            return None
+        counts = self.expert_tokens.take()
+        total = sum(counts)
+        if not total:
+            return None
+        ep = self.ep
+        first = ep.ep_rank * ep.num_local_experts
+        mean = total / len(counts)
+        return (f"Expert utilization: rank {ep.rank} (EP rank {ep.ep_rank}/{ep.ep_size}, experts "
+                f"{first}-{first + ep.num_local_experts - 1} of {ep.num_physical_experts}): {total} token-expert "
+                f"pairs over {ep.num_moe_layers} MoE layers in {interval_s:.1f} s ({total / interval_s:.1f}/s, "
+                f"{total / ep.num_moe_layers / interval_s:.1f}/s per layer), busiest local expert "
+                f"{max(counts) / mean:.2f}x the mean, idlest {min(counts) / mean:.2f}x")
 
     def _num_kv_pages(self) -> int:
         a = self.args

@@ -45,10 +45,16 @@ class _LazyDispatcher:
         self.inner: Any = None
         self._key: tuple | None = None  # (dtype, device) the inner dispatcher was built for
 
+    def prepare(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Build the real dispatcher now (its buffers allocated) for activations of this dtype and device; a first
+        dispatch_a with the same dtype and device then reuses it. No communication: safe on one rank alone."""
+        key = (dtype, torch.device(device))
+        if self._key != key:
+            self.inner, self._key = self._build(dtype, key[1]), key
+
     def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    batch: ForwardBatch | None = None) -> None:
-        if self._key != (x.dtype, x.device):
-            self.inner, self._key = self._build(x.dtype, x.device), (x.dtype, x.device)
+        self.prepare(x.dtype, x.device)
         self.inner.dispatch_a(x, topk_ids, topk_weights, batch)
 
     def dispatch_b(self):

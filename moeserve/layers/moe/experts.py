@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
+from moeserve.ep.stats import record_local_tokens
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.moe.grouped_gemm import grouped_gemm
 from moeserve.layers.weights import WeightSpec
@@ -38,10 +39,12 @@ class Experts(nn.Module):
     def forward(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
+            record_local_tokens(layout.masked_m)  # expert utilization, accumulated on the device (ep/stats.py)
             # Rows past masked_m[e] are computed too and ignored by combine: static shapes for CUDA graphs.
             h = silu_and_mul(torch.bmm(layout.x, self.w13.transpose(1, 2)))
             return torch.bmm(h, self.w2.transpose(1, 2))
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
+        record_local_tokens(counts)
         h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
         return grouped_gemm(h, self.w2, offs, counts)
 
