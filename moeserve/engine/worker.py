@@ -14,7 +14,6 @@ import zmq
 
 from moeserve.args import ServerArgs
 from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.rank_sync import RankSync
 from moeserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -25,6 +24,7 @@ from moeserve.engine.io_struct import (
     ShutdownReq,
     WorkerError,
 )
+from moeserve.engine.rank_sync import RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
 
     from moeserve.engine.model_runner import ModelRunner
     from moeserve.engine.scheduler import Scheduler
-
     from moeserve.parallel.state import init_parallel_state
 
     world = server_args.tp_size
