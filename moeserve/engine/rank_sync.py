@@ -41,16 +41,17 @@ class RankSync:
         dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
         return box[0]
 
-    def exchange_header(self, num_tokens: int, is_extend: bool) -> tuple[list[int], bool]:
-        """Tokens of every DP group this step (the same list on all ranks) and whether any group prefills."""
+    def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False) -> tuple[list[int], bool, bool]:
+        """Tokens of every DP group this step (the same list on all ranks), whether any group prefills, and
+        whether any rank is shutting down (then every rank leaves its loop at the same step)."""
         if not self.multi:
-            return [num_tokens], is_extend
-        t = torch.tensor([num_tokens, int(is_extend)], dtype=torch.int64)
-        out = torch.zeros(self.state.world_size * 2, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+            return [num_tokens], is_extend, stop
+        t = torch.tensor([num_tokens, int(is_extend), int(stop)], dtype=torch.int64)
+        out = torch.zeros(self.state.world_size * 3, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
         _all_gather(out, t, group=self.state.world_cpu_group)
-        out = out.view(self.state.world_size, 2)
+        out = out.view(self.state.world_size, 3)
         per_group = out[:: self.group_size, 0].tolist()
-        return per_group, bool(out[:, 1].any())
+        return per_group, bool(out[:, 1].any()), bool(out[:, 2].any())
 
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""

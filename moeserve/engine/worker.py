@@ -116,12 +116,16 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     loop.run()
 
 
-def run_step(scheduler, runner, sync: RankSync | None = None) -> list:
-    """One scheduler step on one rank: schedule, (header), forward, sample, process. Returns the TokenOuts."""
-    batch = scheduler.schedule()
+def run_step(scheduler, runner, sync: RankSync | None = None, stop: bool = False) -> list | None:
+    """One scheduler step on one rank: schedule, (header), forward, sample, process. Returns the TokenOuts,
+    or None when some rank is shutting down (multi-rank: every rank learns it from the same header)."""
     if sync is not None and sync.multi:
+        batch = None if stop else scheduler.schedule()
         num_tokens = batch.forward.num_tokens if batch else 0
-        global_tokens, any_extend = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend))
+        global_tokens, any_extend, any_stop = sync.exchange_header(
+            num_tokens, bool(batch and batch.mode.is_extend), stop)
+        if any_stop:
+            return None
         if not any(global_tokens):
             return []
         fb = batch.forward if batch else ForwardBatch.idle()
@@ -129,8 +133,12 @@ def run_step(scheduler, runner, sync: RankSync | None = None) -> list:
         if batch is None:
             runner.forward(fb)  # join the MoE collectives with no tokens
             return []
-    if batch is None:
-        return []
+    else:
+        if stop:
+            return None
+        batch = scheduler.schedule()
+        if batch is None:
+            return []
     logits = runner.forward(batch.forward)
     sampling_reqs = scheduler.sampling_inputs(batch)
     if sampling_reqs:
@@ -159,12 +167,12 @@ class WorkerLoop:
         self.last_counts = (0, 0)
 
     def run(self) -> None:
-        while self.running:
+        while True:
             for msg in self.sync.share_messages(self._recv(block=not self.scheduler.has_work())):
                 self._handle(msg)
-            if not self.running:
+            outs = run_step(self.scheduler, self.runner, self.sync, stop=not self.running)
+            if outs is None:
                 break
-            outs = run_step(self.scheduler, self.runner, self.sync)
             outs += self.scheduler.drain_pending()
             if outs and self.sync.is_leader:
                 self._reply(BatchTokenOut(outs, self.scheduler.get_load()))
