@@ -66,7 +66,8 @@ def cmd_generate(argv: list[str]) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     kinds = {"one-batch": "moeserve.bench.one_batch", "serving": "moeserve.bench.serving",
-             "dispatch": "moeserve.bench.dispatch"}
+             "offline": "moeserve.bench.offline", "dispatch": "moeserve.bench.dispatch",
+             "tbo": "moeserve.bench.tbo"}
     if not argv or argv[0] not in kinds:
         print(f"usage: moeserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: moeserve {serve,generate,bench,eplb} [options]\n"
               "  serve     start the HTTP server (default model: the embedded tiny DeepSeek-V3)\n"
               "  generate  one-shot generation for a prompt\n"
-              "  bench     one-batch | serving | dispatch benchmarks\n"
+              "  bench     one-batch | serving | offline | dispatch | tbo benchmarks\n"
               "  eplb      expert-placement tools: synth, analyze, simulate, plan", file=sys.stderr)
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
