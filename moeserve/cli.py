@@ -28,6 +28,14 @@ def _args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Se
 def cmd_serve(argv: list[str]) -> int:
     parser = _server_parser("moeserve serve", "Start the OpenAI- and SGLang-compatible HTTP server.")
     args = _args_or_exit(parser, parser.parse_args(argv))
+    if args.node_rank > 0:  # every node runs the same command; only node 0 serves HTTP
+        from moeserve.engine.launch import run_worker_node
+
+        if args.model_path is None:
+            from moeserve.models.default_model import default_model_path
+
+            args.model_path = default_model_path()
+        return run_worker_node(args)
     from moeserve.server.app import run_server
 
     run_server(args)

@@ -34,7 +34,7 @@ from moeserve.engine.io_struct import (
     TokenOut,
     WorkerError,
 )
-from moeserve.engine.launch import cleanup_ipc, make_ports, start_workers, stop_workers
+from moeserve.engine.launch import bind_addr, cleanup_ipc, make_ports, start_workers, stop_workers
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.worker import WorkerReady
 
@@ -88,6 +88,9 @@ class EngineClient:
     def __init__(self, server_args: ServerArgs):
         from moeserve.models.config import ModelConfig
 
+        if server_args.node_rank != 0:
+            raise ValueError("the engine client runs on node 0; other nodes run only their ranks "
+                             "(moeserve serve with --node-rank > 0 does that)")
         if server_args.model_path is None:
             from moeserve.models.default_model import default_model_path
 
@@ -113,11 +116,11 @@ class EngineClient:
         self.ports = make_ports(server_args)
         self._zmq = zmq.Context()
         self._result_sock = self._zmq.socket(zmq.PULL)
-        self._result_sock.bind(self.ports.result_addr)
+        self._result_sock.bind(bind_addr(self.ports.result_addr))
         self._req_socks = []
         for addr in self.ports.request_addrs:
             s = self._zmq.socket(zmq.PUSH)
-            s.bind(addr)
+            s.bind(bind_addr(addr))
             self._req_socks.append(s)
         self.procs = start_workers(server_args, self.ports)
         try:
@@ -133,7 +136,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ start-up
     def _wait_ready(self) -> None:
-        expected = len(self.procs)
+        expected = self.server_args.tp_size  # every rank of every node reports to node 0
         ready: list[WorkerReady] = []
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(ready) < expected:

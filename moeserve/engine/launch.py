@@ -22,17 +22,60 @@ def free_port() -> int:
 
 
 def make_ports(args: ServerArgs) -> WorkerPorts:
-    """ipc:// endpoints in a private temp dir, and the torch.distributed rendezvous address."""
+    """Where the client and the workers meet, and the torch.distributed rendezvous address.
+
+    One node: ipc:// endpoints in a private temp dir. Several nodes: tcp:// on node 0's --dist-init-addr host,
+    the ports right after the torch.distributed port (result: port + 1, DP group d's requests: port + 2 + d), so
+    every node derives the same addresses from the same command line.
+    """
+    num_dp = args.dp_size if args.enable_dp_attention else 1
+    if args.nnodes > 1:
+        host, port = split_host_port(args.dist_init_addr)
+        return WorkerPorts(
+            request_addrs=[f"tcp://{host}:{port + 2 + d}" for d in range(num_dp)],
+            result_addr=f"tcp://{host}:{port + 1}",
+            dist_init_method=f"tcp://{host}:{port}",
+        )
     base = os.path.join(tempfile.gettempdir(), f"moeserve-{uuid.uuid4().hex[:12]}")
     if args.dist_init_addr:
         init = f"tcp://{args.dist_init_addr}"
     else:
         init = f"tcp://127.0.0.1:{args.dist_port or free_port()}"
     return WorkerPorts(
-        request_addrs=[f"ipc://{base}-req-{d}" for d in range(args.dp_size if args.enable_dp_attention else 1)],
+        request_addrs=[f"ipc://{base}-req-{d}" for d in range(num_dp)],
         result_addr=f"ipc://{base}-out",
         dist_init_method=init,
     )
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def bind_addr(addr: str) -> str:
+    """The address the client binds: a tcp:// endpoint listens on every interface of node 0."""
+    if addr.startswith("tcp://"):
+        return "tcp://*:" + addr.rsplit(":", 1)[1]
+    return addr
+
+
+def run_worker_node(args: ServerArgs) -> int:
+    """A node other than 0: start this node's ranks (they connect to node 0) and wait until they exit."""
+    ports = make_ports(args)
+    procs = start_workers(args, ports)
+    logger.info("node %d: started ranks %s; waiting for node 0 (%s)", args.node_rank,
+                list(local_ranks(args)), args.dist_init_addr)
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_workers(procs, timeout=5)
+    return max((p.exitcode or 0) for p in procs)
 
 
 def local_ranks(args: ServerArgs) -> range:
