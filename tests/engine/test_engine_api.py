@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moeserve.engine.engine import Engine
+import moeserve
 from tests.checkpoints import build_checkpoint
 from tests.engine.test_generation import NEW_TOKENS, _prompts, hf_greedy
 
@@ -21,7 +21,7 @@ def v3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(v3_dir):
-    eng = Engine(model_path=v3_dir, skip_tokenizer_init=True, page_size=4)
+    eng = moeserve.Engine(model_path=v3_dir, skip_tokenizer_init=True, page_size=4)
     yield eng
     eng.shutdown()
 
@@ -84,14 +84,14 @@ def test_bad_inputs_raise_clearly(engine):
 
 def test_bad_model_paths(tmp_path):
     with pytest.raises((FileNotFoundError, ValueError), match="config.json|does not exist|not found"):
-        Engine(model_path=str(tmp_path / "missing"))
+        moeserve.Engine(model_path=str(tmp_path / "missing"))
     cfg = tmp_path / "llama"
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        Engine(model_path=str(cfg))
+        moeserve.Engine(model_path=str(cfg))
     with pytest.raises(TypeError, match="did you mean page_size"):
-        Engine(model_path=str(cfg), page_sise=4)
+        moeserve.Engine(model_path=str(cfg), page_sise=4)
 
 
 def test_mismatched_checkpoint_fails_at_load(tmp_path):
@@ -100,7 +100,7 @@ def test_mismatched_checkpoint_fails_at_load(tmp_path):
     cfg["hidden_size"] = 96
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RuntimeError, match="shape"):
-        Engine(model_path=d, skip_tokenizer_init=True)
+        moeserve.Engine(model_path=d, skip_tokenizer_init=True)
 
 
 def test_generate_cli_on_default_model():
