@@ -42,11 +42,14 @@ CASES = [(model, f"{a}-{b}", {**ATTN[a], **BACKENDS[b]})
 CASES += [
     ("qwen3_moe", "attn_tp2-none", dict(tp_size=2)),  # the default backend: none means allgather for ep_size 2
     ("mixtral", "dp2-a2a_auto", {**ATTN["dp2"], **BACKENDS["a2a_auto"]}),
+    ("v2_lite", "attn_tp2-a2a_low_latency", {**ATTN["attn_tp2"], **BACKENDS["a2a_low_latency"]}),
+    ("v2_lite", "dp2-allgather", {**ATTN["dp2"], **BACKENDS["allgather"]}),
     ("v3_groups", "tp4-dp2-a2a_auto",
      dict(tp_size=4, enable_dp_attention=True, dp_size=2, **{k: v for k, v in BACKENDS["a2a_auto"].items()})),
 ]
 
-_REF: dict[str, list[list[int]]] = {}
+_REF: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
+LOGPROB_ATOL = 2e-4  # float32; the ranks sum partial results in another order than one rank does
 
 
 def _prompts() -> list[list[int]]:
@@ -55,9 +58,15 @@ def _prompts() -> list[list[int]]:
 
 
 def single_rank_greedy(name: str, path: str) -> list[list[int]]:
+    return _single_rank(name, path)[0]
+
+
+def _single_rank(name: str, path: str) -> tuple[list[list[int]], list[list[float]]]:
+    """Tokens and their log-probs (log-softmax of the logits) of the single-rank run."""
     if name not in _REF:
         eng = InProcessEngine(model_path=path, dtype="float32")
-        _REF[name] = [r["output_ids"] for r in eng.run(_prompts(), SamplingParams(**GREEDY))]
+        res = eng.run(_prompts(), SamplingParams(**GREEDY), return_logprob=True)
+        _REF[name] = ([r["output_ids"] for r in res], [r["logprobs"] for r in res])
     return _REF[name]
 
 
@@ -66,11 +75,14 @@ def test_multi_rank_greedy_matches_single_rank(tiny_checkpoint, name, config, kw
     from moeserve.engine.engine import Engine
 
     path = tiny_checkpoint(name)
-    ref = single_rank_greedy(name, path)
+    ref, ref_logprobs = _single_rank(name, path)
     eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning", **kwargs)
     try:
-        outs = eng.generate(input_ids=_prompts(), sampling_params=GREEDY)
+        outs = eng.generate(input_ids=_prompts(), sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in outs] == ref
+        got = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+        for g, r in zip(got, ref_logprobs, strict=True):
+            assert max(abs(a - b) for a, b in zip(g, r, strict=True)) <= LOGPROB_ATOL
         if kwargs.get("enable_dp_attention"):
             loads = eng.get_load()
             assert len(loads) == kwargs["dp_size"]
