@@ -19,6 +19,7 @@ from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.router import Router, select_experts
 from moeserve.models.config import ModelConfig
+from moeserve.parallel.comm import all_gather
 from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class MoE(nn.Module):
         # micro-batch A uses `dispatcher`, like a step without overlap.
         tbo = server_args is not None and getattr(server_args, "enable_two_batch_overlap", False)
         self.dispatchers = (self.dispatcher, dispatcher()) if tbo else (self.dispatcher,)
+        # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
+        # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
+        self.attn_tp_size, self.attn_tp_rank, self.attn_tp_group = ps.attn_tp_size, ps.attn_tp_rank, ps.attn_tp_group
+        self.split_tokens = ps.attn_tp_size > 1 and ps.ep_size > 1
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. Runs even for T = 0 (an IDLE rank still joins the dispatch collectives)."""
@@ -94,6 +99,7 @@ class MoE(nn.Module):
     # flight; between op_experts and op_combine the combine is.
     def op_dispatch_a(self, x: torch.Tensor, batch: ForwardBatch | Any = None, mb: int = 0) -> None:
         """gate -> select_experts -> (recorder) -> dispatch_a."""
+        x = self._own_tokens(x)
         topk_ids, topk_weights = select_experts(
             self.gate(x), self.top_k, scoring_func=self.scoring_func, topk_method=self.topk_method,
             n_group=self.n_group, topk_group=self.topk_group, correction_bias=self.gate.e_score_correction_bias,
@@ -110,6 +116,25 @@ class MoE(nn.Module):
 
     def op_combine(self, x: torch.Tensor, mb: int = 0) -> torch.Tensor:
         """Shared experts (while the combine is in flight), then combine_b (wait) and the sum."""
+        num_tokens = x.shape[0]
+        x = self._own_tokens(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         y = self.dispatchers[mb].combine_b()
-        return y + shared if shared is not None else y
+        y = y + shared if shared is not None else y
+        return self._gather_tokens(y, num_tokens) if self.split_tokens else y
+
+    def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the attention group's tokens (all of them without the split)."""
+        if not self.split_tokens:
+            return x
+        chunk = -(-x.shape[0] // self.attn_tp_size)
+        return x[self.attn_tp_rank * chunk : (self.attn_tp_rank + 1) * chunk]
+
+    def _gather_tokens(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[own share, H] on each rank of the group -> [num_tokens, H] on all of them."""
+        if num_tokens == 0:  # the whole group is idle together (its ranks run the same batch)
+            return y
+        chunk = -(-num_tokens // self.attn_tp_size)
+        if y.shape[0] < chunk:
+            y = torch.cat([y, y.new_zeros(chunk - y.shape[0], y.shape[1])])
+        return all_gather(y, self.attn_tp_group)[:num_tokens]
