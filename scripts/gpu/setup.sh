@@ -1,4 +1,8 @@
-# Sourced at the start of every GPU-machine run: carried wheels (see docs/BENCHMARKS.md) and the repo on PYTHONPATH.
+# Sourced at the start of every GPU-machine run: carried wheels and the repo on PYTHONPATH.
+# The GPU image has torch, transformers, safetensors, tokenizers, aiohttp, prometheus-client, but not pyzmq,
+# fastapi, starlette, uvicorn, pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions)
+# or opentelemetry-api: download their cp312 manylinux wheels into .whl/ (git-ignored) with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VER
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
