@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from moeserve.engine.launch import free_port
 from moeserve.engine.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
+from tests.procs import alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -31,41 +31,6 @@ NEW_TOKENS = 12
 NUM_REQUESTS = 16
 TOPICS = ["the sea", "a fox", "winter", "the moon", "bread", "a river", "old clocks", "the wind", "a lantern",
           "tortoises", "rain", "a garden", "the hare", "mountains", "a letter", "a candle"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except FileNotFoundError:
-            continue
-        for t in tasks:
-            try:
-                children = Path(f"/proc/{p}/task/{t}/children").read_text().split()
-            except FileNotFoundError:
-                continue
-            for c in map(int, children):
-                if c not in found:
-                    found.add(c)
-                    todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def _messages(i: int) -> list[dict]:
@@ -77,7 +42,7 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
     from moeserve.tokenizer import load_tokenizer
 
     model_path = default_model_path()  # built before the server starts (the server builds the same directory)
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--tp-size", "2", "--enable-dp-attention", "--dp-size",
            "2", "--moe-a2a-backend", "all2all", "--port", str(port)]
@@ -107,7 +72,7 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
             if time.monotonic() > deadline:
                 pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         text = log.read_text()
         for rank in (0, 1):
             assert f"Memory: rank {rank}/2 (EP rank {rank}/2)" in text, text[-3000:]
@@ -137,7 +102,7 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
         assert all(x["num_cached_tokens"] > 0 for x in loads), loads
         assert all(x["num_running"] == 0 and x["num_waiting"] == 0 for x in loads), loads
     finally:
-        workers |= _descendants(proc.pid)
+        workers |= descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
@@ -145,9 +110,9 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
             proc.kill()
             pytest.fail(f"server did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    orphans = [p for p in workers if _alive(p)]
+    orphans = [p for p in workers if alive(p)]
     for p in orphans:
         os.kill(p, signal.SIGKILL)
     assert not orphans, f"processes left after SIGTERM: {orphans}"

@@ -11,54 +11,20 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from moeserve.engine.launch import free_port
+from tests.procs import alive, descendants
+
 pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except FileNotFoundError:
-            continue
-        for t in tasks:
-            try:
-                children = Path(f"/proc/{p}/task/{t}/children").read_text().split()
-            except FileNotFoundError:
-                continue
-            for c in map(int, children):
-                if c not in found:
-                    found.add(c)
-                    todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +32,7 @@ def server(tmp_path_factory):
     from moeserve.models.default_model import default_model_path
 
     model_path = default_model_path()  # built before the server starts, so the timeout below is for serving
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny",
            "--model-path", model_path]
@@ -86,7 +52,7 @@ def server(tmp_path_factory):
             proc.kill()
             pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
-    workers = _descendants(proc.pid)
+    workers = descendants(proc.pid)
     yield {"url": url, "proc": proc, "log": log, "model_path": model_path, "workers": workers}
 
     # Clean shutdown on SIGTERM: exit code 0, and no worker process left behind.
@@ -97,9 +63,9 @@ def server(tmp_path_factory):
         proc.kill()
         pytest.fail(f"server did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    orphans = [p for p in workers if _alive(p)]
+    orphans = [p for p in workers if alive(p)]
     for p in orphans:
         os.kill(p, signal.SIGKILL)
     assert not orphans, f"worker processes left after SIGTERM: {orphans}"
