@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import time
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.engine.launch import free_port
 
 MODES = ("allgather", "normal", "low_latency")
 
@@ -110,11 +110,6 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> N
         queue.put(rows)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(a: argparse.Namespace) -> list[dict]:
     rows = []
@@ -123,7 +118,7 @@ def run(a: argparse.Namespace) -> list[dict]:
         if a.experts % world:
             raise SystemExit(f"--experts {a.experts} must be a multiple of --world-size {world}")
         queue = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world, port, a, queue)) for r in range(world)]
         for p in procs:
             p.start()
