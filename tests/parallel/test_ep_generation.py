@@ -2,9 +2,10 @@
 
 The offline Engine spawns the rank processes. One mixed batch of prompts (32 new greedy tokens each, ignore_eos)
 must be token-identical to the single-rank in-process run of the same checkpoint (which test_generation ties to
-transformers). Configurations: attention TP (tp 2) and DP attention (tp 2, dp 2) x allgather / all2all normal
-(attention TP only) / all2all low_latency (ep_max_tokens_per_rank 4, so prefill steps run several rounds) / all2all auto; plus the
-default backend `none` (allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2) and Mixtral.
+transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations: every architecture x attention TP
+(tp 2) / DP attention (tp 2, dp 2) x allgather / all2all normal / all2all low_latency (ep_max_tokens_per_rank 4, so
+prefill steps run several rounds) / all2all auto x two-batch overlap off / on; plus the default backend `none`
+(allgather when ep_size > 1) and a 4-rank case (DP 2 x attention TP 2).
 With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
 lone request (one group busy, the other stepping IDLE batches) must match too.
 """
@@ -35,15 +36,13 @@ ATTN = {
     "attn_tp2": dict(tp_size=2),
     "dp2": dict(tp_size=2, enable_dp_attention=True, dp_size=2),
 }
-# DP x a2a_normal is left out to keep the directory near 3 minutes on 2 cores: under DP, auto runs normal mode for
-# every prefill step (and attn_tp2-a2a_normal runs it alone).
-CASES = [(model, f"{a}-{b}", {**ATTN[a], **BACKENDS[b]})
-         for model in ("v3_groups", "qwen3_moe") for a in ATTN for b in BACKENDS if (a, b) != ("dp2", "a2a_normal")]
+TBO = {"tbo_off": {}, "tbo_on": dict(enable_two_batch_overlap=True, tbo_token_threshold=1)}
+MODELS = ("v3_groups", "qwen3_moe", "mixtral", "v2_lite")
+# The whole matrix: every architecture x attention TP / DP x every backend and mode x two-batch overlap off / on.
+CASES = [(model, f"{a}-{b}-{t}", {**ATTN[a], **BACKENDS[b], **TBO[t]})
+         for model in MODELS for a in ATTN for b in BACKENDS for t in TBO]
 CASES += [
     ("qwen3_moe", "attn_tp2-none", dict(tp_size=2)),  # the default backend: none means allgather for ep_size 2
-    ("mixtral", "dp2-a2a_auto", {**ATTN["dp2"], **BACKENDS["a2a_auto"]}),
-    ("v2_lite", "attn_tp2-a2a_low_latency", {**ATTN["attn_tp2"], **BACKENDS["a2a_low_latency"]}),
-    ("v2_lite", "dp2-allgather", {**ATTN["dp2"], **BACKENDS["allgather"]}),
     ("v3_groups", "tp4-dp2-a2a_auto",
      dict(tp_size=4, enable_dp_attention=True, dp_size=2, **{k: v for k, v in BACKENDS["a2a_auto"].items()})),
 ]

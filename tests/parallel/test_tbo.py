@@ -3,11 +3,9 @@
 - One rank, in process: TBO on (tbo_token_threshold 1, so every step with a token overlaps: prefill steps with a
   prompt cut between the micro-batches, decode steps split by sequences, a one-request step with an empty B) vs
   off, then a second round whose prompts share a cached prefix (EXTEND with prefix_lens > 0).
-- Two ranks (gloo, the offline Engine): TBO on vs the single-rank run without it, for attention TP and DP attention
-  with allgather and all2all (normal, low_latency, auto), on v3_groups (MLA, grouped gate, a dense first layer)
-  and qwen3_moe (GQA). Under DP attention a lone request leaves one group IDLE: it must still run two (empty)
-  micro-batches, or the collectives would not pair up and the run would hang. One configuration per Engine start
-  (~5 s each on 2 cores), so the set is chosen to cover each backend and attention mode once per model family.
+- Two ranks with TBO on (attention TP / DP x every backend x every architecture, against the single-rank run): in
+  test_ep_generation.py. Under DP attention a lone request leaves one group IDLE: it must still run two (empty)
+  micro-batches, or the collectives would not pair up and the run would hang; that case is there too.
 """
 
 from __future__ import annotations
@@ -72,40 +70,4 @@ def test_single_rank_tbo_matches(tiny_checkpoint, monkeypatch, name):
     assert any(m.is_decode and a == (n + 1) // 2 and b == n // 2 for m, a, b, n in calls)
 
 
-BACKENDS = {
-    "allgather": dict(moe_a2a_backend="allgather"),
-    "a2a_normal": dict(moe_a2a_backend="all2all", deepep_mode="normal"),
-    "a2a_low_latency": dict(moe_a2a_backend="all2all", deepep_mode="low_latency", ep_max_tokens_per_rank=4),
-    "a2a_auto": dict(moe_a2a_backend="all2all", deepep_mode="auto", ep_max_tokens_per_rank=4),
-}
-ATTN = {
-    "attn_tp2": dict(tp_size=2),
-    "dp2": dict(tp_size=2, enable_dp_attention=True, dp_size=2),
-}
-# each backend once per model family, each attention mode with two backends per model
-CASES = [
-    ("v3_groups", "attn_tp2", "a2a_normal"),
-    ("v3_groups", "dp2", "allgather"),
-    ("v3_groups", "dp2", "a2a_auto"),
-    ("qwen3_moe", "attn_tp2", "a2a_low_latency"),
-    ("qwen3_moe", "dp2", "a2a_normal"),
-    ("qwen3_moe", "attn_tp2", "allgather"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "attn", "backend"), CASES, ids=[f"{m}-{a}-{b}" for m, a, b in CASES])
-def test_two_rank_tbo_matches_single_rank(tiny_checkpoint, name, attn, backend):
-    from moeserve.engine.engine import Engine
-
-    path = tiny_checkpoint(name)
-    ref = _reference(name, path)
-    eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning",
-                 enable_two_batch_overlap=True, tbo_token_threshold=1, **ATTN[attn], **BACKENDS[backend])
-    try:
-        outs = eng.generate(input_ids=_prompts(), sampling_params=GREEDY)
-        assert [o["output_ids"] for o in outs] == ref
-        if attn == "dp2":  # one group busy, the other runs two IDLE micro-batches per step
-            assert eng.generate(input_ids=_prompts()[2], sampling_params=GREEDY)["output_ids"] == ref[2]
-    finally:
-        eng.shutdown()
+# Two ranks with TBO on: the whole attention x backend x architecture matrix is in test_ep_generation.py.
