@@ -31,10 +31,7 @@ def cmd_serve(argv: list[str]) -> int:
     if args.node_rank > 0:  # every node runs the same command; only node 0 serves HTTP
         from moeserve.engine.launch import run_worker_node
 
-        if args.model_path is None:
-            from moeserve.models.default_model import default_model_path
-
-            args.model_path = default_model_path()
+        args.resolve_model_path()
         return run_worker_node(args)
     from moeserve.server.app import run_server
 
@@ -53,9 +50,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--chat", action="store_true", help="Apply the model's chat template to the prompt.")
     parser.add_argument("--json", action="store_true", help="Print the whole output as JSON.")
     ns = parser.parse_args(argv)
-    args = _args_or_exit(parser, argparse.Namespace(**{k: v for k, v in vars(ns).items()
-                                                       if k not in {"prompt", "max_new_tokens", "temperature",
-                                                                    "top_p", "top_k", "seed", "chat", "json"}}))
+    args = _args_or_exit(parser, ns)  # from_cli_args takes the ServerArgs fields only
     from moeserve.engine.engine import Engine
 
     engine = Engine(**vars(args))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -35,3 +38,23 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def sigterm_leaves_nothing(proc: subprocess.Popen, workers: set[int], log: Path, timeout: float) -> None:
+    """SIGTERM the server: it must exit 0 within timeout and leave none of `workers` alive (they are killed)."""
+    import pytest
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"server did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = [p for p in workers if alive(p)]
+    for p in orphans:
+        os.kill(p, signal.SIGKILL)
+    assert not orphans, f"processes left after SIGTERM: {orphans}"
+    assert proc.returncode == 0, log.read_text()[-3000:]

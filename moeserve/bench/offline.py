@@ -66,12 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-prompts", type=int, default=4, help="Untimed prompts first (0: none).")
     p.add_argument("--result-file", default=None, help="Append one JSON line.")
     ns = p.parse_args(argv)
-    own = {"num_prompts", "input_len", "output_len", "seed", "warmup_prompts", "result_file"}
-    args = ServerArgs.from_cli_args(argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own}))
-    if args.model_path is None:
-        from moeserve.models.default_model import default_model_path
-
-        args.model_path = default_model_path()
+    args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
+    args.resolve_model_path()
     r = run(args, ns.num_prompts, ns.input_len, ns.output_len, ns.seed, ns.warmup_prompts)
     print(f"tp {r['tp_size']} dp {r['dp_size']} {r['moe_a2a_backend']}/{r['deepep_mode']}: {r['num_prompts']} prompts "
           f"x ({r['input_len']} in + {r['output_len']} out) in {r['duration_s']:.2f} s: total {r['total_tok_s']:.1f} "

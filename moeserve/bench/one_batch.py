@@ -123,12 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
     ns = p.parse_args(argv)
-    own = {"batch_size", "input_len", "output_len", "seed", "compare_transformers", "result_file"}
-    args = ServerArgs.from_cli_args(argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own}))
-    if args.model_path is None:
-        from moeserve.models.default_model import default_model_path
-
-        args.model_path = default_model_path()
+    args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
+    args.resolve_model_path()
     rows = []
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,

@@ -91,10 +91,7 @@ class EngineClient:
         if server_args.node_rank != 0:
             raise ValueError("the engine client runs on node 0; other nodes run only their ranks "
                              "(moeserve serve with --node-rank > 0 does that)")
-        if server_args.model_path is None:
-            from moeserve.models.default_model import default_model_path
-
-            server_args.model_path = default_model_path()
+        server_args.resolve_model_path()
         self.server_args = server_args
         self.model_config = ModelConfig.from_pretrained(server_args.model_path)
         self.model_name = server_args.served_model_name or server_args.model_path

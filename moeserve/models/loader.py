@@ -51,11 +51,7 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
                show_progress: bool | None = None) -> tuple[nn.Module, ModelConfig]:
     """The model for this rank on `device`, weights loaded, in eval mode; and its config."""
     device = torch.device(device)
-    path = server_args.model_path
-    if path is None:
-        from moeserve.models.default_model import default_model_path
-
-        path = default_model_path()
+    path = server_args.resolve_model_path()
     config = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(server_args.dtype, config.dtype, device)
     if show_progress is None:

@@ -9,8 +9,6 @@ logs its memory line at start. SIGTERM stops the server with no process left.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +21,7 @@ import pytest
 from moeserve.engine.launch import free_port
 from moeserve.engine.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
-from tests.procs import alive, descendants
+from tests.procs import descendants, sigterm_leaves_nothing
 
 pytestmark = pytest.mark.slow
 
@@ -103,17 +101,4 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
         assert all(x["num_running"] == 0 and x["num_waiting"] == 0 for x in loads), loads
     finally:
         workers |= descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"server did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    orphans = [p for p in workers if alive(p)]
-    for p in orphans:
-        os.kill(p, signal.SIGKILL)
-    assert not orphans, f"processes left after SIGTERM: {orphans}"
-    assert proc.returncode == 0, log.read_text()[-3000:]
+        sigterm_leaves_nothing(proc, workers, log, timeout=30)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from moeserve.engine.launch import free_port
-from tests.procs import alive, descendants
+from tests.procs import descendants, sigterm_leaves_nothing
 
 pytestmark = pytest.mark.slow
 
@@ -56,20 +54,7 @@ def server(tmp_path_factory):
     yield {"url": url, "proc": proc, "log": log, "model_path": model_path, "workers": workers}
 
     # Clean shutdown on SIGTERM: exit code 0, and no worker process left behind.
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"server did not stop on SIGTERM:\n{log.read_text()[-3000:]}")
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    orphans = [p for p in workers if alive(p)]
-    for p in orphans:
-        os.kill(p, signal.SIGKILL)
-    assert not orphans, f"worker processes left after SIGTERM: {orphans}"
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    sigterm_leaves_nothing(proc, workers, log, timeout=60)
 
 
 @pytest.fixture(scope="module")
