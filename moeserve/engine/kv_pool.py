@@ -50,8 +50,7 @@ class MLAKVPool(KVPool):
     def set_latent(self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Write c_kv [T, kv_lora_rank] and k_rope [T, rope_dim] (roped) to slots loc [T]."""
         buf = self.buffers[layer_id]
-        buf[loc, : self.kv_lora_rank] = c_kv.to(buf.dtype)
-        buf[loc, self.kv_lora_rank :] = k_rope.to(buf.dtype)
+        buf.index_copy_(0, loc, torch.cat((c_kv, k_rope), dim=-1).to(buf.dtype))  # one copy, one scatter
 
     def get_latent(self, layer_id: int) -> torch.Tensor:
         """[num_slots, kv_lora_rank + rope_dim] of one layer."""
@@ -79,8 +78,8 @@ class MHAKVPool(KVPool):
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k [T, Hkv, D] and v [T, Hkv, Dv] to slots loc [T]."""
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        for buf, x in ((self.k_buffers[layer_id], k), (self.v_buffers[layer_id], v)):  # rows of 2-D views
+            buf.flatten(1).index_copy_(0, loc, x.flatten(1).to(self.dtype))
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

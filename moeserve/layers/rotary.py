@@ -51,7 +51,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of each position (computed once per step, shared by all layers) and their application."""
+    """The rotation of each position (computed once per step, shared by all layers) and its application."""
 
     def __init__(self, dim: int, rope: RopeConfig):
         super().__init__()
@@ -60,23 +60,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(dim, rope)
         self._inv_freq = {torch.device("cpu"): inv_freq}  # per device; a plain attribute, not a buffer
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, dim/2] float32 (attention factor included)."""
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] int64 -> rope [T, 2, dim] float32: each token's cos and signed sin, laid out like x.
+
+        Pair (x1, x2) rotated by angle a is (x1 cos a - x2 sin a, x2 cos a + x1 sin a) = x * cos + partner * sin,
+        where partner swaps the pair's two members and sin carries the minus on the first one. Interleaved rope
+        pairs neighbours (x[2j], x[2j+1]); the other form pairs the halves (x[j], x[j + dim/2])."""
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
-        angles = positions[:, None].float() * inv_freq
-        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        angles = positions[:, None].float() * inv_freq  # [T, dim/2]
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        pair_dim = -1 if self.interleaved else -2  # where a pair's two members sit in x.view(.., pairs)
+        cos2 = torch.stack((cos, cos), dim=pair_dim)
+        sin2 = torch.stack((-sin, sin), dim=pair_dim)
+        return torch.stack((cos2, sin2), dim=1).flatten(2)  # [T, 2, dim]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, dim] by the angles of its token (cos, sin [T, dim/2]); computed in float32."""
-        dtype = x.dtype
+    def apply(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, dim] by its token's angles (rope from `forward`); computed in float32."""
+        dtype, (T, heads, dim) = x.dtype, x.shape
         x = x.float()
-        cos, sin = cos[:, None, :], sin[:, None, :]
         if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            partner = x.reshape(T, heads, dim // 2, 2).flip(-1).reshape(T, heads, dim)
         else:
-            x1, x2 = x.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(dtype)
+            partner = x.reshape(T, heads, 2, dim // 2).flip(-2).reshape(T, heads, dim)
+        return (x * rope[:, None, 0] + partner * rope[:, None, 1]).to(dtype)

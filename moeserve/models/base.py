@@ -111,14 +111,14 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
-        cos, sin = self.rotary(batch.positions)
+        rope = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
         if (should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold, get_parallel_state().world_size)
                 and not (h.is_cuda and torch.cuda.is_current_stream_capturing())):
-            h = run_two_batch_overlap(self.model.layers, batch, h, cos, sin)
+            h = run_two_batch_overlap(self.model.layers, batch, h, rope)
         else:
-            meta = AttentionMetadata.build(batch, cos, sin)
+            meta = AttentionMetadata.build(batch, rope)
             for layer in self.model.layers:
                 h = layer(h, meta, batch)
         if not batch.return_all_logits:

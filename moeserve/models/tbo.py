@@ -57,16 +57,16 @@ def _program(layers: Iterable[Any], mb: MicroBatchState, index: int) -> Generato
         yield from layer.stages(mb, index)
 
 
-def run_two_batch_overlap(layers: Iterable[Any], batch: ForwardBatch, h: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor) -> torch.Tensor:
+def run_two_batch_overlap(layers: Iterable[Any], batch: ForwardBatch, h: torch.Tensor,
+                          rope: torch.Tensor) -> torch.Tensor:
     """All decoder layers over `batch` as two overlapped micro-batches; the hidden states [T, H] in batch order.
 
-    h, cos, sin: the embedded tokens and rotary tables of the whole batch (per token, so they are sliced)."""
+    h, rope: the embedded tokens and rotary angles of the whole batch (per token, so they are sliced)."""
     a, b = split_batch(batch)
     s = a.num_tokens
     states = []
     for part, rows in ((a, slice(0, s)), (b, slice(s, batch.num_tokens))):
-        states.append(MicroBatchState(part, AttentionMetadata.build(part, cos[rows], sin[rows]), h[rows]))
+        states.append(MicroBatchState(part, AttentionMetadata.build(part, rope[rows]), h[rows]))
     layers = list(layers)
     execute_overlapped([_program(layers, st, i) for i, st in enumerate(states)])
     return merge_rows(batch, states[0].h, states[1].h)

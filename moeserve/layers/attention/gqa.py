@@ -62,13 +62,13 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary.apply(q, meta.cos, meta.sin)
-        k = self.rotary.apply(k, meta.cos, meta.sin)
+        q = self.rotary.apply(q, meta.rope)
+        k = self.rotary.apply(k, meta.rope)
         pool = meta.kv_pool
         pool.set_kv(self.layer_id, meta.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv(self.layer_id)
         if meta.mode.is_decode:
-            o = decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, self.scale,
+            o = decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_bias, self.scale,
                                  self.sliding_window)
         else:
             k_all = k_cache[meta.kv_indices].to(q.dtype)

@@ -69,8 +69,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_rope = self.rotary.apply(q_rope, meta.cos, meta.sin)
-        k_rope = self.rotary.apply(k_rope[:, None, :], meta.cos, meta.sin)[:, 0]
+        q_rope = self.rotary.apply(q_rope, meta.rope)
+        k_rope = self.rotary.apply(k_rope[:, None, :], meta.rope)[:, 0]
         meta.kv_pool.set_latent(self.layer_id, meta.out_cache_loc, c_kv, k_rope)
 
         if meta.mode.is_decode:
@@ -96,9 +96,9 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [B, h, r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
         cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: the key, one head
-        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_mask,
+        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
                                     self.scale)  # [B, h, r]: value = the c_kv part of the latent
-        return torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [B, h, v]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
