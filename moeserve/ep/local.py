@@ -41,6 +41,11 @@ class LocalDispatcher:
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside a group
         # scatter_add, not bincount: bincount reads the max id back to the host (a sync; breaks CUDA graphs)
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        if align == 1:  # no padding: the sorted pairs are the rows, and the fewest ops per layer
+            offsets = torch.cat((counts.new_zeros(1), torch.cumsum(counts, 0)))
+            self._rows = torch.argsort(order).view(T, k)  # the inverse permutation: row of each pair
+            return ContiguousLayout(x=x.index_select(0, order // k), expert_offsets=offsets.to(torch.int32),
+                                    num_tokens_per_expert=counts.to(torch.int32))
         padded = (counts + align - 1) // align * align
         offsets = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
         offsets[1:] = torch.cumsum(padded, 0)
@@ -65,6 +70,8 @@ class LocalDispatcher:
     def combine_b(self) -> torch.Tensor:
         """[T, H] = sum_k w[t, k] * expert_out[row(t, k)], summed in float32, returned in x's dtype."""
         out, rows, w, x = self._out, self._rows, self._weights, self._x
-        y = (out[rows].float() * w[:, :, None].float()).sum(dim=1).to(x.dtype)
+        T, k = rows.shape
+        picked = out.index_select(0, rows.reshape(-1)).view(T, k, out.shape[-1]).float()
+        y = torch.bmm(w[:, None, :].float(), picked)[:, 0].to(x.dtype)  # [T, 1, k] x [T, k, H]: the weighted sum
         self._x = self._ids = self._weights = self._rows = self._out = None
         return y

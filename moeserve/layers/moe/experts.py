@@ -48,6 +48,15 @@ class Experts(nn.Module):
         h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
         return grouped_gemm(h, self.w2, offs, counts)
 
+    def process_weights_after_loading(self) -> None:
+        """On CPU, store each expert's matrix transposed in memory ([E, H, 2I] and [E, I, H]); the parameters keep
+        their logical shapes. The grouped GEMM multiplies by w.transpose(1, 2), which is then contiguous: with a few
+        rows per expert, MKL streams the weights about 1.5x faster in that layout."""
+        if self.w13.device.type != "cpu":
+            return
+        for w in (self.w13, self.w2):
+            w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
+
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         """Every expert's three tensors; those of experts this rank does not hold are expected but skipped."""
         gate, up, down = self.checkpoint_names
