@@ -102,9 +102,12 @@ class ServerArgs:
                                                          (None, *RECORDER_MODES))
     eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
 
-    # --- CUDA graphs ---
+    # --- CUDA graphs, torch.compile ---
     disable_cuda_graph: bool = _flag(False, "Run decode without CUDA graphs.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+    enable_torch_compile: bool = _flag(False, "Compile the decode forward with torch.compile (inductor; on the CPU "
+                                       "it needs a C++ compiler). Compiled at start-up, one rank only.")
+    torch_compile_max_bs: int = _flag(32, "Largest decode batch that runs the compiled forward.")
 
     # --- PD disaggregation ---
     disaggregation_mode: str = _flag("null", "null, prefill or decode.", DISAGG_MODES)
@@ -125,7 +128,7 @@ class ServerArgs:
             if choices and value not in choices:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
-                    "ep_max_tokens_per_rank", "stream_interval", "port"]
+                    "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
@@ -152,6 +155,9 @@ class ServerArgs:
             raise ValueError("--ep-num-redundant-experts must be >= 0")
         if self.enable_eplb and self.ep_size == 1:
             raise ValueError("--enable-eplb needs expert parallelism (--ep-size > 1)")
+        if self.enable_torch_compile and self.tp_size > 1:
+            raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
+                             "dispatchers' collectives are not compiled")
 
     # ------------------------------------------------------------------
     def resolve_model_path(self) -> str:

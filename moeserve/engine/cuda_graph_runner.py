@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -35,8 +36,9 @@ def length_buckets(max_len: int) -> list[int]:
 class CudaGraphRunner:
     """Captures and replays the model's decode forward for one rank."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool, max_bs: int, max_len: int, device: torch.device):
-        self.model = model
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], kv_pool, max_bs: int, max_len: int,
+                 device: torch.device):
+        self.forward = forward  # the model's forward (or its compiled form): what is captured
         self.kv_pool = kv_pool
         self.device = device
         self.bs_buckets = batch_buckets(max_bs)
@@ -59,6 +61,7 @@ class CudaGraphRunner:
         return (one_group and batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and batch.decode_slots is not None
                 and batch.decode_slots.shape[1] <= self.max_len and not batch.return_all_logits)
 
+    @torch.inference_mode(False)  # plain tensors, like the scheduler's batches (what a compiled forward expects)
     def _static_batch(self, bs: int, length: int) -> ForwardBatch:
         ones = self.arange.new_ones(bs)
         return ForwardBatch(
@@ -77,11 +80,11 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: lazy inits, autotuning, allocator
-                self.model(fb)
+                self.forward(fb)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            logits = self.model(fb)
+            logits = self.forward(fb)
         logger.info("captured a CUDA graph for decode batch %d, length %d", bs, length)
         return graph, logits
 
@@ -113,7 +116,7 @@ class CudaGraphRunner:
                 self.graphs[key] = None
         entry = self.graphs[key]
         if entry is None:
-            return self.model(batch)
+            return self.forward(batch)
         graph, logits = entry
         graph.replay()
         return logits[:b]

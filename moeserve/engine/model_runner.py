@@ -118,15 +118,23 @@ class ModelRunner:
         self.num_pages = self._num_kv_pages()
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = self.config.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device)
+        self.compiled = None
         self.graph_runner = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph and _graph_safe_dispatch(server_args):
             from moeserve.engine.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
-                self.model, self.kv_pool, min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
-                self.context_length, self.device)
+                self._decode_forward, self.kv_pool,
+                min(server_args.cuda_graph_max_bs, server_args.max_running_requests), self.context_length,
+                self.device)
         self.expert_tokens = (enable_local_expert_tokens(self.ep.num_local_experts, self.device)
                               if self.ep.num_moe_layers else None)
+        if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
+            from moeserve.engine.compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
+                                                           server_args.max_running_requests))
+            self.compiled.warmup(self.kv_pool, self.device)
         logger.info("%s", self.memory_line())
 
     def memory_line(self) -> str:
@@ -168,6 +176,10 @@ class ModelRunner:
         if a.max_total_tokens is not None:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # memory of models already dropped in this process, and the allocator's free blocks,
+            torch.cuda.empty_cache()  # would otherwise count as used
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = total * a.mem_fraction_static - used
@@ -191,6 +203,12 @@ class ModelRunner:
         fb.kv_pool = self.kv_pool
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.run(fb)
+        return self._decode_forward(fb)
+
+    def _decode_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model, compiled where --enable-torch-compile covers the batch (also what CUDA graphs capture)."""
+        if self.compiled is not None and self.compiled.can_run(fb):
+            return self.compiled(fb)
         return self.model(fb)
 
     @torch.inference_mode()

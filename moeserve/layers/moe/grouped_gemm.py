@@ -1,7 +1,8 @@
 """Grouped GEMM over a contiguous expert layout: each segment of rows times its own expert's weight.
 
 `grouped_gemm` runs torch._grouped_mm where the device and dtype take it (probed once), else
-`grouped_gemm_reference`, a loop over experts that touches valid rows only.
+`grouped_gemm_reference`, a loop over experts that touches valid rows only. Under torch.compile it is the custom
+op `moeserve::grouped_gemm`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     Segment e (rows offsets[e]:offsets[e+1]) is multiplied by w[e]^T. Only the first num_tokens_per_expert[e]
     rows of a segment are meaningful; padding rows and rows past offsets[E] hold unspecified values.
     """
+    if torch.compiler.is_compiling():  # opaque to the compiler: it reads offsets on the host and picks a kernel
+        return torch.ops.moeserve.grouped_gemm(x, w, expert_offsets, num_tokens_per_expert)
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[1])
     if _grouped_mm_ok(x, w):
@@ -70,3 +73,17 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         except (RuntimeError, NotImplementedError):
             _PROBED[key] = False
     return _PROBED[key]
+
+
+@torch.library.custom_op("moeserve::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+                     num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """`grouped_gemm` as one operator for torch.compile (eager calls take the function directly: a custom op's
+    Python dispatch costs more than the small GEMMs of a decode step)."""
+    return grouped_gemm(x, w, expert_offsets, num_tokens_per_expert)
+
+
+@_grouped_gemm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+      num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])

@@ -1,0 +1,92 @@
+"""CompiledDecode: decode steps through torch.compile (`--enable-torch-compile`).
+
+The model's forward is compiled once with the batch's sizes (requests, sequence length) as symbols, so one
+compiled graph serves every decode batch up to `--torch-compile-max-bs`; a batch of one, which the compiler would
+specialise, runs padded to two (the padding request only touches the scratch slot, like CUDA-graph padding). Inductor fuses the many small element-wise operators of a decode step (norms,
+rotary, routing, the attention softmax) into a few kernels, which is where a small-batch step spends its time on
+a CPU. GEMMs stay library calls; the grouped expert GEMM is an opaque custom op (layers/moe/grouped_gemm.py).
+
+The graph is compiled at start-up on a batch that only touches the KV pool's scratch slot, so no request waits
+for the compiler. On CUDA the compiled forward is what the CUDA graph runner captures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    """The compiled decode forward of one model, for batches of 1 to max_bs requests."""
+
+    def __init__(self, model: torch.nn.Module, max_bs: int):
+        self.model = model
+        self.max_bs = max_bs
+        self.fn = torch.compile(model.forward)  # the batch's sizes are marked dynamic at each call
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and not batch.return_all_logits
+                and batch.decode_slots is not None)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.batch_size == 1:  # the compiler specialises size 1: pad to 2 rather than compile a second graph
+            return self.fn(_dynamic_sizes(_pad_one(batch)))[:1]
+        return self.fn(_dynamic_sizes(batch))
+
+    def warmup(self, kv_pool, device: torch.device) -> None:
+        """Compile now, on a decode batch of two that reads and writes only the KV pool's scratch slot 0."""
+        start = time.perf_counter()
+        bs, length = 2, 3  # distinct sizes: equal ones would be assumed equal forever (duck sizing)
+        batch = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, [length] * bs, [1] * bs, [0] * bs,
+                                   [0] * (bs * length))
+        batch.decode_slots = torch.zeros(bs, length, dtype=torch.int64)
+        batch = batch.to(device)  # built like a scheduler's batch, outside inference mode: the same guards
+        batch.kv_pool = kv_pool
+        with torch.inference_mode():
+            self.fn(_dynamic_sizes(batch))
+        logger.info("torch.compile: decode forward compiled in %.1f s (batches up to %d)",
+                    time.perf_counter() - start, self.max_bs)
+
+
+@torch.inference_mode(False)  # a copied slot block must be a plain tensor too
+def _dynamic_sizes(batch: ForwardBatch) -> ForwardBatch:
+    """Mark the batch's sizes (requests, sequence length) as symbols for the compiler. Only these: with every size
+    dynamic, a model size that happens to equal the warm-up batch size (2 KV heads, say) would be merged with it.
+    The slot block is made contiguous (a CUDA-graph runner passes a strided view): one layout, one graph."""
+    if not batch.decode_slots.is_contiguous():
+        batch = dataclasses.replace(batch, decode_slots=batch.decode_slots.contiguous())
+    for f in _BATCH_TENSORS:
+        t = getattr(batch, f)
+        if t is not None:
+            for d in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, d)
+    return batch
+
+
+_BATCH_TENSORS = ("input_ids", "positions", "seq_lens", "extend_lens", "prefix_lens", "out_cache_loc", "kv_indices",
+                  "kv_indptr", "qo_indptr", "logits_indices", "decode_slots")
+
+
+@torch.inference_mode(False)  # plain tensors, like the scheduler's: inference tensors would fail a guard
+def _pad_one(batch: ForwardBatch) -> ForwardBatch:
+    """A batch of one plus a padding request: token 0 at position 0, one cached token in the scratch slot 0."""
+    def cat(t: torch.Tensor, pad: int | torch.Tensor) -> torch.Tensor:  # device ops only (CUDA-graph capture)
+        return torch.cat((t, pad if isinstance(pad, torch.Tensor) else t.new_full((1,), pad)))
+
+    return dataclasses.replace(
+        batch, input_ids=cat(batch.input_ids, 0), positions=cat(batch.positions, 0), seq_lens=cat(batch.seq_lens, 1),
+        extend_lens=cat(batch.extend_lens, 1), prefix_lens=cat(batch.prefix_lens, 0),
+        out_cache_loc=cat(batch.out_cache_loc, 0), kv_indices=cat(batch.kv_indices, 0),
+        kv_indptr=cat(batch.kv_indptr, batch.kv_indptr[-1:] + 1), qo_indptr=cat(batch.qo_indptr, 2),
+        seq_lens_cpu=[*batch.seq_lens_cpu, 1], extend_lens_cpu=[*batch.extend_lens_cpu, 1],
+        prefix_lens_cpu=[*batch.prefix_lens_cpu, 0],
+        logits_indices=None if batch.logits_indices is None else cat(batch.logits_indices, 1),
+        decode_slots=torch.cat((batch.decode_slots, batch.decode_slots.new_zeros(1, batch.decode_slots.shape[1]))),
+    )
