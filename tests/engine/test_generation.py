@@ -55,6 +55,26 @@ def hf_greedy(name: str, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[
     return _HF_CACHE[key]
 
 
+NEAR_TIE = 1e-4  # a top-2 logit gap this small may flip with the reduction order (fp32, another device)
+
+
+def assert_matches_hf(name: str, prompts: list[list[int]], got: list[list[int]]) -> None:
+    """Our greedy tokens equal transformers', except that a sequence may take transformers' runner-up token where
+    transformers' own top-2 logits are within NEAR_TIE (from there on the sequences differ by design)."""
+    ref = hf_greedy(name, prompts, max(map(len, got), default=0))
+    for p, g, r in zip(prompts, got, ref, strict=True):
+        if g == r[:len(g)]:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(g, r, strict=False)) if a != b)
+        with torch.no_grad():
+            logits = make_hf_model(name).eval()(torch.tensor([p + r[:i]])).logits[0, -1]
+        top = logits.topk(2)
+        gap = float(top.values[0] - top.values[1])
+        assert g[i] == int(top.indices[1]) and gap < NEAR_TIE, (
+            f"prompt of {len(p)} tokens: token {i} is {g[i]}, transformers' is {r[i]} (its top-2 "
+            f"{top.indices.tolist()} gap {gap:.2e}); ours {g}, transformers {r}")
+
+
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 MIXED = [5, 17, 33, 9, 64, 2]
 
@@ -63,8 +83,7 @@ MIXED = [5, 17, 33, 9, 64, 2]
 def test_mixed_batch_matches_transformers(ckpt_dir, name):
     prompts = _prompts(1, MIXED)
     eng = InProcessEngine(model_path=ckpt_dir(name), chunked_prefill_size=-1, dtype="float32")
-    got = [r["output_ids"] for r in eng.run(prompts, GREEDY)]
-    assert got == hf_greedy(name, prompts)
+    assert_matches_hf(name, prompts, [r["output_ids"] for r in eng.run(prompts, GREEDY)])
 
 
 @pytest.mark.parametrize("name", ["v3_q_lora", "qwen3_moe"])
@@ -74,7 +93,7 @@ def test_chunked_prefill_matches(ckpt_dir, name, page_size):
     eng = InProcessEngine(model_path=ckpt_dir(name), chunked_prefill_size=8, page_size=page_size,
                           max_prefill_tokens=8)
     res = eng.run(prompts, GREEDY)
-    assert [r["output_ids"] for r in res] == hf_greedy(name, prompts)
+    assert_matches_hf(name, prompts, [r["output_ids"] for r in res])
     assert all(r["finish_reason"].type == "length" for r in res)
 
 
@@ -86,8 +105,8 @@ def test_prefix_cache_hits(ckpt_dir, name):
     eng = InProcessEngine(model_path=ckpt_dir(name), page_size=4)
     r1 = eng.run(first, GREEDY)
     r2 = eng.run(second, GREEDY)
-    assert [r["output_ids"] for r in r1] == hf_greedy(name, first)
-    assert [r["output_ids"] for r in r2] == hf_greedy(name, second)
+    assert_matches_hf(name, first, [r["output_ids"] for r in r1])
+    assert_matches_hf(name, second, [r["output_ids"] for r in r2])
     assert all(r["cached_tokens"] >= 40 for r in r2)  # the 40-token prefix is 10 whole pages
     # an identical prompt reuses all whole pages but the last token
     r3 = eng.run([second[0]], GREEDY)
@@ -102,7 +121,7 @@ def test_retraction_keeps_output(ckpt_dir, name):
                           new_token_ratio=0.0)
     res = eng.run(prompts, GREEDY)
     assert eng.scheduler.stats.retractions > 0
-    assert [r["output_ids"] for r in res] == hf_greedy(name, prompts)
+    assert_matches_hf(name, prompts, [r["output_ids"] for r in res])
     assert eng.scheduler.num_used_tokens == 0
 
 
