@@ -23,8 +23,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_len: int) -> dict:
+    """The rounds' median prefill and decode times (each on its own), with the tokens/s they give."""
+    import statistics
+
+    r = {"prefill_s": statistics.median(x["prefill_s"] for x in rounds),
+         "decode_s": statistics.median(x["decode_s"] for x in rounds), "rounds": len(rounds)}
+    r["prefill_tok_s"] = batch_size * input_len / r["prefill_s"]
+    r["decode_tok_s"] = batch_size * (output_len - 1) / max(r["decode_s"], 1e-9)
+    if len(rounds) > 1:
+        r["decode_tok_s_all"] = [batch_size * (output_len - 1) / max(x["decode_s"], 1e-9) for x in rounds]
+    return r
+
+
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                 warmup: bool = True) -> dict:
+                 warmup: bool = True, repeat: int = 1) -> dict:
     from moeserve.engine.io_struct import GenerateReq
     from moeserve.engine.model_runner import ModelRunner
     from moeserve.engine.sampling_params import SamplingParams
@@ -59,15 +72,14 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
 
     if warmup:
         one_round("warmup")
-    r = one_round("run")
-    r["prefill_tok_s"] = batch_size * input_len / r["prefill_s"]
-    r["decode_tok_s"] = batch_size * (output_len - 1) / max(r["decode_s"], 1e-9)
+    r = _median_round([one_round(f"run{i}-") for i in range(repeat)], batch_size, input_len, output_len)
     r["device"] = str(runner.device)
     r["dtype"] = str(runner.dtype)
     return r
 
 
-def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int) -> dict:
+def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
+                     repeat: int = 1) -> dict:
     """transformers' generate with the same shapes (greedy, no EOS stop)."""
     import transformers
 
@@ -90,18 +102,19 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
     kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         model.generate(ids[:, :8], attention_mask=mask[:, :8], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        _sync(device)
-        t0 = time.perf_counter()
-        model(ids, attention_mask=mask, logits_to_keep=1)
-        _sync(device)
-        t1 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, **kw)
-        _sync(device)
-        t2 = time.perf_counter()
-    prefill_s = t1 - t0
-    decode_s = max((t2 - t1) - prefill_s, 1e-9)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tok_s": batch_size * input_len / prefill_s,
-            "decode_tok_s": batch_size * (output_len - 1) / decode_s}
+        rounds = []
+        for _ in range(repeat):
+            _sync(device)
+            t0 = time.perf_counter()
+            model(ids, attention_mask=mask, logits_to_keep=1)
+            _sync(device)
+            t1 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, **kw)
+            _sync(device)
+            t2 = time.perf_counter()
+            # generate's time minus one prefill: its decode steps
+            rounds.append({"prefill_s": t1 - t0, "decode_s": max((t2 - t1) - (t1 - t0), 1e-9)})
+    return _median_round(rounds, batch_size, input_len, output_len)
 
 
 def _free_memory() -> None:
@@ -120,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Measured rounds per system (after one warm-up round); the median time is reported.")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
     ns = p.parse_args(argv)
@@ -128,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
-             "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed)}
+             "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat)}
         _free_memory()
         if ns.compare_transformers:
-            r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed)
+            r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat)
             _free_memory()
             r["decode_speedup"] = r["moeserve"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
             r["prefill_speedup"] = r["moeserve"]["prefill_tok_s"] / r["transformers"]["prefill_tok_s"]
