@@ -1,4 +1,5 @@
-"""Process helpers for tests that start servers: the processes a server spawned, and whether one still lives."""
+"""Process helpers for tests that start servers: waiting for one to be healthy, the processes it spawned, whether
+one still lives, and a clean SIGTERM."""
 
 from __future__ import annotations
 
@@ -38,6 +39,26 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    """Poll url/health until it answers 200; fail (killing the server) if it exits or does not come up in time."""
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
 
 
 def sigterm_leaves_nothing(proc: subprocess.Popen, workers: set[int], log: Path, timeout: float) -> None:

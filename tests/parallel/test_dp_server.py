@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 from moeserve.engine.launch import free_port
 from moeserve.engine.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
-from tests.procs import descendants, sigterm_leaves_nothing
+from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -58,18 +57,7 @@ def test_dp_attention_server_concurrent_openai(tmp_path):
             prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))]
         del ref_eng
 
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_healthy(proc, url, log, 60)
         workers = descendants(proc.pid)
         text = log.read_text()
         for rank in (0, 1):

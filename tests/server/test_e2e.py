@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from moeserve.engine.launch import free_port
-from tests.procs import descendants, sigterm_leaves_nothing
+from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +37,7 @@ def server(tmp_path_factory):
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    wait_healthy(proc, url, log, 180)
     workers = descendants(proc.pid)
     yield {"url": url, "proc": proc, "log": log, "model_path": model_path, "workers": workers}
 
