@@ -54,21 +54,27 @@ class AttentionMetadata:
         return int(self.out_cache_loc.shape[0])
 
 
+def _past_end(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_len] bool: True at positions >= the request's seq_len."""
+    return torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+
+
+def _as_bias(past: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(past.shape, device=past.device).masked_fill_(past, float("-inf"))
+
+
 def length_bias(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, max_len] float32 additive attention bias: 0 at positions < seq_len, -inf from there on."""
-    pos = torch.arange(max_len, device=seq_lens.device)
-    past = pos[None, :] >= seq_lens[:, None]
-    return torch.zeros(past.shape, device=seq_lens.device).masked_fill_(past, float("-inf"))
+    return _as_bias(_past_end(seq_lens, max_len))
 
 
 def padded_kv_slots(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, seq_lens: torch.Tensor,
                     max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged kv_indices -> slots [B, max_len] (scratch slot 0 past each length) and their `length_bias`."""
+    past = _past_end(seq_lens, max_len)
     pos = torch.arange(max_len, device=kv_indices.device)
-    past = pos[None, :] >= seq_lens[:, None]
     flat = (kv_indptr[:-1, None] + pos[None, :]).clamp_(max=max(kv_indices.shape[0] - 1, 0))
-    slots = kv_indices[flat].masked_fill_(past, 0)
-    return slots, length_bias(seq_lens, max_len)
+    return kv_indices[flat].masked_fill_(past, 0), _as_bias(past)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
