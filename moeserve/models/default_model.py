@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from moeserve.cache import cache_root
+
 CACHE_NAME = "default-model-v1"  # bump when any file below changes
 SEED = 20250101
 INIT_STD = 0.02
@@ -102,7 +104,7 @@ def default_config(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict:
 
 def default_model_path() -> str:
     """Directory of the default model, built on first use under $MOESERVE_CACHE (or ~/.cache/moeserve)."""
-    root = Path(os.environ.get("MOESERVE_CACHE") or Path.home() / ".cache" / "moeserve")
+    root = cache_root()
     final = root / CACHE_NAME
     if (final / "config.json").is_file():
         return str(final)

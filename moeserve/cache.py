@@ -1,0 +1,11 @@
+"""Where moeserve keeps what it builds for itself (the default model, compiled CPU kernels)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """$MOESERVE_CACHE, else ~/.cache/moeserve. Not created here."""
+    return Path(os.environ.get("MOESERVE_CACHE") or Path.home() / ".cache" / "moeserve")
