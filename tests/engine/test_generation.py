@@ -86,6 +86,14 @@ def test_mixed_batch_matches_transformers(ckpt_dir, name):
     assert_matches_hf(name, prompts, [r["output_ids"] for r in eng.run(prompts, GREEDY)])
 
 
+@pytest.mark.parametrize("name", ["v3_q_lora", "mixtral"])
+def test_grouped_gemm_experts_match_transformers(ckpt_dir, name):
+    """The CPU default is moeserve's experts kernel (the test above); torch's grouped GEMM stays selectable."""
+    prompts = _prompts(1, MIXED)
+    eng = InProcessEngine(model_path=ckpt_dir(name), moe_runner_backend="grouped_gemm")
+    assert_matches_hf(name, prompts, [r["output_ids"] for r in eng.run(prompts, GREEDY)])
+
+
 @pytest.mark.parametrize("name", ["v3_q_lora", "qwen3_moe"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_chunked_prefill_matches(ckpt_dir, name, page_size):

@@ -4,6 +4,9 @@
 
 Checkpoints store each expert separately (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `w1/w3/w2`); the
 loader fuses them, reading only the experts this rank holds.
+
+The kernels (--moe-runner-backend) are chosen once the weights are in, on their device: on the CPU the
+moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 
 from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.stats import record_local_tokens
+from moeserve.kernels import cpu_experts
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.moe.grouped_gemm import grouped_gemm
 from moeserve.layers.weights import WeightSpec
@@ -24,8 +28,11 @@ class Experts(nn.Module):
     """Experts held by this rank. Local slot i holds logical expert `expert_ids[i]` of the checkpoint."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
-                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 runner_backend: str = "auto"):
         super().__init__()
+        self.runner_backend = runner_backend
+        self.use_cpu_kernel = False  # decided by process_weights_after_loading
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts  # logical experts in the checkpoint
@@ -45,17 +52,27 @@ class Experts(nn.Module):
             return torch.bmm(h, self.w2.transpose(1, 2))
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
+        if self.use_cpu_kernel:
+            return cpu_experts.cpu_experts(layout.x, self.w13, self.w2, offs, counts)
         h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
         return grouped_gemm(h, self.w2, offs, counts)
 
     def process_weights_after_loading(self) -> None:
-        """On CPU, store each expert's matrix transposed in memory ([E, H, 2I] and [E, I, H]); the parameters keep
-        their logical shapes. The grouped GEMM multiplies by w.transpose(1, 2), which is then contiguous: with a few
-        rows per expert, MKL streams the weights about 1.5x faster in that layout."""
-        if self.w13.device.type != "cpu":
-            return
-        for w in (self.w13, self.w2):
-            w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
+        """Pick the kernels for the weights' device and dtype; on the CPU, store each expert's matrix transposed in
+        memory ([E, H, 2I] and [E, I, H]; the parameters keep their logical shapes). Both CPU kernels multiply by
+        w.transpose(1, 2), which is then contiguous: the moeserve kernel needs it, and with a few rows per expert
+        MKL streams the weights about 1.5x faster in that layout."""
+        on_cpu = self.w13.device.type == "cpu"
+        if self.runner_backend == "cpu_kernel" and not (on_cpu and cpu_experts.available(self.w13.dtype)):
+            raise ValueError(
+                f"--moe-runner-backend cpu_kernel runs on the CPU with float32 or bfloat16 weights and a C++ "
+                f"compiler; here the experts are {self.w13.dtype} on {self.w13.device}"
+                + ("" if not on_cpu or cpu_experts.load() is not None else " and the kernel did not build (see the log)")
+            )
+        self.use_cpu_kernel = on_cpu and self.runner_backend != "grouped_gemm" and cpu_experts.available(self.w13.dtype)
+        if on_cpu:
+            for w in (self.w13, self.w2):
+                w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         """Every expert's three tensors; those of experts this rank does not hold are expected but skipped."""

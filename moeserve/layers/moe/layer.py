@@ -69,7 +69,8 @@ class MoE(nn.Module):
 
         self.gate = Router(config.hidden_size, config.num_experts, correction_bias=config.topk_method == "noaux_tc")
         self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts, local_ids,
-                               expert_names)
+                               expert_names,
+                               runner_backend=server_args.moe_runner_backend if server_args is not None else "auto")
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts else None
