@@ -58,7 +58,13 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.interleaved = rope.interleaved
         inv_freq, self.attention_factor = rope_inv_freq(dim, rope)
-        self._inv_freq = {torch.device("cpu"): inv_freq}  # per device; a plain attribute, not a buffer
+        # Per device; a plain attribute, not a buffer: the model is built on 'meta' and cast to the weights' dtype.
+        self._inv_freq = {torch.device("cpu"): inv_freq}
+
+    def process_weights_after_loading(self, device: torch.device) -> None:
+        """Put the frequencies on the model's device now: a first forward that did it would differ from the
+        next ones (under torch.compile, a second graph)."""
+        self._inv_freq.setdefault(torch.device(device), self._inv_freq[torch.device("cpu")].to(device))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] int64 -> rope [T, 2, dim] float32: each token's cos and signed sin, laid out like x.

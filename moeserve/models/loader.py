@@ -68,9 +68,9 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
         fill_dummy(model, specs, server_args.random_seed, show_progress)
     else:
         load_safetensors(model, specs, Path(path), config, show_progress)
-    for module in model.modules():  # device-specific layouts, once the weights are in
+    for module in model.modules():  # device-specific layouts and state, once the weights are in
         if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+            module.process_weights_after_loading(device)
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -93,7 +93,7 @@ def _loaded_experts(backend: str, dtype: torch.dtype = torch.float32) -> Experts
     with torch.no_grad():
         ex.w13.copy_(torch.randn(ex.w13.shape, generator=GEN) * 32**-0.5)
         ex.w2.copy_(torch.randn(ex.w2.shape, generator=GEN) * 16**-0.5)
-    ex.process_weights_after_loading()
+    ex.process_weights_after_loading(torch.device("cpu"))
     return ex
 
 

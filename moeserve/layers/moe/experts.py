@@ -57,12 +57,12 @@ class Experts(nn.Module):
         h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
         return grouped_gemm(h, self.w2, offs, counts)
 
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, device: torch.device) -> None:
         """Pick the kernels for the weights' device and dtype; on the CPU, store each expert's matrix transposed in
         memory ([E, H, 2I] and [E, I, H]; the parameters keep their logical shapes). Both CPU kernels multiply by
         w.transpose(1, 2), which is then contiguous: the moeserve kernel needs it, and with a few rows per expert
         MKL streams the weights about 1.5x faster in that layout."""
-        on_cpu = self.w13.device.type == "cpu"
+        on_cpu = torch.device(device).type == "cpu"
         if self.runner_backend == "cpu_kernel" and not (on_cpu and cpu_experts.available(self.w13.dtype)):
             raise ValueError(
                 f"--moe-runner-backend cpu_kernel runs on the CPU with float32 or bfloat16 weights and a C++ "
