@@ -27,7 +27,9 @@ class LocalExpertTokens:
         self.counts = torch.zeros(num_local_experts, dtype=torch.int64, device=device)
 
     def add(self, counts: torch.Tensor) -> None:
-        if counts.shape == self.counts.shape:  # a layer with another expert count is not ours to count
+        # A layer with another expert count or on another device is another model's (tests build several in one
+        # process): not ours to count.
+        if counts.shape == self.counts.shape and counts.device == self.counts.device:
             self.counts.add_(counts)
 
     def take(self) -> list[int]:

@@ -13,6 +13,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from moeserve.engine.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
@@ -83,3 +84,24 @@ def test_two_rank_memory_lines_and_utilization(capfd):
     # DP attention: each token is dispatched once (under attention TP every rank of a group would dispatch the
     # group's tokens, and the pairs would count attn_tp_size times)
     assert 0 < sum(int(n) for *_, n in util) <= PAIRS
+
+
+def test_counter_ignores_other_expert_counts():
+    from moeserve.ep.stats import LocalExpertTokens
+
+    ours = LocalExpertTokens(4, "cpu")
+    ours.add(torch.arange(4))
+    ours.add(torch.ones(6, dtype=torch.int64))  # another model's layer, with another expert count
+    assert ours.take() == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a second device")
+def test_counter_ignores_other_devices():
+    """A GPU engine's counter and a CPU model in the same process (tests/models/test_gpu.py after the engine
+    tests): the CPU model's layers, with as many experts, are not counted and do not fail."""
+    from moeserve.ep.stats import LocalExpertTokens
+
+    ours = LocalExpertTokens(4, "cuda")
+    ours.add(torch.ones(4, dtype=torch.int64))
+    ours.add(torch.arange(4, device="cuda"))
+    assert ours.take() == [0, 1, 2, 3]
