@@ -101,10 +101,12 @@ class ServerArgs:
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
     tbo_token_threshold: int = _flag(64, "TBO only runs on steps with at least this many tokens.")
-    enable_eplb: bool = _flag(False, "Rebalance expert placement online from recorded load.")
+    enable_eplb: bool = _flag(False, "Rebalance expert placement online from recorded load (not implemented yet).")
     ep_num_redundant_experts: int = _flag(0, "Extra physical expert slots for replicas of hot experts.")
-    init_expert_location: str = _flag("trivial", "trivial, or a placement / recorder dump file.")
-    expert_distribution_recorder_mode: str | None = _flag(None, "Record expert load: stat, per_pass, per_token.",
+    init_expert_location: str = _flag(
+        "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
+        "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
+    expert_distribution_recorder_mode: str | None = _flag(None, "Record expert load: stat, per_pass, per_token (not implemented yet).",
                                                          (None, *RECORDER_MODES))
     eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
 
@@ -159,8 +161,13 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
         if self.ep_num_redundant_experts < 0:
             raise ValueError("--ep-num-redundant-experts must be >= 0")
-        if self.enable_eplb and self.ep_size == 1:
-            raise ValueError("--enable-eplb needs expert parallelism (--ep-size > 1)")
+        if self.enable_eplb:
+            raise ValueError(
+                "--enable-eplb (rebalancing while serving) is not implemented yet: plan a placement offline with "
+                "`moeserve eplb` and start with --init-expert-location FILE (and --ep-num-redundant-experts)")
+        if self.expert_distribution_recorder_mode is not None:
+            raise ValueError("--expert-distribution-recorder-mode is not implemented yet (the server records no "
+                             "expert load); `moeserve eplb synth` makes synthetic loads for the EPLB tools")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")

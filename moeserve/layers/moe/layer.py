@@ -1,14 +1,15 @@
 """One MoE layer (DESIGN.md 'One MoE layer'):
 
-    hidden [T, H] -> gate (fp32 logits) -> select_experts -> (recorder) -> dispatch -> experts -> combine
-                  + shared_experts(hidden)
+    hidden [T, H] -> gate (fp32 logits) -> select_experts -> (recorder) -> logical to physical -> dispatch
+                  -> experts -> combine + shared_experts(hidden)
 
-The layer holds this rank's experts [ep_rank * E_local, (ep_rank + 1) * E_local) of the physical expert list.
+The layer holds this rank's experts [ep_rank * E_local, (ep_rank + 1) * E_local) of the physical expert list;
+the placement (placement.py) says which logical expert each physical slot holds and, where it is not the
+identity (redundant experts, --init-expert-location), which slot a token routed to logical expert e goes to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from moeserve.ep import make_dispatcher
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
+from moeserve.layers.moe.placement import layer_placement
 from moeserve.layers.moe.router import Router, select_experts
 from moeserve.models.config import ModelConfig
 from moeserve.parallel.comm import all_gather
@@ -44,8 +46,7 @@ class MoE(nn.Module):
     """Routed experts (expert-parallel) plus optional shared experts (replicated)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, server_args: ServerArgs | None = None,
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 physical_to_logical: Sequence[int] | None = None):
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
         ps = get_parallel_state()
         self.layer_id = layer_id
@@ -62,8 +63,8 @@ class MoE(nn.Module):
         if num_physical % ps.ep_size:
             raise ValueError(f"{num_physical} physical experts do not split over ep_size {ps.ep_size}")
         num_local = num_physical // ps.ep_size
-        if physical_to_logical is None:  # trivial placement: physical p holds logical p mod E
-            physical_to_logical = [p % config.num_experts for p in range(num_physical)]
+        physical_to_logical, self.dispatch_table = layer_placement(config, server_args, layer_id, ps.ep_size,
+                                                                   ps.ep_rank)
         first = ps.ep_rank * num_local
         local_ids = list(physical_to_logical[first:first + num_local])
 
@@ -107,7 +108,9 @@ class MoE(nn.Module):
             renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
         )
         if _recorder is not None:
-            _recorder.on_select_experts(self.layer_id, topk_ids)
+            _recorder.on_select_experts(self.layer_id, topk_ids)  # logical ids: the load EPLB plans from
+        if self.dispatch_table is not None:
+            topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
         self.dispatchers[mb].dispatch_a(x, topk_ids, topk_weights, batch)
 
     def op_experts(self, mb: int = 0) -> None:
@@ -123,6 +126,10 @@ class MoE(nn.Module):
         y = self.dispatchers[mb].combine_b()
         y = y + shared if shared is not None else y
         return self._gather_tokens(y, num_tokens) if self.split_tokens else y
+
+    def process_weights_after_loading(self, device: torch.device) -> None:
+        if self.dispatch_table is not None:
+            self.dispatch_table = self.dispatch_table.to(device)
 
     def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the attention group's tokens (all of them without the split)."""
