@@ -26,6 +26,13 @@ def _layout(counts: list[int], H: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return x, offsets, torch.tensor(counts, dtype=torch.int32)
 
 
+def _weights(E: int, H: int, inter: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random w13 [E, 2I, H] and w2 [E, H, I] at unit output scale, stored transposed."""
+    w13 = torch.randn(E, 2 * inter, H, generator=GEN) * H**-0.5
+    w2 = torch.randn(E, H, inter, generator=GEN) * inter**-0.5
+    return _transposed(w13.to(dtype)), _transposed(w2.to(dtype))
+
+
 def _reference(x, w13, w2, offsets, counts) -> torch.Tensor:
     """Each row through its expert, one row at a time, in float64."""
     inter = w13.shape[1] // 2
@@ -43,8 +50,7 @@ def test_kernel_matches_reference(H, inter, counts):
     """Row blocks of 1-4 and their remainders, empty experts, column counts that are not a multiple of 8 or 64."""
     E = len(counts)
     x, offsets, n = _layout(counts, H)
-    w13 = _transposed(torch.randn(E, 2 * inter, H, generator=GEN) * H**-0.5)
-    w2 = _transposed(torch.randn(E, H, inter, generator=GEN) * inter**-0.5)
+    w13, w2 = _weights(E, H, inter)
     got = cpu_experts.cpu_experts(x, w13, w2, offsets, n)
     torch.testing.assert_close(got.double(), _reference(x, w13, w2, offsets, n), rtol=1e-5, atol=1e-5)
 
@@ -54,8 +60,7 @@ def test_bf16_weights_sum_in_fp32():
     E, H, inter, counts = 4, 96, 64, [3, 1, 0, 6]
     x, offsets, n = _layout(counts, H)
     x = x.bfloat16()
-    w13 = _transposed((torch.randn(E, 2 * inter, H, generator=GEN) * H**-0.5).bfloat16())
-    w2 = _transposed((torch.randn(E, H, inter, generator=GEN) * inter**-0.5).bfloat16())
+    w13, w2 = _weights(E, H, inter, torch.bfloat16)
     got = cpu_experts.cpu_experts(x, w13, w2, offsets, n)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), _reference(x, w13, w2, offsets, n), rtol=1e-2, atol=1e-2)
@@ -66,8 +71,7 @@ def test_many_rows_per_expert_take_the_grouped_gemm():
     E, H, inter = 2, 32, 16
     counts = [cpu_experts.MAX_ROWS_PER_EXPERT * E + 5, 3]
     x, offsets, n = _layout(counts, H)
-    w13 = _transposed(torch.randn(E, 2 * inter, H, generator=GEN) * H**-0.5)
-    w2 = _transposed(torch.randn(E, H, inter, generator=GEN) * inter**-0.5)
+    w13, w2 = _weights(E, H, inter)
     got = cpu_experts.cpu_experts(x, w13, w2, offsets, n)
     torch.testing.assert_close(got.double(), _reference(x, w13, w2, offsets, n), rtol=1e-5, atol=1e-5)
 
@@ -82,8 +86,7 @@ def test_untransposed_weights_are_refused():
 def test_compiled_call_is_the_custom_op():
     E, H, inter, counts = 3, 32, 16, [2, 0, 5]
     x, offsets, n = _layout(counts, H)
-    w13 = _transposed(torch.randn(E, 2 * inter, H, generator=GEN))
-    w2 = _transposed(torch.randn(E, H, inter, generator=GEN))
+    w13, w2 = _weights(E, H, inter)
     fn = torch.compile(lambda *a: cpu_experts.cpu_experts(*a) * 2, fullgraph=True)
     torch.testing.assert_close(fn(x, w13, w2, offsets, n), cpu_experts.cpu_experts(x, w13, w2, offsets, n) * 2)
 
