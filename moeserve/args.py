@@ -106,8 +106,8 @@ class ServerArgs:
     init_expert_location: str = _flag(
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
-    expert_distribution_recorder_mode: str | None = _flag(None, "Record expert load: stat, per_pass, per_token (not implemented yet).",
-                                                         (None, *RECORDER_MODES))
+    expert_distribution_recorder_mode: str | None = _flag(
+        None, "Record expert load: stat, per_pass, per_token (not implemented yet).", (None, *RECORDER_MODES))
     eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
 
     # --- CUDA graphs, torch.compile ---

@@ -2,8 +2,9 @@
 
 `cpu_experts(x, w13, w2, offsets, counts)` computes what `Experts` computes with two grouped GEMMs and SwiGLU, over
 a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H, I]) but are stored transposed, as
-`Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32. Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill)
-a GEMM library is faster, and it runs the grouped GEMMs instead.
+`Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32.
+Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill) a GEMM library is faster, and it
+runs the grouped GEMMs instead.
 
 The C++ source is compiled on first use with the host's C++ compiler ($CXX, else c++) for the host CPU
 (-march=native) and OpenMP, into $MOESERVE_CACHE/kernels (see moeserve/cache.py), keyed by the source, the

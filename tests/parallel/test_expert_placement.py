@@ -53,7 +53,8 @@ def test_single_rank_redundant_trivial_and_recorder_dump(tiny_checkpoint, tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [dict(tp_size=2, moe_a2a_backend="all2all", deepep_mode="auto",
                                          ep_max_tokens_per_rank=4, enable_dp_attention=True, dp_size=2),
-                                    dict(tp_size=2, moe_a2a_backend="allgather")], ids=["dp2-a2a_auto", "tp2-allgather"])
+                                    dict(tp_size=2, moe_a2a_backend="allgather")],
+                         ids=["dp2-a2a_auto", "tp2-allgather"])
 def test_two_ranks_shuffled_placement_with_replicas(tiny_checkpoint, tmp_path, kwargs):
     """Replicas on both ranks: the static table sends each rank's tokens to a replica on its own rank first."""
     from moeserve.engine.engine import Engine

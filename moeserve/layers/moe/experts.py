@@ -63,13 +63,14 @@ class Experts(nn.Module):
         w.transpose(1, 2), which is then contiguous: the moeserve kernel needs it, and with a few rows per expert
         MKL streams the weights about 1.5x faster in that layout."""
         on_cpu = torch.device(device).type == "cpu"
-        if self.runner_backend == "cpu_kernel" and not (on_cpu and cpu_experts.available(self.w13.dtype)):
+        kernel_runs = on_cpu and cpu_experts.available(self.w13.dtype)
+        if self.runner_backend == "cpu_kernel" and not kernel_runs:
+            built = not on_cpu or cpu_experts.load() is not None
             raise ValueError(
                 f"--moe-runner-backend cpu_kernel runs on the CPU with float32 or bfloat16 weights and a C++ "
                 f"compiler; here the experts are {self.w13.dtype} on {self.w13.device}"
-                + ("" if not on_cpu or cpu_experts.load() is not None else " and the kernel did not build (see the log)")
-            )
-        self.use_cpu_kernel = on_cpu and self.runner_backend != "grouped_gemm" and cpu_experts.available(self.w13.dtype)
+                + ("" if built else " and the kernel did not build (see the log)"))
+        self.use_cpu_kernel = kernel_runs and self.runner_backend != "grouped_gemm"
         if on_cpu:
             for w in (self.w13, self.w2):
                 w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
