@@ -153,6 +153,43 @@ void experts(const float* x, const W* w13t, const W* w2t, const int32_t* offsets
   }
 }
 
+// One rank, every expert local: the (token, slot) pairs grouped by expert (token order kept inside an expert),
+// the experts run on the grouped rows, and each token's k results summed with its top-k weights.
+template <typename W>
+int moe_local(const float* x, const int64_t* topk_ids, const float* topk_weights, int64_t T, int64_t k,
+               const W* w13t, const W* w2t, int64_t E, int64_t H, int64_t I, float* scratch, float* out,
+               int64_t* expert_counts, int num_threads) {
+  const int64_t P = T * k;
+  std::vector<int32_t> counts(E, 0), offsets(E + 1, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    if (topk_ids[p] < 0 || topk_ids[p] >= E) return -1;
+    ++counts[topk_ids[p]];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    offsets[e + 1] = offsets[e] + counts[e];
+    expert_counts[e] = counts[e];
+  }
+  std::vector<int64_t> row_of(P);
+  std::vector<int32_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < P; ++p) row_of[p] = next[topk_ids[p]]++;
+  float* xs = scratch;           // [P, H] the grouped rows
+  float* act = xs + P * H;       // [P, I]
+  float* ys = act + P * I;       // [P, H] the experts' outputs
+  for (int64_t p = 0; p < P; ++p) std::memcpy(xs + row_of[p] * H, x + (p / k) * H, H * sizeof(float));
+  experts<W>(xs, w13t, w2t, offsets.data(), counts.data(), E, H, I, act, ys, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = out + t * H;
+    for (int64_t h = 0; h < H; ++h) o[h] = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = topk_weights[t * k + j];
+      const float* y = ys + row_of[t * k + j] * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -170,6 +207,24 @@ void moeserve_experts_bf16(const float* x, const uint16_t* w13t, const uint16_t*
                            const int32_t* counts, int64_t E, int64_t H, int64_t I, float* act, float* out,
                            int num_threads) {
   experts<uint16_t>(x, w13t, w2t, offsets, counts, E, H, I, act, out, num_threads);
+}
+
+// x [T, H] fp32; topk_ids [T, k] int64 in [0, E); topk_weights [T, k] fp32; weights as above; scratch
+// [T * k * (2H + I)] fp32; out [T, H] fp32 = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+// expert_counts [E] int64: the pairs each expert computed. Returns 0, or -1 (nothing computed) if an expert id
+// is outside [0, E).
+int moeserve_moe_local_f32(const float* x, const int64_t* topk_ids, const float* topk_weights, int64_t T,
+                           int64_t k, const float* w13t, const float* w2t, int64_t E, int64_t H, int64_t I,
+                           float* scratch, float* out, int64_t* expert_counts, int num_threads) {
+  return moe_local<float>(x, topk_ids, topk_weights, T, k, w13t, w2t, E, H, I, scratch, out, expert_counts,
+                          num_threads);
+}
+
+int moeserve_moe_local_bf16(const float* x, const int64_t* topk_ids, const float* topk_weights, int64_t T,
+                            int64_t k, const uint16_t* w13t, const uint16_t* w2t, int64_t E, int64_t H, int64_t I,
+                            float* scratch, float* out, int64_t* expert_counts, int num_threads) {
+  return moe_local<uint16_t>(x, topk_ids, topk_weights, T, k, w13t, w2t, E, H, I, scratch, out, expert_counts,
+                             num_threads);
 }
 
 }

@@ -1,5 +1,8 @@
 """The CPU experts kernel (cpu_experts.cpp): a whole layer's routed experts in one call, for few rows per expert.
 
+`cpu_moe_local(x, topk_ids, topk_weights, w13, w2)` is the one-rank form: grouping the pairs by expert, the
+experts and the weighted sum of each token's k results, in one call (no dispatcher).
+
 `cpu_experts(x, w13, w2, offsets, counts)` computes what `Experts` computes with two grouped GEMMs and SwiGLU, over
 a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H, I]) but are stored transposed, as
 `Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32.
@@ -88,6 +91,48 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's whole routed-expert step: x [T, H], topk_ids [T, k] (every expert local), topk_weights [T, k]
+    -> (out [T, H] in x's dtype, pairs per expert [E] int64), out[t] = sum_j topk_weights[t, j] *
+    expert_{topk_ids[t, j]}(x[t]), summed in fp32.
+
+    What LocalDispatcher + `cpu_experts` + combine compute, in one call: for decode steps (few rows per expert;
+    the caller checks MAX_ROWS_PER_EXPERT)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2)
+    E, I2, H = w13.shape
+    T, k = topk_ids.shape
+    lib = load()
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+    if lib is None or w13.dtype not in DTYPES or not (w13t.is_contiguous() and w2t.is_contiguous()):
+        raise RuntimeError("cpu_moe_local needs the built kernel and fp32/bf16 expert weights stored transposed")
+    xf = x.float().contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.float().contiguous()
+    scratch = xf.new_empty(T * k * (2 * H + I2 // 2))
+    out = xf.new_empty(T, H)
+    counts = ids.new_empty(E)
+    fn = lib.moeserve_moe_local_f32 if w13.dtype == torch.float32 else lib.moeserve_moe_local_bf16
+    rc = fn(xf.data_ptr(), ids.data_ptr(), weights.data_ptr(), T, k, w13t.data_ptr(), w2t.data_ptr(), E, H,
+            I2 // 2, scratch.data_ptr(), out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"cpu_moe_local: an expert id outside [0, {E}) in topk_ids")
+    return (out if x.dtype == torch.float32 else out.to(x.dtype)), counts
+
+
+@torch.library.custom_op("moeserve::cpu_moe_local", mutates_args=())
+def _cpu_moe_local_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cpu_moe_local(x, topk_ids, topk_weights, w13, w2)
+
+
+@_cpu_moe_local_op.register_fake
+def _(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], x.shape[1]), topk_ids.new_empty(w13.shape[0], dtype=torch.int64)
+
+
 @torch.library.custom_op("moeserve::cpu_experts", mutates_args=())
 def _cpu_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                     counts: torch.Tensor) -> torch.Tensor:
@@ -105,6 +150,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.moeserve_experts_f32, lib.moeserve_experts_bf16):
         fn.restype = None
         fn.argtypes = [p, p, p, p, p, i64, i64, i64, p, p, ctypes.c_int]
+    for fn in (lib.moeserve_moe_local_f32, lib.moeserve_moe_local_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
     return lib
 
 

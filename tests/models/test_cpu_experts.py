@@ -115,3 +115,29 @@ def test_cpu_kernel_backend_names_what_it_cannot_run():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         _loaded_experts("cpu_kernel", torch.float16)
     assert _loaded_experts("auto", torch.float16).use_cpu_kernel is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_moe_equals_dispatcher_path(dtype):
+    """cpu_moe_local (grouping, experts and the weighted sum in one call) against the per-row reference summed
+    token by token; the expert counts are the pairs each expert computed."""
+    T, k, E, H, inter = 9, 3, 6, 48, 40
+    x = torch.randn(T, H, generator=GEN).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=GEN)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=GEN)
+    w13, w2 = _weights(E, H, inter, dtype)
+    got, counts = cpu_experts.cpu_moe_local(x, ids, weights, w13, w2)
+    assert got.dtype == dtype and counts.tolist() == torch.bincount(ids.flatten(), minlength=E).tolist()
+    one = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))  # a single-row layout
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for t in range(T):
+        want = sum(float(weights[t, j]) * _reference(x[t:t + 1], w13[e:e + 1], w2[e:e + 1], *one)[0]
+                   for j, e in enumerate(ids[t].tolist()))
+        torch.testing.assert_close(got[t].double(), want, rtol=tol, atol=tol)
+
+
+def test_one_rank_moe_refuses_bad_expert_ids():
+    x = torch.randn(2, 16)
+    w13, w2 = _weights(3, 16, 8)
+    with pytest.raises(ValueError, match="outside"):
+        cpu_experts.cpu_moe_local(x, torch.tensor([[0, 3], [1, 2]]), torch.rand(2, 2), w13, w2)

@@ -16,6 +16,9 @@ import torch
 from torch import nn
 
 from moeserve.ep import make_dispatcher
+from moeserve.ep.local import LocalDispatcher
+from moeserve.ep.stats import record_local_tokens
+from moeserve.kernels import cpu_experts
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.placement import layer_placement
@@ -92,16 +95,22 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. Runs even for T = 0 (an IDLE rank still joins the dispatch collectives)."""
+        if self._one_rank_cpu_kernel and x.shape[0] * self.top_k <= cpu_experts.MAX_ROWS_PER_EXPERT * self.num_experts:
+            # every expert local and few rows each (decode): routing straight into one kernel call, no dispatcher
+            topk_ids, topk_weights = self._route(x)
+            y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
+            record_local_tokens(counts)
+            return self._add_shared(x, y)
         self.op_dispatch_a(x, batch)
         self.op_experts()
         return self.op_combine(x)
 
-    # The same computation as stages, for two-batch overlap (moeserve/models/tbo.py). `mb` picks the dispatcher
-    # (0: micro-batch A or no overlap, 1: micro-batch B). Between op_dispatch_a and op_experts the dispatch is in
-    # flight; between op_experts and op_combine the combine is.
-    def op_dispatch_a(self, x: torch.Tensor, batch: ForwardBatch | Any = None, mb: int = 0) -> None:
-        """gate -> select_experts -> (recorder) -> dispatch_a."""
-        x = self._own_tokens(x)
+    @property
+    def _one_rank_cpu_kernel(self) -> bool:
+        return self.experts.use_cpu_kernel and isinstance(self.dispatcher, LocalDispatcher) and not self.split_tokens
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate -> select_experts -> (recorder) -> physical ids: (topk_ids [T, k] int64, topk_weights [T, k])."""
         topk_ids, topk_weights = select_experts(
             self.gate(x), self.top_k, scoring_func=self.scoring_func, topk_method=self.topk_method,
             n_group=self.n_group, topk_group=self.topk_group, correction_bias=self.gate.e_score_correction_bias,
@@ -111,6 +120,15 @@ class MoE(nn.Module):
             _recorder.on_select_experts(self.layer_id, topk_ids)  # logical ids: the load EPLB plans from
         if self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
+        return topk_ids, topk_weights
+
+    # The same computation as stages, for two-batch overlap (moeserve/models/tbo.py). `mb` picks the dispatcher
+    # (0: micro-batch A or no overlap, 1: micro-batch B). Between op_dispatch_a and op_experts the dispatch is in
+    # flight; between op_experts and op_combine the combine is.
+    def op_dispatch_a(self, x: torch.Tensor, batch: ForwardBatch | Any = None, mb: int = 0) -> None:
+        """_route -> dispatch_a, on this rank's share of the tokens."""
+        x = self._own_tokens(x)
+        topk_ids, topk_weights = self._route(x)
         self.dispatchers[mb].dispatch_a(x, topk_ids, topk_weights, batch)
 
     def op_experts(self, mb: int = 0) -> None:
@@ -120,10 +138,14 @@ class MoE(nn.Module):
 
     def op_combine(self, x: torch.Tensor, mb: int = 0) -> torch.Tensor:
         """Shared experts (while the combine is in flight), then combine_b (wait) and the sum."""
+        return self._add_shared(x, None, mb)
+
+    def _add_shared(self, x: torch.Tensor, routed: torch.Tensor | None, mb: int = 0) -> torch.Tensor:
+        """routed (or the dispatcher's combine_b, waited for after the shared experts ran) + shared_experts(x)."""
         num_tokens = x.shape[0]
         x = self._own_tokens(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        y = self.dispatchers[mb].combine_b()
+        y = self.dispatchers[mb].combine_b() if routed is None else routed
         y = y + shared if shared is not None else y
         return self._gather_tokens(y, num_tokens) if self.split_tokens else y
 
