@@ -9,9 +9,8 @@
 // one broadcast input value per row and NV vector loads of weights: R * NV = 8 independent FMA chains whatever
 // R is, so a lone row per expert runs about as fast as four, and no horizontal sums.
 //
-// Plain C++ (GCC/Clang vector extensions) and OpenMP, no torch headers: moeserve/kernels/cpu_experts.py compiles
-// it on first use for the host CPU and calls it through ctypes. OpenMP resolves to the runtime torch already
-// loaded (the same soname), so the kernel shares torch's threads.
+// Plain C++ (GCC/Clang vector extensions) and OpenMP, no torch headers: moeserve/kernels/build.py compiles it on
+// first use for the host CPU, and moeserve/kernels/cpu_experts.py calls it through ctypes.
 
 #include <cmath>
 #include <cstdint>

@@ -9,53 +9,30 @@ a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H,
 Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill) a GEMM library is faster, and it
 runs the grouped GEMMs instead.
 
-The C++ source is compiled on first use with the host's C++ compiler ($CXX, else c++) for the host CPU
-(-march=native) and OpenMP, into $MOESERVE_CACHE/kernels (see moeserve/cache.py), keyed by the source, the
-compiler and the CPU; later processes load the cached library. `load()` returns None (and logs why, once) where
-that is impossible, and callers keep the grouped GEMMs. Under torch.compile the kernel is the custom op
-`moeserve::cpu_experts`.
+The C++ source is compiled on first use (moeserve/kernels/build.py). `load()` returns None (and logs why, once)
+where that is impossible, and callers keep the grouped GEMMs. Under torch.compile the kernels are the custom ops
+`moeserve::cpu_experts` and `moeserve::cpu_moe_local`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-from moeserve.cache import cache_root
+from moeserve.kernels.build import load_library
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.moe.grouped_gemm import grouped_gemm
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_experts.cpp")
 MAX_ROWS_PER_EXPERT = 32  # measured crossover with MKL's grouped GEMM is 32-64 rows per expert (2 AVX2 cores)
 DTYPES = (torch.float32, torch.bfloat16)
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on the first call of the process; None where it cannot be built."""
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _lib = _bind(ctypes.CDLL(str(_build())))
-            except (OSError, subprocess.SubprocessError) as e:
-                logger.warning("CPU experts kernel unavailable, using grouped GEMMs: %s", e)
-        return _lib
+    """The compiled kernel library (moeserve/kernels/build.py); None where it cannot be built."""
+    return load_library(SOURCE, _bind, "using grouped GEMMs")
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -154,55 +131,3 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
     return lib
-
-
-def _compiler() -> tuple[str, str]:
-    """($CXX or c++, its --version) or OSError."""
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except FileNotFoundError as e:
-        raise OSError(f"no C++ compiler ({cxx}); set CXX") from e
-    return cxx, version
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and, on Linux, the CPU's model and feature flags."""
-    parts = [platform.machine()]
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                parts.append(line)
-                if len(parts) == 3:
-                    break
-    except OSError:
-        pass
-    return "\n".join(parts)
-
-
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
-
-
-def _build() -> Path:
-    """Compile cpu_experts.cpp into the cache (or find it there); the path of the shared library."""
-    cxx, version = _compiler()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    out_dir = cache_root() / "kernels"
-    target = out_dir / f"cpu_experts-{key}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in _FLAG_SETS:  # OpenMP or -march=native may be missing (Apple clang): fall back, slower
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_experts-", suffix=".so", dir=out_dir)
-        os.close(fd)
-        cmd = [cxx, "-std=c++17", *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0:
-            os.replace(tmp, target)  # atomic: processes building at once all end with one complete file
-            logger.info("built the CPU experts kernel: %s", " ".join(cmd[:-4]))
-            return target
-        os.unlink(tmp)
-        errors.append(f"{' '.join(flags)}: {proc.stderr.strip().splitlines()[-1:]}")
-    raise OSError("compiling cpu_experts.cpp failed: " + "; ".join(errors))
