@@ -107,7 +107,8 @@ class ServerArgs:
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
     expert_distribution_recorder_mode: str | None = _flag(
-        None, "Record expert load: stat, per_pass, per_token (not implemented yet).", (None, *RECORDER_MODES))
+        None, "Record expert load (start/stop/dump endpoints): stat (counts per MoE layer and expert); per_pass and "
+        "per_token are not implemented yet.", (None, *RECORDER_MODES))
     eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
 
     # --- CUDA graphs, torch.compile ---
@@ -165,9 +166,9 @@ class ServerArgs:
             raise ValueError(
                 "--enable-eplb (rebalancing while serving) is not implemented yet: plan a placement offline with "
                 "`moeserve eplb` and start with --init-expert-location FILE (and --ep-num-redundant-experts)")
-        if self.expert_distribution_recorder_mode is not None:
-            raise ValueError("--expert-distribution-recorder-mode is not implemented yet (the server records no "
-                             "expert load); `moeserve eplb synth` makes synthetic loads for the EPLB tools")
+        if self.expert_distribution_recorder_mode not in (None, "stat"):
+            raise ValueError(f"--expert-distribution-recorder-mode {self.expert_distribution_recorder_mode} is not "
+                             "implemented yet; stat records the counts per MoE layer and expert")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -24,6 +25,8 @@ from moeserve.args import ServerArgs
 from moeserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
+    ExpertDistributionOut,
+    ExpertDistributionReq,
     FinishReason,
     FlushCacheOut,
     FlushCacheReq,
@@ -172,8 +175,8 @@ class EngineClient:
                     self._resolve_control(LoadOut, msg.load)
                 for out in msg.outputs:
                     self._deliver(out)
-            elif isinstance(msg, FlushCacheOut):
-                self._resolve_control(FlushCacheOut, msg)
+            elif isinstance(msg, (FlushCacheOut, ExpertDistributionOut)):
+                self._resolve_control(type(msg), msg)
             elif isinstance(msg, WorkerError):
                 self._mark_dead(f"rank {msg.rank} failed: {msg.message}")
 
@@ -187,11 +190,13 @@ class EngineClient:
             st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
 
     def _resolve_control(self, kind: type, value: Any) -> None:
+        """One reply of `kind` answers the oldest waiter for it (a control request waits for one per group)."""
         with self._lock:
-            waiters = [w for w in self._control_waiters if w[2] is kind]
-            self._control_waiters = [w for w in self._control_waiters if w[2] is not kind]
-        for loop, fut, _ in waiters:
-            loop.call_soon_threadsafe(lambda f=fut, v=value: f.done() or f.set_result(v))
+            i = next((i for i, w in enumerate(self._control_waiters) if w[2] is kind), None)
+            if i is None:
+                return
+            loop, fut, _ = self._control_waiters.pop(i)
+        loop.call_soon_threadsafe(lambda f=fut, v=value: f.done() or f.set_result(v))
 
     def _watch_workers(self) -> None:
         while not self._closed:
@@ -386,6 +391,29 @@ class EngineClient:
     async def flush_cache(self) -> bool:
         outs = await self._control(FlushCacheReq(), FlushCacheOut, self.num_dp)
         return all(o.success for o in outs)
+
+    async def expert_distribution(self, action: str) -> list[ExpertDistributionOut]:
+        """start / stop / dump the expert-distribution recording on every group; ValueError if it cannot."""
+        outs = await self._control(ExpertDistributionReq(action), ExpertDistributionOut, self.num_dp)
+        errors = sorted({o.error for o in outs if o.error})
+        if errors:
+            raise ValueError("; ".join(errors))
+        return outs
+
+    async def dump_expert_distribution(self, path: str | None = None) -> dict:
+        """Sum the groups' recorded windows into a .pt dump (`logical_count` [1, MoE layers, experts], what
+        `moeserve eplb` and --init-expert-location read); returns its path and totals."""
+        import torch
+
+        from moeserve.cache import cache_root
+
+        total = sum(o.logical_count for o in await self.expert_distribution("dump"))
+        out = Path(path) if path else (cache_root() / "expert_distribution"
+                                       / f"expert_distribution_recorder_{time.time_ns() // 1_000_000}.pt")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"logical_count": total[None]}, out)
+        return {"path": str(out), "num_layers": int(total.shape[0]), "num_experts": int(total.shape[1]),
+                "token_expert_pairs": int(total.sum())}
 
     async def get_load(self) -> list[LoadOut]:
         await self._control(GetLoadReq(), LoadOut, self.num_dp)

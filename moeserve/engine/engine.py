@@ -108,6 +108,17 @@ class Engine:
     def get_load(self):
         return asyncio.run_coroutine_threadsafe(self.client.get_load(), self._loop).result()
 
+    # Expert-distribution recording (--expert-distribution-recorder-mode stat; moeserve/eplb/recorder.py)
+    def start_expert_distribution_record(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.expert_distribution("start"), self._loop).result()
+
+    def stop_expert_distribution_record(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.expert_distribution("stop"), self._loop).result()
+
+    def dump_expert_distribution_record(self, path: str | None = None) -> dict:
+        """Write the recorded window to `path` (default: under $MOESERVE_CACHE); its path and totals."""
+        return asyncio.run_coroutine_threadsafe(self.client.dump_expert_distribution(path), self._loop).result()
+
     def shutdown(self) -> None:
         self.client.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,7 +1,8 @@
 """Messages between the server process (EngineClient) and the rank workers, sent over ZeroMQ as pickles.
 
-Server -> rank 0 of each attention group: GenerateReq, AbortReq, FlushCacheReq, GetLoadReq, ShutdownReq.
-Worker -> server: BatchTokenOut (token ids, never text: the server detokenizes), LoadOut, FlushCacheOut.
+Server -> rank 0 of each attention group: GenerateReq, AbortReq, FlushCacheReq, GetLoadReq, ExpertDistributionReq,
+ShutdownReq. Worker -> server: BatchTokenOut (token ids, never text: the server detokenizes), LoadOut,
+FlushCacheOut, ExpertDistributionOut.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ class LoadOut:
     kv_used_tokens: int
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
+
+
+@dataclass
+class ExpertDistributionReq:
+    """start, stop or dump the expert-distribution recording (moeserve/eplb/recorder.py)."""
+
+    action: str
+
+
+@dataclass
+class ExpertDistributionOut:
+    """One attention group's answer: its recorded window [layers, experts] for dump, or an error."""
+
+    dp_rank: int
+    logical_count: Any = None
+    error: str = ""
 
 
 @dataclass

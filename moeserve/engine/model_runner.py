@@ -129,6 +129,14 @@ class ModelRunner:
                 self.device)
         self.expert_tokens = (enable_local_expert_tokens(self.ep.num_local_experts, self.device)
                               if self.ep.num_moe_layers else None)
+        self.expert_recorder = None
+        if server_args.expert_distribution_recorder_mode is not None and self.config.moe_layers:
+            from moeserve.eplb.recorder import ExpertDistributionRecorder
+            from moeserve.layers.moe.layer import set_expert_recorder
+
+            self.expert_recorder = ExpertDistributionRecorder(self.config.moe_layers, self.config.num_experts,
+                                                              self.device)
+            set_expert_recorder(self.expert_recorder)  # before CUDA graphs and torch.compile see the model
         if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
             from moeserve.engine.compiled_decode import CompiledDecode
 

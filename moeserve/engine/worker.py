@@ -10,6 +10,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import torch.distributed as dist
 import zmq
 
 from moeserve.args import ServerArgs
@@ -17,6 +18,8 @@ from moeserve.engine.forward_batch import ForwardBatch
 from moeserve.engine.io_struct import (
     AbortReq,
     BatchTokenOut,
+    ExpertDistributionOut,
+    ExpertDistributionReq,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -203,10 +206,31 @@ class WorkerLoop:
             self._reply(FlushCacheOut(ok, "" if ok else "requests are in flight"))
         elif isinstance(msg, GetLoadReq):
             self._reply(BatchTokenOut([], s.get_load()))
+        elif isinstance(msg, ExpertDistributionReq):
+            self._reply(self._expert_distribution(msg.action))
         elif isinstance(msg, ShutdownReq):
             self.running = False
         else:
             logger.warning("unknown message %r", type(msg).__name__)
+
+    def _expert_distribution(self, action: str) -> ExpertDistributionOut:
+        """start / stop / dump on every rank of the group (they handle a message together); dump sums the group."""
+        rec = self.runner.expert_recorder
+        out = ExpertDistributionOut(self.scheduler.dp_rank)
+        if rec is None:
+            out.error = "the server records no expert distribution: start it with --expert-distribution-recorder-mode stat"
+        elif action == "start":
+            rec.start()
+        elif action == "stop":
+            rec.stop()
+        elif action == "dump":
+            counts = rec.window()
+            if self.sync.group_size > 1:
+                dist.all_reduce(counts, group=self.sync.state.attn_tp_cpu_group)
+            out.logical_count = counts
+        else:
+            out.error = f"unknown expert distribution action {action!r}"
+        return out
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

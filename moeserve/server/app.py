@@ -2,7 +2,8 @@
 
 Endpoints (docs/serving.md has the details):
 - SGLang native: POST /generate, GET /health, GET /health_generate, GET /get_server_info (/server_info),
-  GET /get_model_info (/model_info), GET /get_load, POST /flush_cache, POST /abort_request
+  GET /get_model_info (/model_info), GET /get_load, POST /flush_cache, POST /abort_request,
+  POST /start_expert_distribution_record, /stop_expert_distribution_record, /dump_expert_distribution_record
 - OpenAI: POST /v1/completions, POST /v1/chat/completions, GET /v1/models
 - GET /metrics (Prometheus), GET /version
 """
@@ -27,7 +28,7 @@ from moeserve.server import native_serving, openai_serving
 from moeserve.server.context import ServerContext, engine_error
 from moeserve.server.errors import APIError, install_error_handlers
 from moeserve.server.metrics import CONTENT_TYPE
-from moeserve.server.protocol import AbortRequest, parse_body
+from moeserve.server.protocol import AbortRequest, DumpExpertDistributionRequest, parse_body
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,34 @@ def build_app(client: Any) -> FastAPI:
             return {"success": True, "message": "Cache flushed."}
         return JSONResponse({"success": False, "message": "Cache not flushed: requests are running; retry when "
                              "the server is idle."}, status_code=400)
+
+    # expert-distribution recording (--expert-distribution-recorder-mode stat), SGLang's three endpoints
+    async def expert_distribution(call) -> Any:
+        try:
+            return await asyncio.wait_for(call, CONTROL_TIMEOUT_S)
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from None
+
+    @app.api_route("/start_expert_distribution_record", methods=["POST", "GET"])
+    async def start_expert_distribution_record() -> Any:
+        await expert_distribution(client.expert_distribution("start"))
+        return {"success": True, "message": "Expert distribution recording started."}
+
+    @app.api_route("/stop_expert_distribution_record", methods=["POST", "GET"])
+    async def stop_expert_distribution_record() -> Any:
+        await expert_distribution(client.expert_distribution("stop"))
+        return {"success": True, "message": "Expert distribution recording stopped."}
+
+    @app.api_route("/dump_expert_distribution_record", methods=["POST", "GET"])
+    async def dump_expert_distribution_record(request: Request) -> Any:
+        body = await request.body()
+        path = None
+        if body:
+            req = parse_body(body, DumpExpertDistributionRequest, "/dump_expert_distribution_record request")
+            path = req.path
+        return {"success": True, **await expert_distribution(client.dump_expert_distribution(path))}
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Any:

@@ -51,6 +51,10 @@ class AbortRequest(_Body):
     abort_all: bool = False
 
 
+class DumpExpertDistributionRequest(_Body):
+    path: str | None = None  # where the server writes the .pt dump (default: under $MOESERVE_CACHE)
+
+
 # ----------------------------------------------------------------------
 # OpenAI
 class StreamOptions(_Body):

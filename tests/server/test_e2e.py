@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny",
-           "--model-path", model_path]
+           "--model-path", model_path, "--expert-distribution-recorder-mode", "stat"]
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -326,3 +326,24 @@ def test_flush_cache(http):
     r = http.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
     assert all(x["num_cached_tokens"] == 0 for x in http.get("/get_load").json())
+
+
+def test_expert_distribution_endpoints(http, tmp_path):
+    """start, generate, stop, dump: the dump counts each routed token once per MoE layer (4 experts each)."""
+    import torch
+
+    assert http.post("/flush_cache").json()["success"]  # no prefix-cache hits from earlier tests
+    assert http.post("/start_expert_distribution_record").json()["success"]
+    prompts = [[905, 6, 7, 8, 9, 10, 11], [912, 13, 14]]
+    for ids in prompts:
+        generate(http, input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert http.post("/stop_expert_distribution_record").json()["success"]
+    r = http.post("/dump_expert_distribution_record", json={"path": str(tmp_path / "dump.pt")})
+    assert r.status_code == 200, r.text
+    counts = torch.load(r.json()["path"])["logical_count"]
+    assert counts.shape == (1, 3, 16)  # the embedded model: 3 MoE layers, 16 experts
+    # a prompt token the prefix cache already held is not routed again; these prompts share no prefix
+    assert counts.sum(-1).tolist() == [[sum(len(p) + 4 - 1 for p in prompts) * 4] * 3]
+    bad = http.post("/dump_expert_distribution_record", json={"path": 3})
+    assert bad.status_code == 400
+

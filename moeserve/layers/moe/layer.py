@@ -116,8 +116,10 @@ class MoE(nn.Module):
             n_group=self.n_group, topk_group=self.topk_group, correction_bias=self.gate.e_score_correction_bias,
             renormalize=self.renormalize, routed_scaling_factor=self.routed_scaling_factor,
         )
-        if _recorder is not None:
-            _recorder.on_select_experts(self.layer_id, topk_ids)  # logical ids: the load EPLB plans from
+        if _recorder is not None and (self.split_tokens or self.attn_tp_rank == 0):
+            # logical ids, the load EPLB plans from; ranks of an attention group that route the same tokens
+            # (no split) leave them to the group's first rank
+            _recorder.on_select_experts(self.layer_id, topk_ids)
         if self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
         return topk_ids, topk_weights

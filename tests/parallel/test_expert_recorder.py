@@ -1,0 +1,83 @@
+"""The expert-distribution recorder (--expert-distribution-recorder-mode stat) through the offline Engine: the
+dump counts every token each MoE layer routed, once, whatever the ranks; it is a window (start / stop); and it
+plans a placement the server then runs with."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.checkpoints import VOCAB
+
+NAME = "v3_groups"  # 16 routed experts top-4, 2 MoE layers
+NEW = 8
+PARAMS = dict(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (5, 17, 33, 9, 40, 2)]
+
+
+def _routed_pairs(prompts: list[list[int]], top_k: int = 4) -> int:
+    """Per MoE layer: every prompt token and every generated token but the last goes through it once."""
+    return sum(len(p) + NEW - 1 for p in prompts) * top_k
+
+
+def _record(path: str, dump: str, **kwargs) -> torch.Tensor:
+    from moeserve.engine.engine import Engine
+
+    eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning",
+                 expert_distribution_recorder_mode="stat", **kwargs)
+    try:
+        eng.generate(input_ids=_prompts(0), sampling_params=PARAMS)  # before the window: not counted
+        eng.start_expert_distribution_record()
+        eng.generate(input_ids=_prompts(1), sampling_params=PARAMS)
+        eng.stop_expert_distribution_record()
+        eng.generate(input_ids=_prompts(2), sampling_params=PARAMS)  # after: not counted
+        info = eng.dump_expert_distribution_record(dump)
+    finally:
+        eng.shutdown()
+    counts = torch.load(info["path"])["logical_count"]
+    assert info["path"] == dump and info["token_expert_pairs"] == int(counts.sum())
+    return counts
+
+
+def test_one_rank_counts_the_window(tiny_checkpoint, tmp_path):
+    counts = _record(tiny_checkpoint(NAME), str(tmp_path / "dump.pt"))
+    assert counts.shape == (1, 2, 16) and counts.dtype == torch.int64
+    assert counts.sum(-1).tolist() == [[_routed_pairs(_prompts(1))] * 2]
+
+
+@pytest.mark.slow
+def test_two_ranks_count_what_one_rank_counts(tiny_checkpoint, tmp_path):
+    """DP attention, EP 2: each group counts its own requests and the dump sums them; the same routing decisions
+    as one rank (the tokens are the same), so the same counts, expert by expert."""
+    path = tiny_checkpoint(NAME)
+    one = _record(path, str(tmp_path / "one.pt"))
+    two = _record(path, str(tmp_path / "two.pt"), tp_size=2, dp_size=2, enable_dp_attention=True,
+                  moe_a2a_backend="all2all")
+    assert torch.equal(one, two)
+
+
+def test_dump_plans_a_placement_the_server_runs(tiny_checkpoint, tmp_path):
+    from moeserve.eplb.location import ExpertLocation
+
+    counts = _record(tiny_checkpoint(NAME), str(tmp_path / "dump.pt"))
+    loc = ExpertLocation.load(tmp_path / "dump.pt", ep_size=2, num_physical_experts=20, num_groups=4,
+                              num_layers=2, num_logical_experts=16)
+    hot = counts[0].argmax(-1)  # the busiest expert of each layer gets a replica
+    assert all(int(loc.logical_to_all_physical_map_num_valid[i, e]) >= 2 for i, e in enumerate(hot.tolist()))
+
+
+def test_recording_needs_the_flag(tiny_checkpoint):
+    from moeserve.engine.engine import Engine
+
+    eng = Engine(model_path=tiny_checkpoint(NAME), skip_tokenizer_init=True, log_level="warning")
+    try:
+        with pytest.raises(ValueError, match="--expert-distribution-recorder-mode stat"):
+            eng.start_expert_distribution_record()
+    finally:
+        eng.shutdown()
