@@ -405,10 +405,10 @@ class EngineClient:
         `moeserve eplb` and --init-expert-location read); returns its path and totals."""
         import torch
 
-        from moeserve.cache import cache_root
+        from moeserve.eplb.recorder import expert_distribution_dir
 
         total = sum(o.logical_count for o in await self.expert_distribution("dump"))
-        out = Path(path) if path else (cache_root() / "expert_distribution"
+        out = Path(path) if path else (expert_distribution_dir()
                                        / f"expert_distribution_recorder_{time.time_ns() // 1_000_000}.pt")
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"logical_count": total[None]}, out)

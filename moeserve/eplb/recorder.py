@@ -9,14 +9,23 @@ A rank counts the tokens it routes; the server sums the ranks (attention-TP rank
 count them once: only the group's first rank reports them).
 
 The dump (EngineClient.dump_expert_distribution) is a .pt file with `logical_count` [1, layers, experts], the
-format `moeserve eplb` and ExpertLocation.load read (SGLang's stat dump has the same key).
+format `moeserve eplb` and ExpertLocation.load read (SGLang's stat dump has the same key), written under
+`expert_distribution_dir()` unless the offline Engine gives a path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+from moeserve.cache import cache_root
+
+
+def expert_distribution_dir() -> Path:
+    """Where the server writes dumps: $MOESERVE_CACHE/expert_distribution (see moeserve/cache.py)."""
+    return cache_root() / "expert_distribution"
 
 
 class ExpertDistributionRecorder:

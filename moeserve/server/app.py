@@ -18,12 +18,14 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from moeserve.eplb.recorder import expert_distribution_dir
 from moeserve.server import native_serving, openai_serving
 from moeserve.server.context import ServerContext, engine_error
 from moeserve.server.errors import APIError, install_error_handlers
@@ -204,7 +206,10 @@ def build_app(client: Any) -> FastAPI:
         path = None
         if body:
             req = parse_body(body, DumpExpertDistributionRequest, "/dump_expert_distribution_record request")
-            path = req.path
+            if req.name is not None:  # a plain file name: an HTTP client does not choose where the server writes
+                if not req.name or Path(req.name).name != req.name or req.name.startswith("."):
+                    raise APIError(f"name {req.name!r}: give a plain file name, no directories", 400, param="name")
+                path = str(expert_distribution_dir() / req.name)
         return {"success": True, **await expert_distribution(client.dump_expert_distribution(path))}
 
     @app.post("/abort_request")

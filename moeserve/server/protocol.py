@@ -52,7 +52,7 @@ class AbortRequest(_Body):
 
 
 class DumpExpertDistributionRequest(_Body):
-    path: str | None = None  # where the server writes the .pt dump (default: under $MOESERVE_CACHE)
+    name: str | None = None  # file name of the .pt dump in the server's dump directory (default: timestamped)
 
 
 # ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -328,7 +329,7 @@ def test_flush_cache(http):
     assert all(x["num_cached_tokens"] == 0 for x in http.get("/get_load").json())
 
 
-def test_expert_distribution_endpoints(http, tmp_path):
+def test_expert_distribution_endpoints(http):
     """start, generate, stop, dump: the dump counts each routed token once per MoE layer (4 experts each)."""
     import torch
 
@@ -338,12 +339,16 @@ def test_expert_distribution_endpoints(http, tmp_path):
     for ids in prompts:
         generate(http, input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert http.post("/stop_expert_distribution_record").json()["success"]
-    r = http.post("/dump_expert_distribution_record", json={"path": str(tmp_path / "dump.pt")})
+    r = http.post("/dump_expert_distribution_record", json={"name": "e2e_dump.pt"})
     assert r.status_code == 200, r.text
-    counts = torch.load(r.json()["path"])["logical_count"]
+    assert r.json()["path"].endswith("/expert_distribution/e2e_dump.pt")
+    dump = Path(r.json()["path"])
+    counts = torch.load(dump)["logical_count"]
+    dump.unlink()
     assert counts.shape == (1, 3, 16)  # the embedded model: 3 MoE layers, 16 experts
     # a prompt token the prefix cache already held is not routed again; these prompts share no prefix
     assert counts.sum(-1).tolist() == [[sum(len(p) + 4 - 1 for p in prompts) * 4] * 3]
-    bad = http.post("/dump_expert_distribution_record", json={"path": 3})
-    assert bad.status_code == 400
+    for name in ("../escape.pt", "/tmp/x.pt", ".hidden", 3):
+        bad = http.post("/dump_expert_distribution_record", json={"name": name})
+        assert bad.status_code == 400, (name, bad.text)
 
