@@ -4,7 +4,8 @@ The model's forward is compiled once with the batch's sizes (requests, sequence 
 compiled graph serves every decode batch up to `--torch-compile-max-bs`; a batch of one, which the compiler would
 specialise, runs padded to two (the padding request only touches the scratch slot, like CUDA-graph padding).
 Inductor fuses the many small element-wise operators of a decode step (norms, rotary, routing, the attention
-softmax) into a few kernels, which is where a small-batch step spends much of its time on a CPU. GEMMs stay library calls; the grouped expert GEMM is an opaque custom op (layers/moe/grouped_gemm.py).
+softmax) into a few kernels, which is where a small-batch step spends much of its time on a CPU. GEMMs stay
+library calls; the experts' kernels are opaque custom ops (layers/moe/grouped_gemm.py, kernels/cpu_experts.py).
 
 The graph is compiled at start-up on a batch that only touches the KV pool's scratch slot, so no request waits
 for the compiler. On CUDA the compiled forward is what the CUDA graph runner captures.

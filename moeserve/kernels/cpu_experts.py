@@ -39,6 +39,17 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and load() is not None
 
 
+def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The kernel library and the weights' contiguous transposes [E, H, 2I] and [E, I, H], or why not."""
+    lib = load()
+    if lib is None or w13.dtype not in DTYPES or w2.dtype != w13.dtype:
+        raise RuntimeError(f"the CPU experts kernel does not run here (weights {w13.dtype}); check available()")
+    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
+    if not (w13t.is_contiguous() and w2t.is_contiguous()):
+        raise ValueError("the CPU experts kernel needs expert weights stored transposed ([E, H, 2I] and [E, I, H])")
+    return lib, w13t, w2t
+
+
 def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H], w2 [E, H, I] stored transposed; offsets [E + 1], counts [E] -> [M, H] in x's dtype.
@@ -51,12 +62,7 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
     M = x.shape[0]
     if M > MAX_ROWS_PER_EXPERT * E:
         return grouped_gemm(silu_and_mul(grouped_gemm(x, w13, offsets, counts)), w2, offsets, counts)
-    lib = load()
-    if lib is None or w13.dtype not in DTYPES or w2.dtype != w13.dtype:
-        raise RuntimeError(f"the CPU experts kernel does not run here (weights {w13.dtype}); check available()")
-    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
-    if not (w13t.is_contiguous() and w2t.is_contiguous()):
-        raise ValueError("the CPU experts kernel needs expert weights stored transposed ([E, H, 2I] and [E, I, H])")
+    lib, w13t, w2t = _library_and_weights(w13, w2)
     xf = x.float().contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     counts = counts.to(torch.int32).contiguous()
@@ -80,10 +86,7 @@ def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2)
     E, I2, H = w13.shape
     T, k = topk_ids.shape
-    lib = load()
-    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
-    if lib is None or w13.dtype not in DTYPES or not (w13t.is_contiguous() and w2t.is_contiguous()):
-        raise RuntimeError("cpu_moe_local needs the built kernel and fp32/bf16 expert weights stored transposed")
+    lib, w13t, w2t = _library_and_weights(w13, w2)
     xf = x.float().contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.float().contiguous()

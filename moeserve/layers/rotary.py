@@ -72,9 +72,9 @@ class RotaryEmbedding(nn.Module):
         Pair (x1, x2) rotated by angle a is (x1 cos a - x2 sin a, x2 cos a + x1 sin a) = x * cos + partner * sin,
         where partner swaps the pair's two members and sin carries the minus on the first one. Interleaved rope
         pairs neighbours (x[2j], x[2j+1]); the other form pairs the halves (x[j], x[j + dim/2])."""
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = self._inv_freq[torch.device("cpu")].to(positions.device)
+        if positions.device not in self._inv_freq:  # a model the loader did not place (built directly)
+            self.process_weights_after_loading(positions.device)
+        inv_freq = self._inv_freq[positions.device]
         angles = positions[:, None].float() * inv_freq  # [T, dim/2]
         cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         pair_dim = -1 if self.interleaved else -2  # where a pair's two members sit in x.view(.., pairs)
