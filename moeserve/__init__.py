@@ -13,7 +13,7 @@ __all__ = ["Engine", "ServerArgs"]
 
 def __getattr__(name: str) -> Any:  # imported on first use: `import moeserve` stays light
     if name == "Engine":
-        from moeserve.engine.engine import Engine
+        from moeserve.server.engine import Engine
 
         return Engine
     if name == "ServerArgs":

@@ -174,14 +174,6 @@ class ServerArgs:
                              "dispatchers' collectives are not compiled")
 
     # ------------------------------------------------------------------
-    def resolve_model_path(self) -> str:
-        """model_path, or the embedded default model (built and cached on first use) when none was given."""
-        if self.model_path is None:
-            from moeserve.models.default_model import default_model_path
-
-            self.model_path = default_model_path()
-        return self.model_path
-
     @property
     def attn_tp_size(self) -> int:
         """Ranks per attention group: tp_size / dp_size with DP attention, tp_size otherwise."""

@@ -29,9 +29,10 @@ def cmd_serve(argv: list[str]) -> int:
     parser = _server_parser("moeserve serve", "Start the OpenAI- and SGLang-compatible HTTP server.")
     args = _args_or_exit(parser, parser.parse_args(argv))
     if args.node_rank > 0:  # every node runs the same command; only node 0 serves HTTP
-        from moeserve.engine.launch import run_worker_node
+        from moeserve.models.default_model import resolve_model_path
+        from moeserve.server.launch import run_worker_node
 
-        args.resolve_model_path()
+        resolve_model_path(args)
         return run_worker_node(args)
     from moeserve.server.app import run_server
 
@@ -51,7 +52,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="Print the whole output as JSON.")
     ns = parser.parse_args(argv)
     args = _args_or_exit(parser, ns)  # from_cli_args takes the ServerArgs fields only
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     engine = Engine(**vars(args))
     try:
@@ -80,7 +81,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_eplb(argv: list[str]) -> int:
-    from moeserve.eplb.cli import main
+    from moeserve.eplb.tools.cli import main
 
     return main(argv) or 0
 

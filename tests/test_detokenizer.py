@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.models.default_model import default_model_path
-from moeserve.tokenizer import load_tokenizer
+from moeserve.server.detokenizer import IncrementalDetokenizer
+from moeserve.text.tokenizer import load_tokenizer
 
 TEXTS = [
     "日本語のテキストと中文字符が混ざっています。",
@@ -105,7 +105,7 @@ def test_metaspace_tokenizer_keeps_word_spaces():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from moeserve.tokenizer import Tokenizer
+    from moeserve.text.tokenizer import Tokenizer
 
     backend = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()

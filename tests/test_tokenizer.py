@@ -1,4 +1,4 @@
-"""moeserve.tokenizer against transformers' AutoTokenizer on the same files."""
+"""moeserve.text.tokenizer against transformers' AutoTokenizer on the same files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moeserve.models.default_model import default_model_path
-from moeserve.tokenizer import load_tokenizer
+from moeserve.text.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

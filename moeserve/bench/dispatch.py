@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.launch import free_port
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.server.launch import free_port
 
 MODES = ("allgather", "normal", "low_latency")
 

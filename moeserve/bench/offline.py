@@ -20,10 +20,11 @@ import random
 import time
 
 from moeserve.args import ServerArgs
+from moeserve.models.default_model import resolve_model_path
 
 
 def run(args: ServerArgs, num_prompts: int, input_len: int, output_len: int, seed: int, warmup: int) -> dict:
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
     t_start = time.perf_counter()
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default=None, help="Append one JSON line.")
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
-    args.resolve_model_path()
+    resolve_model_path(args)
     r = run(args, ns.num_prompts, ns.input_len, ns.output_len, ns.seed, ns.warmup_prompts)
     print(f"tp {r['tp_size']} dp {r['dp_size']} {r['moe_a2a_backend']}/{r['deepep_mode']}: {r['num_prompts']} prompts "
           f"x ({r['input_len']} in + {r['output_len']} out) in {r['duration_s']:.2f} s: total {r['total_tok_s']:.1f} "

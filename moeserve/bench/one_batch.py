@@ -16,6 +16,7 @@ import time
 import torch
 
 from moeserve.args import ServerArgs
+from moeserve.models.default_model import resolve_model_path
 
 
 def _sync(device: torch.device) -> None:
@@ -38,11 +39,11 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
 
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
                  warmup: bool = True, repeat: int = 1) -> dict:
-    from moeserve.engine.io_struct import GenerateReq
-    from moeserve.engine.model_runner import ModelRunner
-    from moeserve.engine.sampling_params import SamplingParams
-    from moeserve.engine.scheduler import Scheduler
-    from moeserve.engine.worker import run_step
+    from moeserve.rank.io_struct import GenerateReq
+    from moeserve.rank.model_runner import ModelRunner
+    from moeserve.rank.sampling_params import SamplingParams
+    from moeserve.rank.scheduler import Scheduler
+    from moeserve.rank.worker import run_step
 
     runner = ModelRunner(args)
     gen = torch.Generator().manual_seed(seed)
@@ -83,7 +84,7 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
     """transformers' generate with the same shapes (greedy, no EOS stop)."""
     import transformers
 
-    from moeserve.engine.model_runner import resolve_device
+    from moeserve.rank.model_runner import resolve_device
 
     device = resolve_device(args.device)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
-    args.resolve_model_path()
+    resolve_model_path(args)
     rows = []
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,

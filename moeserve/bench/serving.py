@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot reach {base_url}: {e} (is the server up? else pass --tokenizer and --model)", file=sys.stderr)
         return 1
 
-    from moeserve.tokenizer import load_tokenizer
+    from moeserve.text.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(tokenizer_path)

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
-from moeserve.engine.launch import free_port
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.kv_pool import make_kv_pool
+from moeserve.server.launch import free_port
 
 
 def _model(a: argparse.Namespace, rank: int, world: int):
     from moeserve.args import ServerArgs
-    from moeserve.models.config import ModelConfig
+    from moeserve.core.model_config import ModelConfig
     from moeserve.models.default_model import default_config
     from moeserve.models.loader import build_model
     from moeserve.parallel.state import init_parallel_state
@@ -54,7 +55,7 @@ def _model(a: argparse.Namespace, rank: int, world: int):
             p.data.copy_(torch.randn(p.shape, generator=gen) * (0.02 if "bias" not in name else 0.001))
     max_tokens = max(b * (a.ctx + 1) for b in a.decode_bs)
     max_tokens = max(max_tokens, *a.prefill_tokens) + 16
-    pool = config.make_kv_pool(max_tokens, 1, dtype, "cpu", attn_tp_size=1)
+    pool = make_kv_pool(config, max_tokens, 1, dtype, "cpu")
     return model, pool
 
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moeserve.ep.layouts import ContiguousLayout, Dispatcher, MaskedLayout
+from moeserve.core.layouts import ContiguousLayout, Dispatcher, MaskedLayout
 
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 __all__ = ["ContiguousLayout", "Dispatcher", "MaskedLayout", "make_dispatcher", "resolve_backend"]
 

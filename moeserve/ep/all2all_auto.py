@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
-from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 DEEPEP_MODES = ("normal", "low_latency", "auto")
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moeserve.ep.layouts import MaskedLayout
+from moeserve.core.layouts import MaskedLayout
 from moeserve.ep.routing import (
     MaskedPlan,
     combine_masked,
@@ -41,7 +41,7 @@ from moeserve.ep.routing import (
 )
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 
 class LowLatencyDispatcher:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moeserve.ep.layouts import ContiguousLayout
+from moeserve.core.layouts import ContiguousLayout
 from moeserve.ep.routing import (
     ContiguousPlan,
     combine_contiguous,
@@ -33,7 +33,7 @@ from moeserve.ep.routing import (
 )
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 
 class NormalDispatcher:

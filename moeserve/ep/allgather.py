@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moeserve.ep.layouts import ContiguousLayout
+from moeserve.core.layouts import ContiguousLayout
 from moeserve.ep.routing import (
     ContiguousPlan,
     combine_contiguous,
@@ -31,7 +31,7 @@ from moeserve.ep.routing import (
 )
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 # torch 2.13 deprecates the *_tensor names for *_single; older torch (the GPU image's 2.11) has only the former.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

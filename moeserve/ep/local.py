@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.ep.layouts import ContiguousLayout
+from moeserve.core.layouts import ContiguousLayout
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 
 class LocalDispatcher:

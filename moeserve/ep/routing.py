@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from moeserve.ep.layouts import ContiguousLayout
+from moeserve.core.layouts import ContiguousLayout
 
 if TYPE_CHECKING:
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 # ---------------------------------------------------------------------------------------------------------------
 # Placement and the one agreement between ranks

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from moeserve.cache import cache_root
+from moeserve.paths import cache_root
 
 
 def expert_distribution_dir() -> Path:
-    """Where the server writes dumps: $MOESERVE_CACHE/expert_distribution (see moeserve/cache.py)."""
+    """Where the server writes dumps: $MOESERVE_CACHE/expert_distribution (see moeserve/paths.py)."""
     return cache_root() / "expert_distribution"
 
 

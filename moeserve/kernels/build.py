@@ -1,7 +1,7 @@
 """Compiling moeserve's C++ CPU kernels on first use, and loading them with ctypes.
 
 `load_library(source, bind, fallback)` compiles `source` with the host's C++ compiler ($CXX, else c++) for the
-host CPU (-march=native) and OpenMP into $MOESERVE_CACHE/kernels (moeserve/cache.py), keyed by the source, the
+host CPU (-march=native) and OpenMP into $MOESERVE_CACHE/kernels (moeserve/paths.py), keyed by the source, the
 compiler and the CPU, so later processes load the cached library; `bind` sets the functions' ctypes signatures.
 Where no compiler or no build works it returns None and logs once why and what runs instead (`fallback`).
 OpenMP resolves to the runtime torch already loaded (the same soname), so kernels share torch's threads.
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from moeserve.cache import cache_root
+from moeserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.build import load_library
-from moeserve.layers.activation import silu_and_mul
-from moeserve.layers.moe.grouped_gemm import grouped_gemm
+from moeserve.kernels.grouped_gemm import grouped_gemm
 
 SOURCE = Path(__file__).with_name("cpu_experts.cpp")
 MAX_ROWS_PER_EXPERT = 32  # measured crossover with MKL's grouped GEMM is 32-64 rows per expert (2 AVX2 cores)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.activation import silu_and_mul
+from moeserve.kernels.activation import silu_and_mul
 from moeserve.layers.weights import WeightSpec
 
 

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from moeserve.models.config import RopeConfig
+from moeserve.core.model_config import RopeConfig
 
 
 def rope_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:

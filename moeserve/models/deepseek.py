@@ -13,7 +13,7 @@ MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips t
 
 from __future__ import annotations
 
-from moeserve.models.base import CausalLM
+from moeserve.models.decoder import CausalLM
 
 
 class DeepseekV3ForCausalLM(CausalLM):

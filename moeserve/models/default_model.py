@@ -14,10 +14,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.cache import cache_root
+from moeserve.paths import cache_root
+
+if TYPE_CHECKING:
+    from moeserve.args import ServerArgs
 
 CACHE_NAME = "default-model-v1"  # bump when any file below changes
 SEED = 20250101
@@ -100,6 +104,14 @@ def default_config(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
     }
+
+
+def resolve_model_path(server_args: ServerArgs) -> str:
+    """server_args.model_path, set to the embedded default model (built and cached on first use) when none was
+    given."""
+    if server_args.model_path is None:
+        server_args.model_path = default_model_path()
+    return server_args.model_path
 
 
 def default_model_path() -> str:

@@ -34,8 +34,9 @@ from torch import nn
 from tqdm import tqdm
 
 from moeserve.args import ServerArgs
+from moeserve.core.model_config import ModelConfig
 from moeserve.layers.weights import WeightSpec, model_weight_specs
-from moeserve.models.config import ModelConfig
+from moeserve.models.default_model import resolve_model_path
 from moeserve.models.registry import get_model_class
 from moeserve.parallel.state import get_parallel_state
 
@@ -51,7 +52,7 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
                show_progress: bool | None = None) -> tuple[nn.Module, ModelConfig]:
     """The model for this rank on `device`, weights loaded, in eval mode; and its config."""
     device = torch.device(device)
-    path = server_args.resolve_model_path()
+    path = resolve_model_path(server_args)
     config = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(server_args.dtype, config.dtype, device)
     if show_progress is None:

@@ -4,7 +4,7 @@ intermediate_size-wide experts stored as w1 (gate), w3 (up), w2 (down); softmax 
 
 from __future__ import annotations
 
-from moeserve.models.base import CausalLM
+from moeserve.models.decoder import CausalLM
 
 
 class MixtralForCausalLM(CausalLM):

@@ -5,7 +5,7 @@ No shared experts.
 
 from __future__ import annotations
 
-from moeserve.models.base import CausalLM
+from moeserve.models.decoder import CausalLM
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -1,4 +1,4 @@
-"""Two-batch overlap (TBO), part 2: the executor (part 1, the split and the decision: engine/tbo_split.py).
+"""Two-batch overlap (TBO), part 2: the executor (part 1, the split and the decision: core/tbo_split.py).
 
 Each micro-batch runs the model's layers as one program (`DecoderLayer.stages`, a generator) that yields while a
 collective of its own is in flight. The executor steps the two programs round-robin, A then B, one stage each,
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.tbo_split import merge_rows, split_batch
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.tbo_split import merge_rows, split_batch
 from moeserve.layers.attention.ops import AttentionMetadata
 
 

@@ -96,7 +96,7 @@ def build_app(client: Any) -> FastAPI:
         if not client.healthy:
             raise APIError(f"unhealthy: {client.dead_reason or 'the engine is not running'}", 503,
                            code="engine_dead")
-        from moeserve.engine.client import GenerateInput
+        from moeserve.server.tokenizer_manager import GenerateInput
 
         bos = getattr(client.tokenizer, "bos_token_id", None) if client.tokenizer is not None else None
         obj = GenerateInput(input_ids=[bos if bos is not None else 0],
@@ -245,7 +245,7 @@ def _as_dict(x: Any) -> Any:
 # ----------------------------------------------------------------------
 def run_server(server_args: Any) -> None:
     """Start the engine, serve HTTP until SIGINT/SIGTERM, then stop the engine (no orphan workers)."""
-    from moeserve.engine.client import EngineClient
+    from moeserve.server.tokenizer_manager import EngineClient
 
     # NOTE: SIGTERM must unwind the stack (SystemExit), not kill the process, so that the workers are stopped.
     previous = _raise_on_sigterm()

@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 from starlette.responses import Response, StreamingResponse
 
-from moeserve.engine.client import EngineDeadError, InvalidRequestError
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import Metrics
 from moeserve.server.streams import ClientGone, SubRequest, close_all, first_outputs, until_disconnect
+from moeserve.server.tokenizer_manager import EngineDeadError, InvalidRequestError
 
 DEFAULT_MODEL_ALIAS = "default"
 

@@ -15,11 +15,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from moeserve.engine.client import GenerateInput
 from moeserve.server.context import SSE_DONE, ServerContext, engine_error, merged, serve, sse
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import MAX_N, GenerateRequest, parse_body
 from moeserve.server.streams import SubRequest
+from moeserve.server.tokenizer_manager import GenerateInput
 
 MAX_BATCH = 1024
 

@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from moeserve.engine.client import GenerateInput
 from moeserve.server.context import SSE_DONE, ServerContext, engine_error, merged, serve, sse
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import (
@@ -25,6 +24,7 @@ from moeserve.server.protocol import (
     parse_body,
 )
 from moeserve.server.streams import SubRequest
+from moeserve.server.tokenizer_manager import GenerateInput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 1024

@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 
 from moeserve.args import ServerArgs
-from moeserve.engine.io_struct import GenerateReq
-from moeserve.engine.launch import free_port
-from moeserve.engine.model_runner import ModelRunner
-from moeserve.engine.sampling_params import SamplingParams
-from moeserve.engine.scheduler import Scheduler
-from moeserve.engine.worker import run_step
 from moeserve.models.default_model import default_model_path
 from moeserve.parallel.state import init_parallel_state
+from moeserve.rank.io_struct import GenerateReq
+from moeserve.rank.model_runner import ModelRunner
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.rank.scheduler import Scheduler
+from moeserve.rank.worker import run_step
+from moeserve.server.launch import free_port
 
 dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
 init_parallel_state(1, 0, 1, 1)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from moeserve.engine.engine import Engine
+from moeserve.server.engine import Engine
 
 BF16_LOGPROB_TOL = 0.25  # nats per token; bf16 logits near 7 in size are spaced 0.03 apart
 

@@ -7,11 +7,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moeserve.args import ServerArgs
-from moeserve.engine.io_struct import GenerateReq
-from moeserve.engine.model_runner import ModelRunner
-from moeserve.engine.sampling_params import SamplingParams
-from moeserve.engine.scheduler import Scheduler
-from moeserve.engine.worker import run_step
+from moeserve.rank.io_struct import GenerateReq
+from moeserve.rank.model_runner import ModelRunner
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.rank.scheduler import Scheduler
+from moeserve.rank.worker import run_step
 
 bs = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 args = ServerArgs(model_path="benchmarks/configs/deepseek-v2-lite", load_format="dummy", dtype="bfloat16",

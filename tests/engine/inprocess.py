@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from moeserve.args import ServerArgs
-from moeserve.engine.io_struct import GenerateReq, TokenOut
-from moeserve.engine.model_runner import ModelRunner
-from moeserve.engine.sampling_params import SamplingParams
-from moeserve.engine.scheduler import Scheduler
-from moeserve.engine.worker import run_step
+from moeserve.rank.io_struct import GenerateReq, TokenOut
+from moeserve.rank.model_runner import ModelRunner
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.rank.scheduler import Scheduler
+from moeserve.rank.worker import run_step
 
 
 class InProcessEngine:

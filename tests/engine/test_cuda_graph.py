@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.engine.inprocess import InProcessEngine
 from tests.engine.test_generation import MIXED, _prompts

@@ -68,7 +68,7 @@ def test_seeded_sampling_repeats_and_logprobs(engine):
 
 
 def test_bad_inputs_raise_clearly(engine):
-    from moeserve.engine.client import InvalidRequestError
+    from moeserve.server.tokenizer_manager import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
         engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": -1})
@@ -120,7 +120,7 @@ def test_generate_cli_bad_flag_is_a_usage_error():
 
 def test_abort_ends_generate(engine):
     async def run():
-        agen = engine.client.generate(__import__("moeserve.engine.client", fromlist=["GenerateInput"]).GenerateInput(
+        agen = engine.client.generate(__import__("moeserve.server.tokenizer_manager", fromlist=["GenerateInput"]).GenerateInput(
             input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 400, "ignore_eos": True}, rid="to-abort",
             stream=True))
         first = await agen.__anext__()

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import NAMES, VOCAB, build_checkpoint, make_hf_model
 from tests.engine.inprocess import InProcessEngine
 
@@ -147,8 +147,8 @@ def test_finish_reasons_and_abort(ckpt_dir):
     assert res[0]["finish_reason"].type == "stop" and res[0]["finish_reason"].matched == stop_tok
     assert res[1]["output_ids"] == ref[1][:3] and res[1]["finish_reason"].type == "length"
     # abort mid-generation frees every page it held
-    from moeserve.engine.io_struct import GenerateReq
-    from moeserve.engine.worker import run_step
+    from moeserve.rank.io_struct import GenerateReq
+    from moeserve.rank.worker import run_step
 
     s = eng.scheduler
     free_before = s.allocator.num_free_pages + (s.cache.evictable_size if s.cache else 0)

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from moeserve.engine.page_allocator import PageAllocator
-from moeserve.engine.radix_cache import RadixCache
+from moeserve.rank.page_allocator import PageAllocator
+from moeserve.rank.radix_cache import RadixCache
 
 
 def _seq(alloc: PageAllocator, n: int) -> np.ndarray:

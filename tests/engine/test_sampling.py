@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeserve.engine.penalties import apply_penalties, build_token_counts, build_token_mask
-from moeserve.engine.sampler import SamplingBatch, hash_uniform, sample
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.penalties import apply_penalties, build_token_counts, build_token_mask
+from moeserve.rank.sampler import SamplingBatch, hash_uniform, sample
+from moeserve.rank.sampling_params import SamplingParams
 
 DEVICES = [
     "cpu",

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moeserve.args import ServerArgs
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.engine.inprocess import InProcessEngine
 from tests.engine.test_generation import MIXED, _prompts

@@ -28,12 +28,12 @@ from ep_harness import (
     with_header,
 )
 
-from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.all2all_auto import AutoDispatcher
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.allgather import AllGatherDispatcher
-from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
 
 CAP = 8  # low-latency capacity per rank in these tests: small, so some scenarios need several rounds
 

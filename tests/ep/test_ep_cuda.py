@@ -13,11 +13,11 @@ import pytest
 import torch
 from ep_harness import Scenario, dense_reference, make_experts, make_inputs, run_ranks, with_header
 
-from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.layouts import ContiguousLayout
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.allgather import AllGatherDispatcher
-from moeserve.ep.layouts import ContiguousLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

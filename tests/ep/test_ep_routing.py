@@ -15,10 +15,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.layouts import MaskedLayout
 from moeserve.ep.all2all_auto import AutoDispatcher, resolve_deepep_mode
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
-from moeserve.ep.layouts import MaskedLayout
 from moeserve.ep.routing import (
     aligned_offsets,
     combine_contiguous,

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
-from moeserve.engine.tbo_split import merge_rows, micro_headers, should_use_tbo, split_batch, split_point
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.tbo_split import merge_rows, micro_headers, should_use_tbo, split_batch, split_point
 from moeserve.models.tbo import execute_overlapped
 
 

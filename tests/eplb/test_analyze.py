@@ -6,8 +6,14 @@ import csv
 
 import numpy as np
 
-from moeserve.eplb.analyze import AnalyzeSettings, analyze, balancedness_over_time, hot_cold, relative_load
-from moeserve.eplb.workloads import WorkloadSpec, generate
+from moeserve.eplb.tools.analyze import (
+    AnalyzeSettings,
+    analyze,
+    balancedness_over_time,
+    hot_cold,
+    relative_load,
+)
+from moeserve.eplb.tools.workloads import WorkloadSpec, generate
 
 
 def tiny() -> np.ndarray:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moeserve.eplb.cli import build_parser, main
+from moeserve.eplb.tools.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,6 @@ def test_user_errors_return_2(tmp_path, capsys) -> None:
 
 def test_python_dash_m() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "moeserve.eplb.cli", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "moeserve.eplb.tools.cli", "--help"], capture_output=True, text=True
     )
     assert done.returncode == 0 and "synth" in done.stdout

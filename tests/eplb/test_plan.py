@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from moeserve.eplb.plan import Deployment, plan_step
-from moeserve.eplb.plan_calibration import CASES, run_calibration
-from moeserve.eplb.plan_hardware import gpu_spec
-from moeserve.eplb.plan_models import MODEL_PRESETS, load_model, model_from_hf_config
+from moeserve.eplb.tools.plan import Deployment, plan_step
+from moeserve.eplb.tools.plan_calibration import CASES, run_calibration
+from moeserve.eplb.tools.plan_hardware import gpu_spec
+from moeserve.eplb.tools.plan_models import MODEL_PRESETS, load_model, model_from_hf_config
 
 V3 = MODEL_PRESETS["deepseek-v3"]
 H100 = gpu_spec("h100")

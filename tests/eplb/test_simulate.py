@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.eplb.simulate import (
+from moeserve.eplb.tools.simulate import (
     EplbPlacement,
     PlainLayout,
     rebatch,
@@ -17,7 +17,7 @@ from moeserve.eplb.simulate import (
     step_time_balancedness,
     write_outputs,
 )
-from moeserve.eplb.workloads import WorkloadSpec, generate
+from moeserve.eplb.tools.workloads import WorkloadSpec, generate
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.eplb.workloads import WorkloadSpec, capped_shares, generate, load_dump, save_dump, spec_meta
+from moeserve.eplb.tools.workloads import (
+    WorkloadSpec,
+    capped_shares,
+    generate,
+    load_dump,
+    save_dump,
+    spec_meta,
+)
 
 SMALL = dict(num_layers=3, num_experts=16, num_steps=10, tokens_per_step=200, topk=4)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.kv_pool import make_kv_pool
 from moeserve.models.loader import load_model
 
 ATOL = RTOL = 1e-4  # fp32 parity with transformers
@@ -21,7 +22,7 @@ class Runner:
         self.device = torch.device(device)
         self.model, self.config = load_model(args, self.device, show_progress=False)
         kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed" in n)
-        self.pool = self.config.make_kv_pool(num_slots, 1, kv_dtype, self.device)
+        self.pool = make_kv_pool(self.config, num_slots, 1, kv_dtype, self.device)
         gen = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
         self.slots: dict[object, list[int]] = {}

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from moeserve.engine.kv_pool import MHAKVPool, MLAKVPool
-from moeserve.models.config import ModelConfig
+from moeserve.core.kv_pool import MHAKVPool, MLAKVPool, make_kv_pool
+from moeserve.core.model_config import ModelConfig
 from tests.checkpoints import REAL_CONFIGS, write_config_only
 
 
@@ -55,11 +55,11 @@ def test_eos_from_generation_config(tmp_path):
 
 def test_kv_pools(tiny_checkpoint):
     mla = ModelConfig.from_pretrained(tiny_checkpoint("v3_q_lora"))
-    pool = mla.make_kv_pool(10, 4, torch.float32, "cpu")
+    pool = make_kv_pool(mla, 10, 4, torch.float32, "cpu")
     assert isinstance(pool, MLAKVPool) and pool.get_latent(0).shape == (44, 40)
     assert pool.bytes_per_token == mla.kv_bytes_per_token(torch.float32) == 3 * 40 * 4
     gqa = ModelConfig.from_pretrained(tiny_checkpoint("qwen3_moe"))
-    pool = gqa.make_kv_pool(10, 1, torch.bfloat16, "cpu")
+    pool = make_kv_pool(gqa, 10, 1, torch.bfloat16, "cpu")
     assert isinstance(pool, MHAKVPool) and pool.get_kv(2)[0].shape == (11, 2, 32)
     assert pool.bytes_per_token == gqa.kv_bytes_per_token(torch.bfloat16) == 3 * 2 * 64 * 2
     assert gqa.kv_bytes_per_token(torch.bfloat16, attn_tp_size=2) == 3 * 1 * 64 * 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.ep.layouts import ContiguousLayout
+from moeserve.core.layouts import ContiguousLayout
 from moeserve.kernels import cpu_experts
 from moeserve.layers.moe.experts import Experts
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
-from moeserve.layers.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.kv_pool import make_kv_pool
+from moeserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moeserve.models.loader import load_model
 from tests.checkpoints import write_config_only
 from tests.models.harness import Runner, random_tokens
@@ -57,7 +58,7 @@ def test_v2_lite_dummy_loads_and_runs(tmp_path):
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
 
     B, prompt, steps = 32, 256, 16
-    pool = config.make_kv_pool(B * (prompt + steps) + 8, 1, torch.bfloat16, "cuda")
+    pool = make_kv_pool(config, B * (prompt + steps) + 8, 1, torch.bfloat16, "cuda")
     slots = [list(range(1 + b * (prompt + steps), 1 + (b + 1) * (prompt + steps))) for b in range(B)]
     tokens = torch.randint(0, config.vocab_size, (B, prompt), generator=torch.Generator().manual_seed(0))
     batch = ForwardBatch.build(ForwardMode.EXTEND, tokens.flatten().tolist(), [prompt] * B, [prompt] * B,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve.args import ServerArgs
-from moeserve.models.config import ModelConfig
+from moeserve.core.model_config import ModelConfig
 from moeserve.models.loader import build_model, load_model
 from tests.checkpoints import write_config_only
 from tests.models.harness import Runner, random_tokens

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeserve.core.layouts import MaskedLayout
 from moeserve.ep import make_dispatcher
-from moeserve.ep.layouts import MaskedLayout
 from moeserve.ep.local import LocalDispatcher
+from moeserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moeserve.layers.moe.experts import Experts
-from moeserve.layers.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -112,7 +112,7 @@ def test_make_dispatcher():
 
 def test_grouped_gemm_static_equals_reference():
     """The capture-safe fallback (no host reads) computes what the reference does."""
-    from moeserve.layers.moe.grouped_gemm import _grouped_gemm_static, grouped_gemm_reference
+    from moeserve.kernels.grouped_gemm import _grouped_gemm_static, grouped_gemm_reference
 
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(12, 8, generator=g), torch.randn(4, 6, 8, generator=g)

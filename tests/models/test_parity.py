@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import ForwardBatch
 from tests.checkpoints import NAMES
 from tests.models.harness import ATOL, RTOL, Runner, hf_logits, random_tokens
 

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from moeserve.engine.launch import free_port
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.server.launch import free_port
 from tests.engine.inprocess import InProcessEngine
 from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
@@ -36,7 +36,7 @@ def _messages(i: int) -> list[dict]:
 
 def test_dp_attention_server_concurrent_openai(tmp_path):
     from moeserve.models.default_model import default_model_path
-    from moeserve.tokenizer import load_tokenizer
+    from moeserve.text.tokenizer import load_tokenizer
 
     model_path = default_model_path()  # built before the server starts (the server builds the same directory)
     port = free_port()

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.engine.inprocess import InProcessEngine
 
@@ -71,7 +71,7 @@ def _single_rank(name: str, path: str) -> tuple[list[list[int]], list[list[float
 
 @pytest.mark.parametrize(("name", "config", "kwargs"), CASES, ids=[f"{m}-{c}" for m, c, _ in CASES])
 def test_multi_rank_greedy_matches_single_rank(tiny_checkpoint, name, config, kwargs):
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     path = tiny_checkpoint(name)
     ref, ref_logprobs = _single_rank(name, path)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.engine.sampling_params import SamplingParams
 from moeserve.eplb.location import ExpertLocation
+from moeserve.rank.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
 from tests.parallel.test_ep_generation import GREEDY, _prompts, single_rank_greedy
 
@@ -57,7 +57,7 @@ def test_single_rank_redundant_trivial_and_recorder_dump(tiny_checkpoint, tmp_pa
                          ids=["dp2-a2a_auto", "tp2-allgather"])
 def test_two_ranks_shuffled_placement_with_replicas(tiny_checkpoint, tmp_path, kwargs):
     """Replicas on both ranks: the static table sends each rank's tokens to a replica on its own rank first."""
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     path = tiny_checkpoint(NAME)
     file = ExpertLocation.from_placement(_shuffled_placement(4, seed=7), ep_size=2).save(tmp_path / "p.pt")

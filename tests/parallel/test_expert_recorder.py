@@ -27,7 +27,7 @@ def _routed_pairs(prompts: list[list[int]], top_k: int = 4) -> int:
 
 
 def _record(path: str, dump: str, **kwargs) -> torch.Tensor:
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning",
                  expert_distribution_recorder_mode="stat", **kwargs)
@@ -73,7 +73,7 @@ def test_dump_plans_a_placement_the_server_runs(tiny_checkpoint, tmp_path):
 
 
 def test_recording_needs_the_flag(tiny_checkpoint):
-    from moeserve.engine.engine import Engine
+    from moeserve.server.engine import Engine
 
     eng = Engine(model_path=tiny_checkpoint(NAME), skip_tokenizer_init=True, log_level="warning")
     try:

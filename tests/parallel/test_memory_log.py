@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.engine.inprocess import InProcessEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
@@ -29,7 +29,7 @@ PAIRS = (sum(map(len, PROMPTS)) + len(PROMPTS) * (NEW - 1)) * TOP_K * MOE_LAYERS
 def test_one_rank_memory_and_utilization_lines(caplog):
     from moeserve.models.default_model import default_model_path
 
-    with caplog.at_level(logging.INFO, logger="moeserve.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="moeserve.rank.model_runner"):
         eng = InProcessEngine(model_path=default_model_path(), dtype="float32")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory: rank")]
     assert len(lines) == 1, caplog.text
@@ -52,8 +52,8 @@ def test_one_rank_memory_and_utilization_lines(caplog):
 
 @pytest.mark.slow
 def test_two_rank_memory_lines_and_utilization(capfd):
-    from moeserve.engine.engine import Engine
     from moeserve.models.default_model import default_model_path
+    from moeserve.server.engine import Engine
 
     cap = 4
     eng = Engine(model_path=default_model_path(), skip_tokenizer_init=True, dtype="float32", log_level="info",
@@ -65,7 +65,7 @@ def test_two_rank_memory_lines_and_utilization(capfd):
     finally:
         eng.shutdown()
     err = capfd.readouterr().err
-    mem = re.findall(r"\[rank (\d)\] INFO moeserve\.engine\.model_runner: (Memory: rank .*)", err)
+    mem = re.findall(r"\[rank (\d)\] INFO moeserve\.rank\.model_runner: (Memory: rank .*)", err)
     assert sorted(int(r) for r, _ in mem) == [0, 1], err[-3000:]
     # low-latency buffers per layer: send + recv x [R * cap, H] fp32, send + recv meta [R * cap, 2k] int32
     ll_bytes = MOE_LAYERS * (2 * 2 * cap * HIDDEN * 4 + 2 * 2 * cap * 2 * TOP_K * 4)
@@ -74,9 +74,9 @@ def test_two_rank_memory_lines_and_utilization(capfd):
         assert "(routed experts " in line and ": 8 of 16 experts in each of 3 MoE layers)" in line, line
         assert f"EP dispatch buffers {ll_bytes / 2**10:.2f} KiB (all2all auto, low-latency slots of {cap} tokens" \
             in line, line
-    util = re.findall(r"\[rank (\d)\] INFO moeserve\.engine\.model_runner: Expert utilization: rank \d "
+    util = re.findall(r"\[rank (\d)\] INFO moeserve\.rank\.model_runner: Expert utilization: rank \d "
                       r"\(EP rank \d/2, experts (\d+)-(\d+) of 16\): (\d+) token-expert pairs", err)
-    util += re.findall(r"\[rank (\d)\] INFO moeserve\.engine\.worker: Expert utilization: rank \d "
+    util += re.findall(r"\[rank (\d)\] INFO moeserve\.rank\.worker: Expert utilization: rank \d "
                        r"\(EP rank \d/2, experts (\d+)-(\d+) of 16\): (\d+) token-expert pairs", err)
     assert util, err[-3000:]
     for rank, first, last, _ in util:

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from moeserve.engine.engine import Engine
-from moeserve.engine.launch import free_port
+from moeserve.server.engine import Engine
+from moeserve.server.launch import free_port
 from tests.checkpoints import build_checkpoint
 from tests.engine.test_generation import NEW_TOKENS, _prompts, hf_greedy
 

@@ -15,7 +15,7 @@ import random
 import pytest
 
 import moeserve.models.tbo as tbo_mod
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.engine.inprocess import InProcessEngine
 

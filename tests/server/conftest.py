@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve.models.default_model import default_model_path
-from moeserve.tokenizer import load_tokenizer
+from moeserve.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ from typing import Any
 import uvicorn
 
 from moeserve.args import ServerArgs
-from moeserve.detokenizer import IncrementalDetokenizer
-from moeserve.engine.client import EngineDeadError, GenerateInput, InvalidRequestError
-from moeserve.engine.io_struct import LoadOut
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.io_struct import LoadOut
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.server.detokenizer import IncrementalDetokenizer
+from moeserve.server.tokenizer_manager import EngineDeadError, GenerateInput, InvalidRequestError
 
 
 class FakeClient:

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.engine.launch import free_port
+from moeserve.server.launch import free_port
 from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -173,7 +173,7 @@ def test_openai_stop_strings(oai, http):
 
 
 def test_openai_chat(oai, server):
-    from moeserve.tokenizer import load_tokenizer
+    from moeserve.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(server["model_path"])
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to three."}]
@@ -285,7 +285,7 @@ def test_concurrent_streams_match_sequential(server, http):
             return await asyncio.gather(*(stream_one(client, p, n) for p, n in jobs))
 
     results = asyncio.run(run_all())
-    from moeserve.tokenizer import load_tokenizer
+    from moeserve.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(server["model_path"])
     for (prompt, n), res in zip(jobs, results, strict=True):

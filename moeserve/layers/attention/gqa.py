@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.core.model_config import ModelConfig
 from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.weights import shard
-from moeserve.models.config import ModelConfig
 from moeserve.parallel.state import get_parallel_state
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.core.model_config import ModelConfig
 from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.config import ModelConfig
 from moeserve.parallel.state import get_parallel_state
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the default eps, not rms_norm_eps

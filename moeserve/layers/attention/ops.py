@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
-from moeserve.engine.kv_pool import KVPool
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.kv_pool import KVPool
 
 
 @dataclass

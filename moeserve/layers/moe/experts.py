@@ -16,11 +16,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from moeserve.ep.layouts import ContiguousLayout, MaskedLayout
+from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.stats import record_local_tokens
 from moeserve.kernels import cpu_experts
-from moeserve.layers.activation import silu_and_mul
-from moeserve.layers.moe.grouped_gemm import grouped_gemm
+from moeserve.kernels.activation import silu_and_mul
+from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.layers.weights import WeightSpec
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from moeserve.core.model_config import ModelConfig
 from moeserve.ep import make_dispatcher
 from moeserve.ep.local import LocalDispatcher
 from moeserve.ep.stats import record_local_tokens
@@ -23,13 +24,12 @@ from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.placement import layer_placement
 from moeserve.layers.moe.router import Router, select_experts
-from moeserve.models.config import ModelConfig
 from moeserve.parallel.comm import all_gather
 from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs
-    from moeserve.engine.forward_batch import ForwardBatch
+    from moeserve.core.forward_batch import ForwardBatch
 
 
 class ExpertRecorder(Protocol):

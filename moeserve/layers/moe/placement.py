@@ -19,7 +19,7 @@ from moeserve.eplb.location import ExpertLocation
 
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs
-    from moeserve.models.config import ModelConfig
+    from moeserve.core.model_config import ModelConfig
 
 _cache: dict[tuple, ExpertLocation] = {}
 

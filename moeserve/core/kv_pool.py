@@ -8,8 +8,12 @@ MLA models store the latent cache (kv_lora_rank + qk_rope_head_dim per token and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moeserve.core.model_config import ModelConfig
 
 
 class KVPool(ABC):
@@ -83,3 +87,14 @@ class MHAKVPool(KVPool):
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+
+def make_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str, attn_tp_size: int = 1) -> KVPool:
+    """The KV pool of `config`'s model on one rank of an attention-TP group of attn_tp_size: MLAKVPool (latent
+    cache) or MHAKVPool (this rank's K and V heads)."""
+    if config.is_mla:
+        return MLAKVPool(num_pages, page_size, config.num_hidden_layers, config.kv_lora_rank,
+                         config.qk_rope_head_dim, dtype, device)
+    return MHAKVPool(num_pages, page_size, config.num_hidden_layers, config.num_local_kv_heads(attn_tp_size),
+                     config.head_dim, config.v_head_dim, dtype, device)

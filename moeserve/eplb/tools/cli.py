@@ -42,7 +42,7 @@ def dump_settings(meta: dict, topk: int | None, num_groups: int | None) -> tuple
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moeserve.eplb.workloads import WorkloadSpec, generate, save_dump, spec_meta
+    from moeserve.eplb.tools.workloads import WorkloadSpec, generate, save_dump, spec_meta
 
     spec = WorkloadSpec(
         num_layers=args.layers,
@@ -70,8 +70,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from moeserve.eplb.analyze import AnalyzeSettings, analyze
-    from moeserve.eplb.workloads import load_dump
+    from moeserve.eplb.tools.analyze import AnalyzeSettings, analyze
+    from moeserve.eplb.tools.workloads import load_dump
 
     counts, meta = load_dump(args.dump)
     topk, groups = dump_settings(meta, args.topk, args.num_groups)
@@ -94,8 +94,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from moeserve.eplb.simulate import format_table, simulate, write_outputs
-    from moeserve.eplb.workloads import load_dump
+    from moeserve.eplb.tools.simulate import format_table, simulate, write_outputs
+    from moeserve.eplb.tools.workloads import load_dump
 
     counts, meta = load_dump(args.dump)
     topk, groups = dump_settings(meta, args.topk, args.num_groups)
@@ -134,11 +134,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from moeserve.eplb.plan import Deployment, plan_step
-    from moeserve.eplb.plan_calibration import fit_efficiency, format_calibration, run_calibration
-    from moeserve.eplb.plan_hardware import gpu_spec
-    from moeserve.eplb.plan_models import load_model
-    from moeserve.eplb.plan_report import format_plan
+    from moeserve.eplb.tools.plan import Deployment, plan_step
+    from moeserve.eplb.tools.plan_calibration import fit_efficiency, format_calibration, run_calibration
+    from moeserve.eplb.tools.plan_hardware import gpu_spec
+    from moeserve.eplb.tools.plan_models import load_model
+    from moeserve.eplb.tools.plan_report import format_plan
 
     if args.calibration:
         eff = fit_efficiency() if args.fit else None

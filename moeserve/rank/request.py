@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeserve.engine.io_struct import FinishReason, GenerateReq, TokenOut
-from moeserve.engine.radix_cache import TreeNode
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.io_struct import FinishReason, GenerateReq, TokenOut
+from moeserve.rank.radix_cache import TreeNode
+from moeserve.rank.sampling_params import SamplingParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from moeserve.engine.kv_pool import KVPool
+    from moeserve.core.kv_pool import KVPool
 
 
 class ForwardMode(Enum):

@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from moeserve.eplb.plan_balancedness import estimate_balancedness
-from moeserve.eplb.plan_hardware import GpuSpec
-from moeserve.eplb.plan_models import ModelSpec
+from moeserve.eplb.tools.plan_balancedness import estimate_balancedness
+from moeserve.eplb.tools.plan_hardware import GpuSpec
+from moeserve.eplb.tools.plan_models import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs

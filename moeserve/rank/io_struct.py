@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.sampling_params import SamplingParams
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeserve.eplb.simulate import (
+from moeserve.eplb.tools.simulate import (
     PlacementCache,
     PlainLayout,
     placement_error,

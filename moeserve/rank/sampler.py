@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.engine.penalties import apply_penalties, build_token_counts, build_token_mask
-from moeserve.engine.sampling_params import SamplingParams
+from moeserve.rank.penalties import apply_penalties, build_token_counts, build_token_mask
+from moeserve.rank.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _DEFAULT_RNG = random.Random(0)  # unseeded requests when the caller passes no rng; see module docstring

@@ -10,7 +10,7 @@ import tempfile
 import uuid
 
 from moeserve.args import ServerArgs
-from moeserve.engine.worker import WorkerPorts, worker_main
+from moeserve.rank.worker import WorkerPorts, worker_main
 
 logger = logging.getLogger(__name__)
 

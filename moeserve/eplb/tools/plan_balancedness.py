@@ -14,8 +14,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moeserve.eplb.plan import Deployment
-    from moeserve.eplb.plan_models import ModelSpec
+    from moeserve.eplb.tools.plan import Deployment
+    from moeserve.eplb.tools.plan_models import ModelSpec
 
 
 SYNTHETIC_SEQ_SIGMA = 1.0  # per-sequence routing noise of the default workload (see workloads.py)
@@ -39,8 +39,8 @@ def synthetic_balancedness(
     """
     import numpy as np
 
-    from moeserve.eplb.simulate import PlacementCache, PlainLayout, simulate_one, step_time_balancedness
-    from moeserve.eplb.workloads import WorkloadSpec, generate
+    from moeserve.eplb.tools.simulate import PlacementCache, PlainLayout, simulate_one, step_time_balancedness
+    from moeserve.eplb.tools.workloads import WorkloadSpec, generate
 
     num_gpus = nodes * gpus_per_node
     spec = WorkloadSpec(

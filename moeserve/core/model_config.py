@@ -3,8 +3,8 @@
 `ModelConfig.from_pretrained(path)` reads config.json (and generation_config.json for the stop tokens) of a
 Hugging Face checkpoint directory. One flat dataclass covers the four supported families; fields that do not
 apply to a family keep neutral values (e.g. `kv_lora_rank` is None for GQA models, `num_experts` is 0 for dense
-layers). The engine sizes and builds its KV cache from it: `kv_bytes_per_token(dtype)` and
-`make_kv_pool(num_pages, page_size, dtype, device)`.
+layers). The rank sizes its KV cache from `kv_bytes_per_token(dtype, attn_tp_size)` and builds it with
+`moeserve.core.kv_pool.make_kv_pool`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,22 @@ from typing import Any
 
 import torch
 
-from moeserve.engine.kv_pool import KVPool, MHAKVPool, MLAKVPool
-from moeserve.models.registry import MODEL_TYPES, SUPPORTED_ARCHITECTURES
+# architecture name in config.json -> model family (moeserve/models/<family>.py builds it)
+ARCHITECTURES: dict[str, str] = {
+    "DeepseekV3ForCausalLM": "deepseek",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+# model_type -> architecture, for configs without an "architectures" list
+MODEL_TYPES: dict[str, str] = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -115,8 +129,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         """Parse a config.json dict (and an optional generation_config.json dict)."""
         arch = _architecture(raw)
-        family = {"DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
-                  "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}[arch]
+        family = ARCHITECTURES[arch]
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -167,24 +180,14 @@ class ModelConfig:
         """KV heads one attention-TP rank stores (GQA; replicated when there are fewer heads than ranks)."""
         return max(1, self.num_key_value_heads // attn_tp_size)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, attn_tp_size: int | None = None) -> int:
-        """KV cache bytes one token takes on one rank over all layers."""
+    def kv_bytes_per_token(self, dtype: torch.dtype, attn_tp_size: int = 1) -> int:
+        """KV cache bytes one token takes on one rank (of an attention-TP group of attn_tp_size) over all layers."""
         elt = torch.empty((), dtype=dtype).element_size()
         if self.is_mla:  # the latent is replicated over attention-TP ranks
             per_layer = self.kv_lora_rank + self.qk_rope_head_dim
         else:
-            per_layer = self.num_local_kv_heads(_attn_tp(attn_tp_size)) * (self.head_dim + self.v_head_dim)
+            per_layer = self.num_local_kv_heads(attn_tp_size) * (self.head_dim + self.v_head_dim)
         return self.num_hidden_layers * per_layer * elt
-
-    def make_kv_pool(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
-                     attn_tp_size: int | None = None) -> KVPool:
-        """The KV pool of this model on one rank: MLAKVPool (latent cache) or MHAKVPool (K and V)."""
-        if self.is_mla:
-            return MLAKVPool(num_pages, page_size, self.num_hidden_layers, self.kv_lora_rank, self.qk_rope_head_dim,
-                             dtype, device)
-        return MHAKVPool(num_pages, page_size, self.num_hidden_layers,
-                         self.num_local_kv_heads(_attn_tp(attn_tp_size)), self.head_dim, self.v_head_dim,
-                         dtype, device)
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -234,14 +237,6 @@ def _dtype(raw: dict[str, Any]) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"config.json dtype {name!r} is not supported; use one of float32, bfloat16, float16")
     return _DTYPES[name]
-
-
-def _attn_tp(attn_tp_size: int | None) -> int:
-    if attn_tp_size is not None:
-        return attn_tp_size
-    from moeserve.parallel.state import get_parallel_state
-
-    return get_parallel_state().attn_tp_size
 
 
 def _rope(raw: dict[str, Any], default_theta: float, interleaved: bool) -> RopeConfig:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from moeserve.eplb.plan import DEFAULT_EFFICIENCY, Deployment, Efficiency, plan_step
-from moeserve.eplb.plan_hardware import gpu_spec
-from moeserve.eplb.plan_models import MODEL_PRESETS
+from moeserve.eplb.tools.plan import DEFAULT_EFFICIENCY, Deployment, Efficiency, plan_step
+from moeserve.eplb.tools.plan_hardware import gpu_spec
+from moeserve.eplb.tools.plan_models import MODEL_PRESETS
 
 
 @dataclass(frozen=True)

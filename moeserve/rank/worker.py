@@ -14,8 +14,8 @@ import torch.distributed as dist
 import zmq
 
 from moeserve.args import ServerArgs
-from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.io_struct import (
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.rank.io_struct import (
     AbortReq,
     BatchTokenOut,
     ExpertDistributionOut,
@@ -27,7 +27,7 @@ from moeserve.engine.io_struct import (
     ShutdownReq,
     WorkerError,
 )
-from moeserve.engine.rank_sync import RankSync
+from moeserve.rank.rank_sync import RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
 def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Context, result_sock) -> None:
     import torch
 
-    from moeserve.engine.model_runner import ModelRunner
-    from moeserve.engine.scheduler import Scheduler
     from moeserve.parallel.state import init_parallel_state
+    from moeserve.rank.model_runner import ModelRunner
+    from moeserve.rank.scheduler import Scheduler
 
     world = server_args.tp_size
     local_rank = rank % (world // server_args.nnodes)
@@ -102,7 +102,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     runner = ModelRunner(server_args, local_rank=local_rank)
     tokenizer = None
     if not server_args.skip_tokenizer_init:
-        from moeserve.tokenizer import load_tokenizer
+        from moeserve.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
     dp_rank = state.dp_rank

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moeserve.eplb.plan import Deployment, PlanResult
-from moeserve.eplb.plan_hardware import GpuSpec
-from moeserve.eplb.plan_models import ModelSpec
+from moeserve.eplb.tools.plan import Deployment, PlanResult
+from moeserve.eplb.tools.plan_hardware import GpuSpec
+from moeserve.eplb.tools.plan_models import ModelSpec
 
 
 def format_plan(model: ModelSpec, gpu: GpuSpec, dep: Deployment, r: PlanResult) -> str:

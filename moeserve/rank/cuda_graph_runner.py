@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 
 from moeserve.args import ServerArgs
-from moeserve.engine.io_struct import (
+from moeserve.models.default_model import resolve_model_path
+from moeserve.rank.io_struct import (
     AbortReq,
     BatchTokenOut,
     ExpertDistributionOut,
@@ -37,9 +38,9 @@ from moeserve.engine.io_struct import (
     TokenOut,
     WorkerError,
 )
-from moeserve.engine.launch import bind_addr, cleanup_ipc, make_ports, start_workers, stop_workers
-from moeserve.engine.sampling_params import SamplingParams
-from moeserve.engine.worker import WorkerReady
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.rank.worker import WorkerReady
+from moeserve.server.launch import bind_addr, cleanup_ipc, make_ports, start_workers, stop_workers
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +90,18 @@ class EngineClient:
     """Talks to the rank workers of one server (one node's view)."""
 
     def __init__(self, server_args: ServerArgs):
-        from moeserve.models.config import ModelConfig
+        from moeserve.core.model_config import ModelConfig
 
         if server_args.node_rank != 0:
             raise ValueError("the engine client runs on node 0; other nodes run only their ranks "
                              "(moeserve serve with --node-rank > 0 does that)")
-        server_args.resolve_model_path()
+        resolve_model_path(server_args)
         self.server_args = server_args
         self.model_config = ModelConfig.from_pretrained(server_args.model_path)
         self.model_name = server_args.served_model_name or server_args.model_path
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
-            from moeserve.tokenizer import load_tokenizer
+            from moeserve.text.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.healthy = False
@@ -294,7 +295,7 @@ class EngineClient:
         rid = obj.rid or uuid.uuid4().hex
         detok = None
         if self.tokenizer is not None:
-            from moeserve.detokenizer import IncrementalDetokenizer
+            from moeserve.server.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         loop = asyncio.get_running_loop()

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
-from moeserve.engine.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
-from moeserve.engine.page_allocator import PageAllocator
-from moeserve.engine.radix_cache import RadixCache
-from moeserve.engine.req_to_token import ReqToTokenPool
-from moeserve.engine.request import Req
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
+from moeserve.rank.page_allocator import PageAllocator
+from moeserve.rank.radix_cache import RadixCache
+from moeserve.rank.req_to_token import ReqToTokenPool
+from moeserve.rank.request import Req
 
 logger = logging.getLogger(__name__)
 

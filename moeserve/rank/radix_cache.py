@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from moeserve.engine.page_allocator import PageAllocator
+from moeserve.rank.page_allocator import PageAllocator
 
 
 class TreeNode:

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.request import Req
-from moeserve.engine.sampler import SampleOutput, SamplingBatch, sample
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.kv_pool import make_kv_pool
 from moeserve.ep.stats import enable_local_expert_tokens
+from moeserve.parallel.state import get_parallel_state
+from moeserve.rank.request import Req
+from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +119,12 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.num_pages = self._num_kv_pages()
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
-        self.kv_pool = self.config.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device)
+        self.kv_pool = make_kv_pool(self.config, self.num_pages, server_args.page_size, self.dtype, self.device,
+                                    get_parallel_state().attn_tp_size)
         self.compiled = None
         self.graph_runner = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph and _graph_safe_dispatch(server_args):
-            from moeserve.engine.cuda_graph_runner import CudaGraphRunner
+            from moeserve.rank.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
                 self._decode_forward, self.kv_pool,
@@ -138,7 +141,7 @@ class ModelRunner:
                                                               self.device)
             set_expert_recorder(self.expert_recorder)  # before CUDA graphs and torch.compile see the model
         if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
-            from moeserve.engine.compiled_decode import CompiledDecode
+            from moeserve.rank.compiled_decode import CompiledDecode
 
             self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
                                                            server_args.max_running_requests))
@@ -180,7 +183,7 @@ class ModelRunner:
 
     def _num_kv_pages(self) -> int:
         a = self.args
-        per_token = self.config.kv_bytes_per_token(self.dtype)
+        per_token = self.config.kv_bytes_per_token(self.dtype, get_parallel_state().attn_tp_size)
         if a.max_total_tokens is not None:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":

@@ -5,7 +5,7 @@ compiled graph serves every decode batch up to `--torch-compile-max-bs`; a batch
 specialise, runs padded to two (the padding request only touches the scratch slot, like CUDA-graph padding).
 Inductor fuses the many small element-wise operators of a decode step (norms, rotary, routing, the attention
 softmax) into a few kernels, which is where a small-batch step spends much of its time on a CPU. GEMMs stay
-library calls; the experts' kernels are opaque custom ops (layers/moe/grouped_gemm.py, kernels/cpu_experts.py).
+library calls; the experts' kernels are opaque custom ops (kernels/grouped_gemm.py, kernels/cpu_experts.py).
 
 The graph is compiled at start-up on a batch that only touches the KV pool's scratch slot, so no request waits
 for the compiler. On CUDA the compiled forward is what the CUDA graph runner captures.
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from moeserve.engine.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.engine.forward_batch import ForwardBatch
-from moeserve.engine.tbo_split import should_use_tbo, tbo_enabled
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.model_config import ModelConfig
+from moeserve.core.tbo_split import should_use_tbo, tbo_enabled
 from moeserve.layers.attention.gqa import GQAttention
 from moeserve.layers.attention.mla import MLAttention
 from moeserve.layers.attention.ops import AttentionMetadata
@@ -28,7 +29,6 @@ from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.config import ModelConfig
 from moeserve.models.tbo import MicroBatchState, run_two_batch_overlap
 from moeserve.parallel.state import get_parallel_state
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from moeserve.args import ServerArgs
-from moeserve.engine.client import EngineClient, GenerateInput
+from moeserve.server.tokenizer_manager import EngineClient, GenerateInput
 
 
 class Engine:
