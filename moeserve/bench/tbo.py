@@ -32,7 +32,8 @@ def _model(a: argparse.Namespace, rank: int, world: int):
     from moeserve.args import ServerArgs
     from moeserve.core.model_config import ModelConfig
     from moeserve.models.default_model import default_config
-    from moeserve.models.loader import build_model
+    from moeserve.models.loader import build_model, finish_loading
+    from moeserve.models.options import model_options
     from moeserve.parallel.state import init_parallel_state
 
     init_parallel_state(world, rank, dp_size=world, ep_size=world)
@@ -46,13 +47,14 @@ def _model(a: argparse.Namespace, rank: int, world: int):
                                   ep_max_tokens_per_rank=max([*a.decode_bs, *a.prefill_tokens]),
                                   enable_two_batch_overlap=True, tbo_token_threshold=1)
     dtype = getattr(torch, a.dtype)
-    model = build_model(config, args, torch.device("cpu"), dtype)
+    model = build_model(config, model_options(args, config), torch.device("cpu"), dtype)
     gen = torch.Generator().manual_seed(1234)  # the same weights on both ranks (their shared parts agree)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * (0.02 if "bias" not in name else 0.001))
+    finish_loading(model, torch.device("cpu"))
     max_tokens = max(b * (a.ctx + 1) for b in a.decode_bs)
     max_tokens = max(max_tokens, *a.prefill_tokens) + 16
     pool = make_kv_pool(config, max_tokens, 1, dtype, "cpu")

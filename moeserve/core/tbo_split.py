@@ -24,14 +24,9 @@ count decides; a multi-rank run without a header never overlaps (the ranks could
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from moeserve.args import ServerArgs
 
 
 def should_use_tbo(batch: ForwardBatch, enabled: bool, threshold: int, world_size: int = 1) -> bool:
@@ -43,13 +38,6 @@ def should_use_tbo(batch: ForwardBatch, enabled: bool, threshold: int, world_siz
     if world_size > 1:
         return False
     return batch.num_tokens >= max(threshold, 1)
-
-
-def tbo_enabled(server_args: ServerArgs | None) -> tuple[bool, int]:
-    if server_args is None:
-        return False, 0
-    return bool(getattr(server_args, "enable_two_batch_overlap", False)), int(getattr(server_args,
-                                                                                       "tbo_token_threshold", 1))
 
 
 def split_point(num_tokens: int) -> int:
@@ -157,5 +145,4 @@ def merge_logits(parent: ForwardBatch, a: ForwardBatch, b: ForwardBatch, a_logit
     return torch.cat([a_logits, b_logits], dim=0)
 
 
-__all__ = ["merge_logits", "merge_rows", "micro_headers", "should_use_tbo", "split_batch", "split_point",
-           "tbo_enabled"]
+__all__ = ["merge_logits", "merge_rows", "micro_headers", "should_use_tbo", "split_batch", "split_point"]

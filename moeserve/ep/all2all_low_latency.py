@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from moeserve.core.layouts import MaskedLayout
+from moeserve.ep.base import Dispatcher
 from moeserve.ep.routing import (
     MaskedPlan,
     combine_masked,
     local_topk,
     max_tokens_over_ranks,
-    num_local_experts,
     pack_meta,
     plan_masked,
     scatter_masked,
@@ -44,29 +44,31 @@ if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
 
 
-class LowLatencyDispatcher:
-    """Dispatcher (see layouts.Dispatcher) by fixed-slot equal-split all_to_all_single. One per MoE layer call site;
-    two-batch overlap needs one per micro-batch (the buffers are per instance)."""
+class LowLatencyDispatcher(Dispatcher):
+    """Dispatcher by fixed-slot equal-split all_to_all_single (see the module doc). The buffers are per instance,
+    so two-batch overlap needs one per micro-batch."""
 
-    def __init__(self, *, num_experts: int, hidden_size: int, topk: int, dtype: torch.dtype,
-                 device: torch.device | str, ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
-                 max_tokens_per_rank: int) -> None:
-        self.num_local_experts = num_local_experts(num_experts, ep_size)
+    name = "all2all"
+    graph_safe = True
+
+    def __init__(self, *, topk: int, max_tokens_per_rank: int, **common) -> None:
+        """topk: experts per token; max_tokens_per_rank: the slot size `cap` (--ep-max-tokens-per-rank). `common`:
+        the Dispatcher arguments (num_experts, hidden_size, dtype, device, ep_group, ep_rank, ep_size)."""
         if max_tokens_per_rank < 1:
             raise ValueError(f"--ep-max-tokens-per-rank must be >= 1, got {max_tokens_per_rank}")
-        assert 0 <= ep_rank < ep_size and topk >= 1
-        self.hidden_size, self.topk, self.dtype, self.device = hidden_size, topk, dtype, torch.device(device)
-        self.group, self.rank, self.size = ep_group, ep_rank, ep_size
-        self.cap = max_tokens_per_rank
-        rows = ep_size * self.cap  # slot r * cap + t: token t of (to / from) rank r
+        assert topk >= 1
+        super().__init__(**common)
+        self.topk, self.cap = topk, max_tokens_per_rank
+        rows = self.size * self.cap  # slot r * cap + t: token t of (to / from) rank r
         # Dispatch sends from _send_x and receives into _recv_x; combine reuses the same two (dispatch_b has
         # consumed _recv_x by then).
-        self._send_x = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
+        self._send_x = torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
         self._recv_x = torch.empty_like(self._send_x)
         self._send_meta = torch.empty(rows, 2 * topk, dtype=torch.int32, device=self.device)
         self._recv_meta = torch.empty_like(self._send_meta)
-        self.comm_bytes = {"dispatch": 0, "combine": 0}  # sent to other ranks by the last step (benchmarks)
-        self._reset()
+
+    def describe(self) -> str:
+        return f"all2all low_latency, slots of {self.cap} tokens x {self.size} ranks"
 
     def buffer_bytes(self) -> int:
         """Bytes of the fixed communication buffers of this instance (for the memory log line)."""

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from moeserve.core.layouts import ContiguousLayout
+from moeserve.ep.base import Dispatcher
 from moeserve.ep.routing import (
     ContiguousPlan,
     combine_contiguous,
     local_topk,
-    num_local_experts,
     pack_meta,
     plan_contiguous,
     scatter_contiguous,
@@ -36,17 +36,13 @@ if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
 
 
-class NormalDispatcher:
-    """Dispatcher (see layouts.Dispatcher) by variable-size all_to_all_single. One per MoE layer call site."""
+class NormalDispatcher(Dispatcher):
+    """Dispatcher by variable-size all_to_all_single (see the module doc)."""
 
-    def __init__(self, *, num_experts: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
-                 ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int, align: int = 1) -> None:
-        self.num_local_experts = num_local_experts(num_experts, ep_size)
-        assert 0 <= ep_rank < ep_size and align >= 1
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
-        self.group, self.rank, self.size, self.align = ep_group, ep_rank, ep_size, align
-        self.comm_bytes = {"dispatch": 0, "combine": 0}  # sent to other ranks by the last step (benchmarks)
-        self._reset()
+    name = "all2all"
+
+    def describe(self) -> str:
+        return "all2all normal"
 
     def _reset(self) -> None:
         self._num_tokens = 0

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from moeserve.core.layouts import ContiguousLayout
+from moeserve.ep.base import Dispatcher
 from moeserve.ep.routing import (
     ContiguousPlan,
     combine_contiguous,
     local_topk,
     max_tokens_over_ranks,
-    num_local_experts,
     pack_meta,
     plan_contiguous,
     scatter_contiguous,
@@ -38,17 +38,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class AllGatherDispatcher:
-    """Dispatcher (see layouts.Dispatcher) by all-gather and reduce-scatter. One per MoE layer call site."""
+class AllGatherDispatcher(Dispatcher):
+    """Dispatcher by all-gather and reduce-scatter (see the module doc)."""
 
-    def __init__(self, *, num_experts: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
-                 ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int, align: int = 1) -> None:
-        self.num_local_experts = num_local_experts(num_experts, ep_size)
-        assert 0 <= ep_rank < ep_size and align >= 1
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
-        self.group, self.rank, self.size, self.align = ep_group, ep_rank, ep_size, align
-        self.comm_bytes = {"dispatch": 0, "combine": 0}  # sent to other ranks by the last step (benchmarks)
-        self._reset()
+    name = "allgather"
 
     def _reset(self) -> None:
         self._num_tokens = self._t_max = 0

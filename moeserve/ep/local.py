@@ -11,17 +11,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.core.layouts import ContiguousLayout
+from moeserve.ep.base import Dispatcher
 
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
 
 
-class LocalDispatcher:
-    """Dispatcher for ep_size == 1. `align`: segment padding in rows (1 on CPU; e.g. 128 for GPU GEMM tiles)."""
+class LocalDispatcher(Dispatcher):
+    """Dispatcher for ep_size == 1: every expert is on this rank, nothing moves between ranks."""
 
-    def __init__(self, num_experts: int, align: int = 1):
-        self.num_experts = num_experts
-        self.align = align
+    name = "none"
+    graph_safe = True
+
+    def __init__(self, num_experts: int, align: int = 1, **common) -> None:
+        super().__init__(num_experts=num_experts, align=align, **common)
+
+    def _reset(self) -> None:
         self._x: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None
@@ -73,5 +78,5 @@ class LocalDispatcher:
         T, k = rows.shape
         picked = out.index_select(0, rows.reshape(-1)).view(T, k, out.shape[-1]).float()
         y = torch.bmm(w[:, None, :].float(), picked)[:, 0].to(x.dtype)  # [T, 1, k] x [T, k, H]: the weighted sum
-        self._x = self._ids = self._weights = self._rows = self._out = None
+        self._reset()
         return y

@@ -1,11 +1,30 @@
-"""DeepSeek-V2 and DeepSeek-V3: MLA attention, then a dense MLP (first_k_dense_replace layers) or an MoE layer
-with shared experts and a grouped gate.
+"""DeepSeek-V2 and DeepSeek-V3: Multi-head Latent Attention, then a dense MLP (first_k_dense_replace layers) or an
+MoE layer with shared experts and a grouped gate.
 
-Both use the same modules; what differs comes from the config:
-- V3: sigmoid scores + e_score_correction_bias (noaux_tc), groups ranked by their top-2 scores, weights
-  renormalized then x routed_scaling_factor (2.5); rope pairs interleaved (rope_interleave).
-- V2: softmax scores, greedy (V2-Lite) or group_limited_greedy (groups ranked by their best expert);
-  YaRN with mscale folded into the softmax scale.
+Attention (MLA), over one latent cache [c_kv | k_rope] per token:
+
+    q      = W_UQ · norm(W_DQ · x)            (or W_Q · x without q_lora)      -> [q_nope | q_rope] per head
+    c_kv   = norm(W_DKV · x),  k_rope = RoPE(W_KR · x)                          -> cached, shared by all heads
+    k_nope = W_UK · c_kv,      v = W_UV · c_kv                                  (kv_b_proj = [W_UK; W_UV] per head)
+    o      = W_O · softmax(scale · (q_nope·k_nope + q_rope·k_rope)) v
+
+EXTEND runs the expanded form: the latent of the whole sequence is read back from the cache and expanded to
+per-head k_nope and v (multi-head attention with qk dim nope+rope and v dim v_head_dim). DECODE runs the
+weight-absorbed form: q_nope · k_nope = (q_nope W_UK) · c_kv, so the query moves into the latent space and
+attention is multi-query over the cache itself ([c_kv | k_rope] as key, c_kv as value); the output comes back
+through W_UV.
+
+The MoE gate (`deepseek_gate`): scores s = softmax(x W_g^T) (V2) or sigmoid(x W_g^T) (V3); the experts fall into
+n_group groups and only the topk_group best groups are eligible:
+- V2 greedy (V2-Lite): top-k of s, no groups;
+- V2 group_limited_greedy: groups ranked by their best expert's score;
+- V3 noaux_tc: a per-expert bias b (e_score_correction_bias) only chooses: groups ranked by the sum of their two best
+  s + b, then the top-k of s + b among the kept groups; the weights are the unbiased s, renormalized to sum to 1.
+Then the weights are multiplied by routed_scaling_factor (2.5 in V3). The MoE block adds n_shared_experts
+always-on experts: y = sum_k w_k E_k(x) + S(x) (moeserve/layers/moe/layer.py).
+
+Both versions use the same modules; what differs comes from the config (V3: rope pairs interleaved per
+rope_interleave; V2: YaRN with mscale folded into the softmax scale).
 NOTE: transformers' DeepseekV2TopkRouter ignores norm_topk_prob; we honour it (as DeepSeek's own code does).
 Released V2 checkpoints have norm_topk_prob false, where the two agree.
 MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips their tensors.
@@ -13,12 +32,118 @@ MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips t
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from moeserve.core.model_config import ModelConfig
+from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
+from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from moeserve.layers.moe.router import TopKRouter
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import CausalLM
+from moeserve.parallel.state import get_parallel_state
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the default eps, not rms_norm_eps
+
+
+class MLAttention(nn.Module):
+    """MLA with this rank's share of the heads (heads split over the attention-TP group)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        ps = get_parallel_state()
+        tp, rank = ps.attn_tp_size, ps.attn_tp_rank
+        self.layer_id = layer_id
+        self.rotary = rotary  # shared by all layers; held only for `apply`
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        assert heads % tp == 0, f"{heads} attention heads do not split over {tp} ranks"
+        self.num_heads = heads // tp
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = config.softmax_scale
+        bias = config.attention_bias
+
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim, False, tp, rank)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_dim, False, tp, rank)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
+        T = x.shape[0]
+        if T == 0:
+            return x.clone()
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_rope = self.rotary.apply(q_rope, meta.rope)
+        k_rope = self.rotary.apply(k_rope[:, None, :], meta.rope)[:, 0]
+        meta.kv_pool.set_latent(self.layer_id, meta.out_cache_loc, c_kv, k_rope)
+
+        if meta.mode.is_decode:
+            o = self._absorbed(q_nope, q_rope, meta)
+        else:
+            o = self._expanded(q_nope, q_rope, meta)
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        latent = meta.kv_pool.get_latent(self.layer_id)[meta.kv_indices].to(q_nope.dtype)  # [S, r + rope]
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        S = latent.shape[0]
+        kv = self.kv_b_proj(c_kv).view(S, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None, :].expand(S, self.num_heads, self.rope_dim)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        return extend_attention(q, k, v, meta.extend_lens, meta.seq_lens, self.scale)  # [T, h, v]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        w_uk, w_uv = self._kv_b()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
+        q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
+        cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: the key, one head
+        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
+                                    self.scale)  # [B, h, r]: value = the c_kv part of the latent
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
+
+
+def deepseek_gate(config: ModelConfig) -> TopKRouter:
+    """The gate of the config's version (see the module doc): scoring, groups, bias, renormalization, scale."""
+    return TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                      scoring_func=config.scoring_func, topk_method=config.topk_method, n_group=config.n_group,
+                      topk_group=config.topk_group, renormalize=config.norm_topk_prob,
+                      routed_scaling_factor=config.routed_scaling_factor,
+                      correction_bias=config.topk_method == "noaux_tc")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    pass
+    @staticmethod
+    def attention_class(config: ModelConfig) -> type[nn.Module]:
+        return MLAttention
+
+    make_gate = staticmethod(deepseek_gate)
+
+    @staticmethod
+    def rotary_dim(config: ModelConfig) -> int:
+        return config.qk_rope_head_dim  # only the rope part of each head rotates
 
 
-class DeepseekV2ForCausalLM(CausalLM):
-    pass
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """The same modules as V3; the config picks V2's softmax gate and YaRN."""

@@ -37,6 +37,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.model_config import ModelConfig
 from moeserve.layers.weights import WeightSpec, model_weight_specs
 from moeserve.models.default_model import resolve_model_path
+from moeserve.models.options import ModelOptions, model_options
 from moeserve.models.registry import get_model_class
 from moeserve.parallel.state import get_parallel_state
 
@@ -63,16 +64,13 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
                          "(or --load-format dummy to run with random weights of the real shapes)")
 
     start = time.perf_counter()
-    model = build_model(config, server_args, device, dtype)
+    model = build_model(config, model_options(server_args, config), device, dtype)
     specs = list(model_weight_specs(model))
     if server_args.load_format == "dummy":
         fill_dummy(model, specs, server_args.random_seed, show_progress)
     else:
         load_safetensors(model, specs, Path(path), config, show_progress)
-    for module in model.modules():  # device-specific layouts and state, once the weights are in
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading(device)
-    model.eval()
+    finish_loading(model, device)
     n = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("Loaded %s (%s): %.3fB params, %.2f GiB %s on %s in %.1f s", config.architecture,
@@ -90,12 +88,13 @@ def resolve_dtype(name: str, config_dtype: torch.dtype, device: torch.device) ->
     return _DTYPES[name]
 
 
-def build_model(config: ModelConfig, server_args: ServerArgs | None, device: torch.device,
+def build_model(config: ModelConfig, options: ModelOptions | None, device: torch.device,
                 dtype: torch.dtype) -> nn.Module:
-    """Construct on 'meta', then allocate every parameter on `device` (uninitialized: the caller fills them)."""
+    """Construct on 'meta', then allocate every parameter on `device` (uninitialized: the caller fills them, then
+    calls finish_loading)."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config, server_args)
+        model = cls(config, options)
     for module in model.modules():
         keep_fp32 = getattr(module, "fp32_params", ())
         for name, p in list(module._parameters.items()):
@@ -105,6 +104,15 @@ def build_model(config: ModelConfig, server_args: ServerArgs | None, device: tor
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
                                                     requires_grad=False)
     return model
+
+
+def finish_loading(model: nn.Module, device: torch.device) -> None:
+    """Once the weights are in: each module's device-specific layouts and state (`process_weights_after_loading`),
+    children before their parents (an MoE layer reads the kernel choice its experts made), then eval mode."""
+    for module in reversed(list(model.modules())):
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading(device)
+    model.eval()
 
 
 # ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.kv_pool import make_kv_pool
 from moeserve.ep.stats import enable_local_expert_tokens
+from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
@@ -20,14 +21,6 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 CPU_DEFAULT_MAX_TOKENS = 1 << 17
-
-
-def _graph_safe_dispatch(args: ServerArgs) -> bool:
-    """Decode can be captured unless its MoE dispatch reads counts on the host (allgather, normal all2all)."""
-    from moeserve.ep import resolve_backend
-
-    backend = resolve_backend(args.moe_a2a_backend, args.ep_size)
-    return backend == "none" or (backend == "all2all" and args.deepep_mode != "normal")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,43 +53,27 @@ class _EPInfo:
     backend: str | None  # the dispatch backend that runs (None: no MoE layer)
     backend_desc: str
     dispatch_buffer_bytes: int  # fixed buffers of the dispatchers (all2all low-latency); 0 for the others
+    graph_safe: bool  # every dispatcher's decode steps can be captured in a CUDA graph
 
     @classmethod
-    def collect(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> _EPInfo:
-        """Walks the model's MoE layers. Lazily built EP dispatchers are built here (`prepare`: buffers allocated
-        now, before the KV pool is sized from the free memory), so their buffer bytes are real allocations."""
-        from moeserve.layers.moe.layer import MoE
-        from moeserve.parallel.state import get_parallel_state
-
+    def collect(cls, model: CausalLM) -> _EPInfo:
+        """Walks the model's MoE layers and their dispatchers (built at load, so their buffers are allocated
+        before the KV pool is sized from the free memory)."""
         ps = get_parallel_state()
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
-        dispatchers = []
-        for m in moes:
-            for v in vars(m).values():  # the layer's dispatcher(s): one, or one per micro-batch
-                for d in (v if isinstance(v, (list, tuple)) else (v,)):
-                    if hasattr(d, "dispatch_a") and hasattr(d, "combine_b") and all(d is not e for e in dispatchers):
-                        dispatchers.append(d)
-        for d in dispatchers:
-            if hasattr(d, "prepare"):
-                d.prepare(dtype, device)
-        buffer_bytes = sum(d.buffer_bytes() for d in dispatchers if hasattr(d, "buffer_bytes"))
-        backend, desc = None, ""
-        if moes:
-            inner = getattr(moes[0].dispatcher, "inner", moes[0].dispatcher)
-            backend = {"LocalDispatcher": "none", "AllGatherDispatcher": "allgather",
-                       "AutoDispatcher": "all2all"}.get(type(inner).__name__, type(inner).__name__)
-            desc = backend
-            if backend == "all2all":
-                ll = getattr(inner, "low_latency", None)
-                desc = f"all2all {inner.deepep_mode}"
-                if ll is not None:
-                    desc += (f", low-latency slots of {ll.cap} tokens x {ll.size} ranks in each of "
-                             f"{len(dispatchers)} dispatchers")
+        moes = model.moe_layers()
+        dispatchers = model.dispatchers()
+        desc = ""
+        if dispatchers:
+            desc = dispatchers[0].describe()
+            if dispatchers[0].buffer_bytes():
+                desc += f" in each of {len(dispatchers)} dispatchers"
         local = moes[0].experts.num_local_experts if moes else 0
         return cls(rank=ps.rank, world_size=ps.world_size, ep_rank=ps.ep_rank, ep_size=ps.ep_size,
                    num_moe_layers=len(moes), num_local_experts=local, num_physical_experts=local * ps.ep_size,
                    expert_bytes=sum(p.nbytes for m in moes for p in m.experts.parameters()),
-                   backend=backend, backend_desc=desc, dispatch_buffer_bytes=buffer_bytes)
+                   backend=dispatchers[0].name if dispatchers else None, backend_desc=desc,
+                   dispatch_buffer_bytes=sum(d.buffer_bytes() for d in dispatchers),
+                   graph_safe=all(d.graph_safe for d in dispatchers))
 
 
 class ModelRunner:
@@ -113,7 +90,7 @@ class ModelRunner:
         self.model, self.config = load_model(server_args, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.ep = _EPInfo.collect(self.model, self.dtype, self.device)  # dispatch buffers allocated before the KV pool
+        self.ep = _EPInfo.collect(self.model)
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
         self.vocab_size = self.config.vocab_size
@@ -123,7 +100,7 @@ class ModelRunner:
                                     get_parallel_state().attn_tp_size)
         self.compiled = None
         self.graph_runner = None
-        if self.device.type == "cuda" and not server_args.disable_cuda_graph and _graph_safe_dispatch(server_args):
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph and self.ep.graph_safe:
             from moeserve.rank.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
@@ -135,11 +112,10 @@ class ModelRunner:
         self.expert_recorder = None
         if server_args.expert_distribution_recorder_mode is not None and self.config.moe_layers:
             from moeserve.eplb.recorder import ExpertDistributionRecorder
-            from moeserve.layers.moe.layer import set_expert_recorder
 
             self.expert_recorder = ExpertDistributionRecorder(self.config.moe_layers, self.config.num_experts,
                                                               self.device)
-            set_expert_recorder(self.expert_recorder)  # before CUDA graphs and torch.compile see the model
+            self.model.set_expert_recorder(self.expert_recorder)  # before CUDA graphs and torch.compile see it
         if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
             from moeserve.rank.compiled_decode import CompiledDecode
 

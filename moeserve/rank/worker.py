@@ -76,6 +76,7 @@ def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
 def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Context, result_sock) -> None:
     import torch
 
+    from moeserve.models.options import dispatch_options
     from moeserve.parallel.state import init_parallel_state
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.scheduler import Scheduler
@@ -87,7 +88,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
         # One core stays with the server process (HTTP, tokenizer); oversubscribed OpenMP threads spin-wait
         # on each other and can make a step ten times slower.
         torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // (world // server_args.nnodes)))
-    if world > 1 or server_args.moe_a2a_backend != "none":  # EP dispatchers talk through a process group
+    if world > 1 or dispatch_options(server_args).needs_process_group:  # EP dispatchers talk through one
         import datetime
 
         import torch.distributed as dist

@@ -30,7 +30,7 @@ from ep_harness import (
 
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
-from moeserve.ep.all2all_auto import AutoDispatcher
+from moeserve.ep.all2all import All2AllDispatcher
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.allgather import AllGatherDispatcher
@@ -45,7 +45,7 @@ class Backend:
     kwargs: dict
     any_extend: bool  # the header's flag (auto resolves on it)
     header: bool = True  # False: no global_num_tokens, the dispatcher agrees on sizes by an all-reduce
-    expect_mode: str | None = None  # AutoDispatcher: the mode it must resolve to
+    expect_mode: str | None = None  # All2AllDispatcher: the mode it must resolve to
     only: tuple[str, ...] | None = None  # run on these scenarios only
 
 
@@ -59,8 +59,8 @@ BACKENDS = {
     "low_latency": Backend(LowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False),
     "low_latency_noheader": Backend(LowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False, header=False,
                                     only=("uniform", "over_cap_one_rank", "idle_ranks", "all_idle")),
-    "auto_prefill": Backend(AutoDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, True, expect_mode="normal"),
-    "auto_decode": Backend(AutoDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, False,
+    "auto_prefill": Backend(All2AllDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, True, expect_mode="normal"),
+    "auto_decode": Backend(All2AllDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, False,
                            expect_mode="low_latency"),
 }
 
@@ -96,7 +96,7 @@ def _build(backend: str, sc: Scenario, rank: int, world: int):
     cls = BACKENDS[backend].cls
     kwargs = dict(num_experts=sc.num_experts, hidden_size=sc.hidden, dtype=sc.torch_dtype, device="cpu",
                   ep_group=None, ep_rank=rank, ep_size=world, **BACKENDS[backend].kwargs)
-    if cls in (LowLatencyDispatcher, AutoDispatcher):
+    if cls in (LowLatencyDispatcher, All2AllDispatcher):
         kwargs["topk"] = sc.topk
     return cls(**kwargs)
 

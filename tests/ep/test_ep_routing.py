@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.layouts import MaskedLayout
-from moeserve.ep.all2all_auto import AutoDispatcher, resolve_deepep_mode
+from moeserve.ep.all2all import All2AllDispatcher, resolve_deepep_mode
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.routing import (
     aligned_offsets,
@@ -154,8 +154,8 @@ def test_resolve_deepep_mode() -> None:
     with pytest.raises(ValueError, match="deepep-mode"):
         resolve_deepep_mode("fast", decode)
     with pytest.raises(ValueError, match="deepep-mode"):
-        AutoDispatcher(num_experts=4, hidden_size=8, topk=2, dtype=torch.float32, device="cpu", ep_group=None,
-                       ep_rank=0, ep_size=1, deepep_mode="fast")
+        All2AllDispatcher(num_experts=4, hidden_size=8, topk=2, dtype=torch.float32, device="cpu", ep_group=None,
+                          ep_rank=0, ep_size=1, deepep_mode="fast")
 
 
 # ---------------------------------------------------------------------------------------------------------------

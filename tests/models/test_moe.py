@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.core.layouts import MaskedLayout
-from moeserve.ep import make_dispatcher
+from moeserve.ep import DispatchOptions, make_dispatcher
 from moeserve.ep.local import LocalDispatcher
 from moeserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moeserve.layers.moe.experts import Experts
@@ -103,11 +103,12 @@ def test_empty_dispatch():
 
 
 def test_make_dispatcher():
-    assert isinstance(make_dispatcher("none", 8, 8), LocalDispatcher)
+    cpu = dict(dtype=torch.float32, device="cpu")
+    assert isinstance(make_dispatcher(DispatchOptions("none"), 8, 8, **cpu), LocalDispatcher)
     with pytest.raises(ValueError, match="allgather or all2all"):
-        make_dispatcher("none", 8, 4)
+        make_dispatcher(DispatchOptions("none"), 8, 4, **cpu)
     with pytest.raises(ValueError, match="unknown"):
-        make_dispatcher("nccl", 8, 8)
+        make_dispatcher(DispatchOptions("nccl"), 8, 8, **cpu)
 
 
 def test_grouped_gemm_static_equals_reference():

@@ -101,8 +101,6 @@ def test_greedy_generation_matches_hf_generate(name, tiny_checkpoint, hf_model):
 
 def test_idle_batch_runs_through(name, tiny_checkpoint):
     """T = 0: every layer runs (MoE layers still call the dispatcher) and the logits are empty."""
-    from moeserve.layers.moe.layer import set_expert_recorder
-
     runner = Runner(tiny_checkpoint(name))
     seen: list[tuple[int, tuple]] = []
 
@@ -110,12 +108,12 @@ def test_idle_batch_runs_through(name, tiny_checkpoint):
         def on_select_experts(self, layer_id, topk_ids):
             seen.append((layer_id, tuple(topk_ids.shape)))
 
-    set_expert_recorder(Recorder())
+    runner.model.set_expert_recorder(Recorder())
     try:
         with torch.no_grad():
             logits = runner.model(ForwardBatch.idle(runner.pool))
     finally:
-        set_expert_recorder(None)
+        runner.model.set_expert_recorder(None)
     assert logits.shape == (0, runner.config.vocab_size)
     k = runner.config.num_experts_per_tok
     assert seen == [(i, (0, k)) for i in runner.config.moe_layers]

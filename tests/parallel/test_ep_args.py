@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.ep import make_dispatcher, resolve_backend
+from moeserve.ep import DispatchOptions, make_dispatcher, resolve_backend
 from moeserve.ep.local import LocalDispatcher
+from moeserve.models.options import dispatch_options
+
+CPU = dict(dtype=torch.float32, device="cpu")
 
 
 def test_none_means_allgather_with_ep():
@@ -19,17 +22,20 @@ def test_none_means_allgather_with_ep():
 
 
 def test_single_rank_none_is_local():
-    assert isinstance(make_dispatcher(ServerArgs(), 8, 8, hidden_size=16, top_k=2), LocalDispatcher)
+    assert isinstance(make_dispatcher(dispatch_options(ServerArgs()), 8, 8, hidden_size=16, top_k=2, **CPU),
+                      LocalDispatcher)
 
 
-def test_ep_dispatcher_built_lazily_and_checked():
-    # ep_size 2 without a process group: only construction is exercised (the lazy wrapper builds nothing yet)
-    d = make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, ep_group=None, ep_rank=0, ep_size=2)
-    assert d.inner is None and d.comm_bytes == {"dispatch": 0, "combine": 0}
+def test_ep_dispatcher_built_and_checked():
+    # ep_size 2 without a process group: only construction is exercised
+    d = make_dispatcher(DispatchOptions("all2all"), 8, 4, hidden_size=16, top_k=2, ep_group=None, ep_rank=0,
+                        ep_size=2, **CPU)
+    assert d.comm_bytes == {"dispatch": 0, "combine": 0}
     with pytest.raises(ValueError, match="deepep-mode"):
-        make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, deepep_mode="fast", ep_size=2, ep_rank=0)
+        make_dispatcher(DispatchOptions("all2all", deepep_mode="fast"), 8, 4, hidden_size=16, top_k=2, ep_size=2,
+                        ep_rank=0, **CPU)
     with pytest.raises(ValueError, match="per rank"):
-        make_dispatcher("allgather", 8, 8, hidden_size=16, top_k=2, ep_size=2, ep_rank=0)
-    eager = make_dispatcher("all2all", 8, 4, hidden_size=16, top_k=2, ep_size=2, ep_rank=1, deepep_mode="low_latency",
-                            max_tokens_per_rank=4, dtype=torch.float32, device="cpu")
+        make_dispatcher(DispatchOptions("allgather"), 8, 8, hidden_size=16, top_k=2, ep_size=2, ep_rank=0, **CPU)
+    eager = make_dispatcher(DispatchOptions("all2all", deepep_mode="low_latency", max_tokens_per_rank=4), 8, 4,
+                            hidden_size=16, top_k=2, ep_size=2, ep_rank=1, **CPU)
     assert eager.low_latency.cap == 4 and eager.normal is None

@@ -21,21 +21,30 @@ from torch import nn
 from moeserve.layers.weights import WeightSpec
 
 
-class Router(nn.Module):
-    """Gate weight [E, H] (and DeepSeek-V3's e_score_correction_bias [E]), kept in float32."""
+class TopKRouter(nn.Module):
+    """The MoE gate: x [T, H] -> (topk_ids [T, k] int64 logical expert ids, topk_weights [T, k] float32).
+
+    Holds the gate weight [E, H] (and DeepSeek-V3's e_score_correction_bias [E]) in float32; the variant (scoring,
+    grouping, renormalization, scaling) is fixed at construction, from the model's config."""
 
     fp32_params = ("weight", "e_score_correction_bias")  # the loader allocates these in float32
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, scoring_func: str = "softmax",
+                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1, renormalize: bool = False,
+                 routed_scaling_factor: float = 1.0, correction_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(num_experts), requires_grad=False) if correction_bias else None
         )
+        self.top_k = top_k
+        self.variant = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
+                            topk_group=topk_group, renormalize=renormalize,
+                            routed_scaling_factor=routed_scaling_factor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> router logits [T, E] float32."""
-        return F.linear(x.float(), self.weight.float())
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] router logits in float32
+        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias, **self.variant)
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         for name, p in self.named_parameters(recurse=False):

@@ -1,15 +1,20 @@
-"""The all2all backend as the MoE layer sees it: normal, low-latency, or `auto` (choose per step, as SGLang does)."""
+"""The all2all backend as the MoE layer sees it: normal, low-latency, or `auto` (choose per step, as SGLang does).
+
+--deepep-mode normal runs every step through the normal dispatcher (variable sizes, a host sync: prefill),
+low_latency through the low-latency one (static shapes: decode, CUDA graphs), auto picks per step: normal when any
+rank prefills, low-latency otherwise. Each mode's dispatcher is built only where the mode can be picked.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
+from moeserve.ep.base import Dispatcher
 
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
@@ -27,26 +32,38 @@ def resolve_deepep_mode(mode: str, batch: ForwardBatch | None) -> str:
     return "normal" if batch is not None and batch.any_extend else "low_latency"
 
 
-class AutoDispatcher:
-    """Dispatcher (see layouts.Dispatcher) for `--moe-a2a-backend all2all`: holds the mode(s) `deepep_mode` can
-    resolve to and delegates each step to one. One per MoE layer call site."""
+class All2AllDispatcher(Dispatcher):
+    """`--moe-a2a-backend all2all`: delegates each step to the mode `deepep_mode` resolves to."""
 
-    def __init__(self, *, num_experts: int, hidden_size: int, topk: int, dtype: torch.dtype,
-                 device: torch.device | str, ep_group: dist.ProcessGroup | None, ep_rank: int, ep_size: int,
-                 deepep_mode: str = "auto", max_tokens_per_rank: int = 128, align: int = 1) -> None:
+    name = "all2all"
+
+    def __init__(self, *, topk: int, deepep_mode: str = "auto", max_tokens_per_rank: int = 128, **common) -> None:
+        """`common`: the Dispatcher arguments (num_experts, hidden_size, dtype, device, ep_group, ep_rank,
+        ep_size, align); align applies to normal mode's layout."""
         resolve_deepep_mode(deepep_mode, None)  # validates the name
+        super().__init__(**common)
         self.deepep_mode = deepep_mode
-        common = dict(num_experts=num_experts, hidden_size=hidden_size, dtype=dtype, device=device,
-                      ep_group=ep_group, ep_rank=ep_rank, ep_size=ep_size)
+        align = common.pop("align", 1)
         self.normal = NormalDispatcher(**common, align=align) if deepep_mode != "low_latency" else None
         self.low_latency = (LowLatencyDispatcher(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank)
                             if deepep_mode != "normal" else None)
-        self._active: NormalDispatcher | LowLatencyDispatcher | None = None
         self.last_mode: str | None = None  # the mode the last dispatch_a resolved to
+
+    def _reset(self) -> None:
+        self._active: NormalDispatcher | LowLatencyDispatcher | None = None
+
+    @property
+    def graph_safe(self) -> bool:  # decode steps resolve to low-latency unless the mode is normal
+        return self.deepep_mode != "normal"
 
     def buffer_bytes(self) -> int:
         """Bytes of fixed communication buffers (the low-latency ones; normal mode allocates per step)."""
         return self.low_latency.buffer_bytes() if self.low_latency is not None else 0
+
+    def describe(self) -> str:
+        ll = self.low_latency
+        return f"all2all {self.deepep_mode}" + (f", low-latency slots of {ll.cap} tokens x {ll.size} ranks"
+                                                if ll is not None else "")
 
     @property
     def comm_bytes(self) -> dict[str, int]:
@@ -54,7 +71,6 @@ class AutoDispatcher:
 
     def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    batch: ForwardBatch | None) -> None:
-        """x [T, H] dtype; topk_ids [T, k] int64 physical ids (-1 = none); topk_weights [T, k] fp32."""
         self.last_mode = resolve_deepep_mode(self.deepep_mode, batch)
         self._active = self.normal if self.last_mode == "normal" else self.low_latency
         self._active.dispatch_a(x, topk_ids, topk_weights, batch)

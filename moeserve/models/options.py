@@ -1,0 +1,66 @@
+"""The model's options: the one place where the server's flags (ServerArgs) become what models and layers read.
+
+Layers never see ServerArgs: an MoE layer gets MoEOptions (dispatch backend and mode, experts' kernels, placement,
+two-batch overlap), the decoder gets ModelOptions. The worker asks `dispatch_options` whether the dispatchers need a
+process group; the model runner asks the built dispatchers whether decode can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.args import ServerArgs
+from moeserve.core.model_config import ModelConfig
+from moeserve.ep.registry import DispatchOptions
+from moeserve.eplb.location import ExpertLocation
+from moeserve.layers.moe.layer import MoEOptions
+from moeserve.parallel.state import get_parallel_state
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a model runs beyond its config.json: its MoE layers' options and two-batch overlap."""
+
+    moe: MoEOptions = field(default_factory=MoEOptions)
+    two_batch_overlap: bool = False  # --enable-two-batch-overlap
+    tbo_token_threshold: int = 64  # --tbo-token-threshold: steps with fewer tokens (on every rank) do not overlap
+
+
+def dispatch_options(args: ServerArgs) -> DispatchOptions:
+    """--moe-a2a-backend, --deepep-mode, --ep-max-tokens-per-rank."""
+    return DispatchOptions(backend=args.moe_a2a_backend, deepep_mode=args.deepep_mode,
+                           max_tokens_per_rank=args.ep_max_tokens_per_rank)
+
+
+def model_options(args: ServerArgs, config: ModelConfig) -> ModelOptions:
+    """The options of `config`'s model on this rank (the EP size comes from moeserve.parallel.state)."""
+    moe = MoEOptions(dispatch=dispatch_options(args), runner_backend=args.moe_runner_backend,
+                     num_redundant_experts=args.ep_num_redundant_experts,
+                     placement=expert_location(config, args, get_parallel_state().ep_size),
+                     two_batch_overlap=args.enable_two_batch_overlap)
+    return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
+                        tbo_token_threshold=args.tbo_token_threshold)
+
+
+def expert_location(config: ModelConfig, args: ServerArgs, ep_size: int) -> ExpertLocation | None:
+    """The placement of every MoE layer (in config.moe_layers order) over ep_size ranks, or None for the trivial
+    placement without redundant slots (slot e holds expert e).
+
+    --init-expert-location trivial: slot r holds logical expert r % E (redundant slots repeat the first experts);
+    a file: a placement saved by moeserve.eplb, or a recorder dump (logical_count) to plan one from."""
+    if not config.moe_layers:
+        return None
+    num_physical = config.num_experts + args.ep_num_redundant_experts
+    trivial = args.init_expert_location == "trivial"
+    if trivial and num_physical == config.num_experts:
+        return None
+    gpus_per_node = max(1, ep_size // max(1, args.nnodes))
+    with torch.device("cpu"):  # models are built under torch.device("meta"): the maps are host tables
+        if trivial:
+            return ExpertLocation.trivial(len(config.moe_layers), config.num_experts, num_physical, ep_size,
+                                          gpus_per_node)
+        return ExpertLocation.load(args.init_expert_location, ep_size, gpus_per_node,
+                                   num_physical_experts=num_physical, num_groups=config.n_group or 1,
+                                   num_layers=len(config.moe_layers), num_logical_experts=config.num_experts)
