@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeserve.bench.results import append_results
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.server.launch import free_port
 
@@ -232,10 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--world-size {max(a.world_size)} needs as many GPUs; {torch.cuda.device_count()} visible")
     rows = run(a)
     print(markdown_table(rows))
-    if a.result_file:
-        with open(a.result_file, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_results(a.result_file, rows)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ batch whatever the number of ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import time
 
 from moeserve.args import ServerArgs
+from moeserve.bench.results import append_results
 from moeserve.models.default_model import resolve_model_path
 
 
@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
           f"x ({r['input_len']} in + {r['output_len']} out) in {r['duration_s']:.2f} s: total {r['total_tok_s']:.1f} "
           f"tok/s, input {r['input_tok_s']:.1f} tok/s, output {r['output_tok_s']:.1f} tok/s "
           f"(start-up {r['startup_s']:.1f} s)", flush=True)
-    if ns.result_file:
-        with open(ns.result_file, "a") as f:
-            f.write(json.dumps(r) + "\n")
+    append_results(ns.result_file, [r])
     return 0
 
 

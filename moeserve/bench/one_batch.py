@@ -10,12 +10,12 @@ same run, and the ratio is printed.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from moeserve.args import ServerArgs
+from moeserve.bench.results import append_results
 from moeserve.models.default_model import resolve_model_path
 
 
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             line += (f" | transformers: prefill {t['prefill_tok_s']:9.1f}  decode {t['decode_tok_s']:9.1f}"
                      f" | speedup prefill {r['prefill_speedup']:.2f}x decode {r['decode_speedup']:.2f}x")
         print(line, flush=True)
-        if ns.result_file:
-            with open(ns.result_file, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        append_results(ns.result_file, [r])
     return 0
 
 

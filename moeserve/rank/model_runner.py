@@ -205,5 +205,5 @@ class ModelRunner:
             [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
             self.vocab_size, self.device, rng=self.rng,
         )
-        top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        return sample(logits, sbatch, top_n, return_logprob=any(r.return_logprob for r in reqs))
+        top_n = [r.asked.top_logprobs_num if r.asked.return_logprob else 0 for r in reqs]
+        return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs))

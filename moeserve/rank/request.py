@@ -11,12 +11,9 @@ from moeserve.rank.sampling_params import SamplingParams
 
 @dataclass
 class Req:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    stream: bool = False
+    """A request inside a scheduler: what was asked (its GenerateReq, never changed here) and what became of it."""
+
+    asked: GenerateReq
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping
@@ -37,9 +34,19 @@ class Req:
         stop_ids = set(r.sampling_params.stop_token_ids or [])
         if not r.sampling_params.ignore_eos:
             stop_ids.update(eos_token_ids)
-        return cls(rid=r.rid, input_ids=list(r.input_ids), params=r.sampling_params,
-                   return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num, stream=r.stream,
-                   stop_token_ids=frozenset(stop_ids))
+        return cls(asked=r, stop_token_ids=frozenset(stop_ids))
+
+    @property
+    def rid(self) -> str:
+        return self.asked.rid
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.asked.input_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.asked.sampling_params
 
     @property
     def fill_ids(self) -> list[int]:
@@ -65,6 +72,7 @@ class Req:
             prompt_tokens=len(self.input_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
-            logprobs=self.logprobs[start:] if self.return_logprob else None,
-            top_logprobs=self.top_logprobs[start:] if self.return_logprob and self.top_logprobs_num else None,
+            logprobs=self.logprobs[start:] if self.asked.return_logprob else None,
+            top_logprobs=(self.top_logprobs[start:] if self.asked.return_logprob and self.asked.top_logprobs_num
+                          else None),
         )

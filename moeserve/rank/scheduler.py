@@ -307,7 +307,7 @@ class Scheduler:
         self.pending_out = []
         for i, req in enumerate(sampled):
             req.output_ids.append(next_ids[i])
-            if req.return_logprob and logprobs is not None:
+            if req.asked.return_logprob and logprobs is not None:
                 req.logprobs.append(logprobs[i])
                 req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
             self.stats.generated += 1
@@ -318,7 +318,7 @@ class Scheduler:
                 del self.reqs[req.rid]
                 outs.append(req.take_output())
                 self.stats.finished += 1
-            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+            elif req.asked.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
                 outs.append(req.take_output())
         if batch.mode.is_extend:
             self.stats.prefilled += sum(batch.extend_lens)

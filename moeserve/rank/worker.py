@@ -9,6 +9,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import zmq
@@ -25,9 +26,14 @@ from moeserve.rank.io_struct import (
     GenerateReq,
     GetLoadReq,
     ShutdownReq,
+    TokenOut,
     WorkerError,
 )
 from moeserve.rank.rank_sync import RankSync
+
+if TYPE_CHECKING:
+    from moeserve.rank.model_runner import ModelRunner
+    from moeserve.rank.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +126,8 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     loop.run()
 
 
-def run_step(scheduler, runner, sync: RankSync | None = None, stop: bool = False) -> list | None:
+def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
+             stop: bool = False) -> list[TokenOut] | None:
     """One scheduler step on one rank: schedule, (header), forward, sample, process. Returns the TokenOuts,
     or None when some rank is shutting down (multi-rank: every rank learns it from the same header)."""
     if sync is not None and sync.multi:
@@ -156,7 +163,8 @@ def run_step(scheduler, runner, sync: RankSync | None = None, stop: bool = False
 class WorkerLoop:
     """recv -> schedule -> forward -> sample -> send, until a ShutdownReq."""
 
-    def __init__(self, args: ServerArgs, runner, scheduler, req_sock, result_sock, sync: RankSync):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, scheduler: Scheduler, req_sock: zmq.Socket | None,
+                 result_sock: zmq.Socket, sync: RankSync):
         self.args = args
         self.runner = runner
         self.scheduler = scheduler
