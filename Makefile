@@ -19,4 +19,5 @@ test: install
 	bash scripts/test.sh
 
 lint: install
-	$(BIN)/ruff check moeserve tests
+	$(BIN)/ruff check moeserve tests scripts
+	$(BIN)/lint-imports --no-cache

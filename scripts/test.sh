@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The test command: lint, then the whole CPU suite. pytest's exit 5 ("no tests collected") counts as a failure.
+# The test command: lint and the import layering, then the whole CPU suite. pytest's exit 5 ("no tests collected") counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 [ -x "$BIN/pytest" ] || BIN="$(dirname "$(command -v python3)")"
 if [ "$#" -eq 0 ] && [ -x "$BIN/ruff" ]; then
   "$BIN/ruff" check moeserve tests scripts || exit 1
+  "$BIN/lint-imports" --no-cache || exit 1  # the layering of pyproject.toml's [tool.importlinter]
 fi
 "$BIN/python" -m pytest "$@"
 rc=$?
