@@ -236,7 +236,11 @@ def model_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
     """
     from moeserve.core.model_config import ModelConfig  # imports torch: only when a config is read
 
-    return model_from_config(ModelConfig.from_dict(config, shapes_only=True), name)
+    try:
+        parsed = ModelConfig.from_dict(config, shapes_only=True)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return model_from_config(parsed, name)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
