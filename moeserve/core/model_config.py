@@ -34,6 +34,14 @@ MODEL_TYPES: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
 }
 
+# a key that only one family's config.json has -> that family's architecture, first match wins (MLA first);
+# how `from_dict(..., shapes_only=True)` reads a config that names no supported architecture
+FAMILY_KEYS: tuple[tuple[str, str], ...] = (
+    ("kv_lora_rank", "DeepseekV3ForCausalLM"),
+    ("num_local_experts", "MixtralForCausalLM"),
+    ("num_experts", "Qwen3MoeForCausalLM"),
+)
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -93,6 +101,7 @@ class ModelConfig:
     num_experts: int = 0  # routed (logical) experts; 0: dense model
     num_experts_per_tok: int = 0
     num_shared_experts: int = 0  # shared MLP width = num_shared_experts * moe_intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (for the planner; not served)
     moe_layers: tuple[int, ...] = ()  # indices of MoE layers
     scoring_func: str = "softmax"  # softmax | sigmoid
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
@@ -126,9 +135,18 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        """Parse a config.json dict (and an optional generation_config.json dict)."""
-        arch = _architecture(raw)
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, *,
+                  shapes_only: bool = False) -> ModelConfig:
+        """Parse a config.json dict (and an optional generation_config.json dict).
+
+        shapes_only: for the offline planner (eplb/tools/plan_models.py), which wants the sizes of models
+        moeserve may not serve. A multimodal config is read from its text_config, and one that names no
+        supported architecture as the family its keys belong to (FAMILY_KEYS; Qwen2-MoE reads as Qwen3-MoE
+        plus its shared expert). Serving never sets it.
+        """
+        if shapes_only:
+            raw = raw.get("text_config", raw)
+        arch = _architecture(raw, shapes_only)
         family = ARCHITECTURES[arch]
         try:
             hidden = int(raw["hidden_size"])
@@ -207,10 +225,18 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def _architecture(raw: dict[str, Any]) -> str:
+def _architecture(raw: dict[str, Any], shapes_only: bool = False) -> str:
     archs = raw.get("architectures") or []
     if not archs and raw.get("model_type") in MODEL_TYPES:
         archs = [MODEL_TYPES[raw["model_type"]]]
+    if shapes_only and (not archs or archs[0] not in SUPPORTED_ARCHITECTURES):
+        inferred = next((arch for key, arch in FAMILY_KEYS if key in raw), None)
+        if inferred:
+            return inferred
+        if not archs:
+            raise ValueError(f"config.json names no architecture (model_type {raw.get('model_type')!r}) "
+                             f"and has none of the MoE keys {', '.join(key for key, _ in FAMILY_KEYS)}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if not archs:
         raise ValueError(f"config.json names no architecture (model_type {raw.get('model_type')!r}); "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -325,6 +351,7 @@ def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
             qk_norm=True,
             intermediate_size=int(raw.get("intermediate_size") or 0),
             moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             rope=_rope(raw, 10000.0, interleaved=False),
         )

@@ -191,3 +191,43 @@ def test_calibration_within_stated_tolerance() -> None:
         assert abs(row.error) <= row.case.tolerance, (row.case.name, row.error)
     fitted = [abs(r.error) for r in rows if r.case.fitted]
     assert sum(fitted) / len(fitted) < 0.06
+
+
+def test_hf_configs_moeserve_does_not_serve() -> None:
+    """Configs moeserve does not serve: Qwen2-MoE keeps its shared expert, a multimodal one its text model."""
+    qwen2 = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 151936,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+    }
+    m = model_from_hf_config(qwen2)
+    assert m.shared_params == 3 * 2048 * 5632 and m.num_experts == 60 and m.num_dense_layers == 0
+    text = replace(MODEL_PRESETS["qwen3-235b-a22b"], name="vl")
+    vl = {
+        "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+        "text_config": {
+            "model_type": "qwen3_vl_moe_text",
+            "hidden_size": text.hidden,
+            "num_hidden_layers": text.num_layers,
+            "num_attention_heads": text.num_heads,
+            "num_key_value_heads": text.num_kv_heads,
+            "head_dim": text.head_dim,
+            "vocab_size": text.vocab,
+            "intermediate_size": text.dense_intermediate,
+            "moe_intermediate_size": text.moe_intermediate,
+            "num_experts": text.num_experts,
+            "num_experts_per_tok": text.topk,
+        },
+    }
+    assert model_from_hf_config(vl, "vl") == text
+    with pytest.raises(ValueError, match="not an MoE config"):
+        model_from_hf_config({**qwen2, "num_experts": 0})

@@ -1,0 +1,1 @@
+"""Offline EPLB tools behind `moeserve eplb` (cli.py): synthetic workloads, analysis, simulation, planning."""

@@ -14,8 +14,9 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("moeserve.eplb")
 
@@ -29,6 +30,11 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
+
+
+def flag_values(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """{name: value} of the flags that go on under their own names (into a call, a settings record)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def dump_settings(meta: dict, topk: int | None, num_groups: int | None) -> tuple[int, int]:
@@ -99,31 +105,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     counts, meta = load_dump(args.dump)
     topk, groups = dump_settings(meta, args.topk, args.num_groups)
-    settings = dict(
-        dump=str(args.dump),
-        topk=topk,
-        num_groups=groups,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        redundant=args.redundant,
-        tokens_per_gpu=args.tokens_per_gpu,
-        holdout_chunks=args.holdout_chunks,
-        max_batches=args.max_batches,
-        seed=args.seed,
-    )
+    # recorded under the flags' names; simulate takes the grids as <name>_grid
+    grids = flag_values(args, "nodes", "gpus_per_node", "redundant", "tokens_per_gpu")
+    runs = flag_values(args, "holdout_chunks", "max_batches", "seed")
     rows = simulate(
         counts,
         topk=topk,
         num_groups=groups,
-        nodes_grid=args.nodes,
-        gpus_per_node_grid=args.gpus_per_node,
-        redundant_grid=args.redundant,
-        tokens_per_gpu_grid=args.tokens_per_gpu,
-        holdout_chunks=args.holdout_chunks,
-        max_batches=args.max_batches,
-        seed=args.seed,
+        **{f"{name}_grid": values for name, values in grids.items()},
+        **runs,
         progress=not args.quiet,
     )
+    settings = dict(dump=str(args.dump), topk=topk, num_groups=groups, **grids, **runs)
     if not rows:
         print("no deployment could be simulated (see the log lines above)", file=sys.stderr)
         return 1
@@ -158,25 +151,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rdma_gbps=args.gpu_rdma_gbps,
     )
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
+    # every Deployment field is the flag of its name, but these three
+    set_apart = ("phase", "eplb", "mtp_draft")
+    flags = flag_values(args, *(f.name for f in fields(Deployment) if f.name not in set_apart))
     results = []
     for phase in phases:
         dep = Deployment(
-            num_gpus=args.num_gpus,
-            gpus_per_node=args.gpus_per_node,
-            ep_size=args.ep_size,
-            redundant=args.redundant,
+            **flags,
             phase=phase,
-            batch_per_gpu=args.batch_per_gpu,
-            context_len=args.context_len,
-            tokens_per_gpu=args.tokens_per_gpu,
-            input_len=args.input_len,
-            cache_hit=args.cache_hit,
-            dispatch=args.dispatch,
-            tbo=args.tbo,
             eplb=not args.no_eplb,
-            balancedness=args.balancedness,
             mtp_draft=args.mtp_draft if phase == "decode" else 0,
-            mtp_accept=args.mtp_accept,
         )
         result = plan_step(model, gpu, dep)
         print(format_plan(model, gpu, dep, result))

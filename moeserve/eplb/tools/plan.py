@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from moeserve.eplb.tools.plan_balancedness import estimate_balancedness
+from moeserve.eplb.tools.plan_deployment import Deployment
 from moeserve.eplb.tools.plan_hardware import GpuSpec
 from moeserve.eplb.tools.plan_models import ModelSpec
 
@@ -67,64 +68,6 @@ class Efficiency:
 
 
 DEFAULT_EFFICIENCY = Efficiency()
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """Where and how the model runs: GPUs, EP group, redundancy, batch, lengths, dispatch mode, TBO."""
-
-    num_gpus: int = 72
-    gpus_per_node: int = 8
-    ep_size: int = 0  # GPUs in one EP group (0: all GPUs); num_gpus / ep_size groups serve independently
-    redundant: int = 32
-    phase: str = "decode"  # decode | prefill
-    batch_per_gpu: int = 256  # decode: running sequences per GPU
-    context_len: int = 2000  # decode: KV length per sequence
-    tokens_per_gpu: int = 16384  # prefill: new (computed) tokens per GPU per step
-    input_len: int = 2000  # prefill: prompt length
-    cache_hit: float = 0.0  # prefill: fraction of prompt tokens already in the KV cache (not computed)
-    dispatch: str = "auto"  # normal | low_latency | auto (prefill: normal, decode: low_latency)
-    tbo: bool = True
-    eplb: bool = True  # False: experts laid out without a load balancer (for the no-EPLB balancedness)
-    balancedness: float | None = None  # None: estimated from a synthetic workload (simulate)
-    mtp_draft: int = 0  # decode: draft tokens per sequence per step (multi-token prediction)
-    mtp_accept: float = 0.8  # decode: expected accepted tokens per draft token
-
-    @property
-    def ep(self) -> int:
-        return self.ep_size or self.num_gpus
-
-    @property
-    def ep_nodes(self) -> int:
-        return max(1, math.ceil(self.ep / self.gpus_per_node))
-
-    @property
-    def dispatch_mode(self) -> str:
-        if self.dispatch != "auto":
-            return self.dispatch
-        return "normal" if self.phase == "prefill" else "low_latency"
-
-    def validate(self, model: ModelSpec) -> None:
-        """Raise ValueError for a deployment the model cannot describe."""
-        if self.phase not in ("decode", "prefill"):
-            raise ValueError(f"phase must be decode or prefill, got {self.phase!r}")
-        if self.dispatch not in ("auto", "normal", "low_latency"):
-            raise ValueError(f"dispatch must be normal, low_latency or auto, got {self.dispatch!r}")
-        if self.num_gpus < 1 or self.gpus_per_node < 1 or self.num_gpus % self.ep:
-            raise ValueError(f"EP size {self.ep} must divide the {self.num_gpus} GPUs")
-        if self.ep > self.gpus_per_node and self.ep % self.gpus_per_node:
-            raise ValueError(f"an EP group of {self.ep} GPUs must fill whole nodes of {self.gpus_per_node}")
-        if self.eplb and (model.num_experts + self.redundant) % self.ep:
-            raise ValueError(
-                f"experts + redundant = {model.num_experts + self.redundant} must be a multiple of "
-                f"EP size {self.ep}; change --redundant"
-            )
-        if self.balancedness is not None and not 0 < self.balancedness <= 1:
-            raise ValueError(f"balancedness must be in (0, 1], got {self.balancedness}")
-        if not 0 <= self.cache_hit < 1:
-            raise ValueError(f"cache_hit must be in [0, 1), got {self.cache_hit}")
-        if min(self.batch_per_gpu, self.context_len, self.tokens_per_gpu, self.input_len) < 1:
-            raise ValueError("batch, context, tokens per GPU and input length must be >= 1")
 
 
 @dataclass
@@ -319,6 +262,167 @@ def memory_gb(model: ModelSpec, gpu: GpuSpec, dep: Deployment) -> dict[str, floa
     return {"weights": weights / 1e9, "kv_cache": kv / 1e9, "capacity": gpu.hbm_gb}
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one GPU computes in one step: new tokens, from how many sequences, against how much context."""
+
+    tokens: float  # new (computed) tokens
+    seqs: float  # sequences they belong to
+    context: float  # keys each new token attends to on average
+    cached: float  # prefill: prefix tokens per sequence whose latent KV is expanded (0 in decode)
+    out_tokens: float  # the step's yield: output tokens (decode), input tokens incl. cache hits (prefill)
+    head_rows: float  # rows through the LM head: every token in decode, the last of each prompt in prefill
+
+
+def step_shape(dep: Deployment) -> StepShape:
+    """The step of dep's phase: a prefill of tokens_per_gpu new tokens, or a decode of batch_per_gpu sequences."""
+    if dep.phase == "prefill":
+        new_per_seq = dep.input_len * (1.0 - dep.cache_hit)
+        cached = dep.input_len * dep.cache_hit
+        tokens = float(dep.tokens_per_gpu)
+        seqs = tokens / new_per_seq
+        return StepShape(
+            tokens=tokens,
+            seqs=seqs,
+            context=cached + new_per_seq / 2,  # causal: a new token sees its prefix and half the new tokens
+            cached=cached,
+            out_tokens=tokens / (1.0 - dep.cache_hit),
+            head_rows=seqs,
+        )
+    seqs = float(dep.batch_per_gpu)
+    tokens = seqs * (1 + dep.mtp_draft)
+    return StepShape(
+        tokens=tokens,
+        seqs=seqs,
+        context=float(dep.context_len),
+        cached=0.0,
+        out_tokens=seqs * (1 + dep.mtp_draft * dep.mtp_accept),
+        head_rows=tokens,
+    )
+
+
+@dataclass
+class StepTime:
+    """Seconds of one step on one GPU, by part, and the layer work they came from."""
+
+    micro_batches: int
+    dense: LayerWork  # one dense layer over the whole batch
+    moe: LayerWork  # one MoE layer over one micro-batch
+    layers: float  # all layers, overlap included
+    head: float
+    layer_overheads: float  # fixed, per layer and micro-batch
+    step_overhead: float  # fixed, per step
+    mtp: float
+
+    @property
+    def step(self) -> float:
+        return self.layers + self.head + self.layer_overheads + self.mtp + self.step_overhead
+
+
+def fixed_overheads(dep: Deployment, eff: Efficiency) -> tuple[float, float]:
+    """Fixed time of dep's phase: (us per layer and micro-batch, ms per step)."""
+    if dep.phase == "prefill":
+        return eff.prefill_layer_overhead_us, eff.prefill_step_overhead_ms
+    return eff.decode_layer_overhead_us, eff.decode_step_overhead_ms
+
+
+def lm_head_s(model: ModelSpec, gpu: GpuSpec, eff: Efficiency, rows: float) -> float:
+    """Seconds of the BF16 LM head over `rows` rows."""
+    return roofline_s(
+        2 * model.head_params * rows, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
+    )
+
+
+def mtp_s(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    dep: Deployment,
+    eff: Efficiency,
+    shape: StepShape,
+    balancedness: float,
+    layer_overhead_us: float,
+) -> float:
+    """Seconds of multi-token prediction (decode): per draft token the MTP block (one MoE layer) and the head."""
+    if not dep.mtp_draft or dep.phase == "prefill":
+        return 0.0
+    micro = 2 if dep.tbo else 1
+    seqs = shape.seqs / micro
+    w = layer_work(model, gpu, dep, eff, seqs, seqs, shape.context, 0.0, moe=True, balancedness=balancedness)
+    block = moe_layer_s(w, dep, gpu, eff, micro) + lm_head_s(model, gpu, eff, shape.seqs)
+    return dep.mtp_draft * (block + micro * layer_overhead_us * 1e-6)
+
+
+def step_time(
+    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, shape: StepShape, balancedness: float
+) -> StepTime:
+    """Dense layers whole, MoE layers in micro-batches (two under TBO), then the head, MTP and overheads."""
+    micro = 2 if dep.tbo else 1
+    s, bal = shape, balancedness
+    dense = layer_work(
+        model, gpu, dep, eff, s.tokens, s.seqs, s.context, s.cached, moe=False, balancedness=bal
+    )
+    mb_tokens, mb_seqs = s.tokens / micro, s.seqs / micro
+    moe = layer_work(
+        model, gpu, dep, eff, mb_tokens, mb_seqs, s.context, s.cached, moe=True, balancedness=bal
+    )
+    moe_layer = moe_layer_s(moe, dep, gpu, eff, micro)
+    layer_overhead_us, step_overhead_ms = fixed_overheads(dep, eff)
+    return StepTime(
+        micro_batches=micro,
+        dense=dense,
+        moe=moe,
+        layers=model.num_dense_layers * dense.compute + model.num_moe_layers * moe_layer,
+        head=lm_head_s(model, gpu, eff, s.head_rows),
+        layer_overheads=(model.num_dense_layers + model.num_moe_layers * micro) * layer_overhead_us * 1e-6,
+        step_overhead=step_overhead_ms * 1e-3,
+        mtp=mtp_s(model, gpu, dep, eff, s, bal, layer_overhead_us),
+    )
+
+
+def breakdown_ms(
+    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, t: StepTime
+) -> dict[str, float]:
+    """Milliseconds per step by part; they add up to the step, what TBO hides counted as a negative part."""
+    dense, moe = t.dense, t.moe
+    n_dense, n_moe = model.num_dense_layers, model.num_moe_layers * t.micro_batches
+    compute_parts = {
+        "attention projections": n_dense * dense.attn_proj + n_moe * moe.attn_proj,
+        "core attention": n_dense * dense.attn_core + n_moe * moe.attn_core,
+        "dense MLP": n_dense * dense.mlp,
+        "shared experts": n_moe * moe.mlp,
+        "routed experts": n_moe * moe.experts,
+        "elementwise": n_dense * dense.elementwise + n_moe * moe.elementwise,
+        "LM head": t.head,
+    }
+    slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
+    if slow_compute > 1.0:
+        compute_parts["TBO slowdown (SMs lent, contention)"] = n_moe * (
+            (slow_compute - 1.0) * moe.compute + (slow_comm - 1.0) * moe.comm
+        )
+    comm_total = n_moe * moe.comm
+    breakdown = {k: v * 1e3 for k, v in compute_parts.items()}
+    breakdown["dispatch + combine (total)"] = comm_total * 1e3
+    # what overlap hides: everything listed minus what the layers actually take
+    hidden = sum(compute_parts.values()) + comm_total - (t.layers + t.head)
+    breakdown["  of which hidden by TBO"] = -hidden * 1e3
+    breakdown["MTP draft"] = t.mtp * 1e3
+    breakdown["fixed overheads"] = (t.layer_overheads + t.step_overhead) * 1e3
+    return {k: v for k, v in breakdown.items() if abs(v) > 1e-6 or k.startswith("dispatch")}
+
+
+def step_warnings(gpu: GpuSpec, dep: Deployment, shape: StepShape, mem: dict[str, float]) -> list[str]:
+    """What makes the deployment unlikely to run as modelled: memory over capacity, DeepEP's batch limit."""
+    warnings = []
+    if mem["weights"] + mem["kv_cache"] > 0.92 * gpu.hbm_gb:
+        warnings.append(
+            f"weights {mem['weights']:.1f} GB + KV {mem['kv_cache']:.1f} GB exceed ~92% of {gpu.hbm_gb:.0f} GB"
+        )
+    micro_tokens = shape.tokens / (2 if dep.tbo else 1)
+    if dep.dispatch_mode == "low_latency" and micro_tokens > 1024:
+        warnings.append(f"{micro_tokens:.0f} tokens per micro-batch exceed DeepEP's low-latency limit (1024)")
+    return warnings
+
+
 def plan_step(
     model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency = DEFAULT_EFFICIENCY
 ) -> PlanResult:
@@ -328,98 +432,22 @@ def plan_step(
         bal, source = dep.balancedness, "given"
     else:
         bal, source = estimate_balancedness(model, dep)
-    micro = 2 if dep.tbo else 1
-    prefill = dep.phase == "prefill"
-    if prefill:
-        new_per_seq = dep.input_len * (1.0 - dep.cache_hit)
-        cached = dep.input_len * dep.cache_hit
-        tokens = float(dep.tokens_per_gpu)
-        seqs = tokens / new_per_seq
-        context = cached + new_per_seq / 2
-        out_tokens = tokens / (1.0 - dep.cache_hit)
-        head_rows = seqs
-        layer_overhead, step_overhead = eff.prefill_layer_overhead_us, eff.prefill_step_overhead_ms
-    else:
-        seqs = float(dep.batch_per_gpu)
-        tokens = seqs * (1 + dep.mtp_draft)
-        cached, context = 0.0, float(dep.context_len)
-        out_tokens = seqs * (1 + dep.mtp_draft * dep.mtp_accept)
-        head_rows = tokens
-        layer_overhead, step_overhead = eff.decode_layer_overhead_us, eff.decode_step_overhead_ms
-
-    dense = layer_work(model, gpu, dep, eff, tokens, seqs, context, cached, moe=False, balancedness=bal)
-    moe_mb = layer_work(
-        model, gpu, dep, eff, tokens / micro, seqs / micro, context, cached, moe=True, balancedness=bal
-    )
-    moe_layer = moe_layer_s(moe_mb, dep, gpu, eff, micro)
-    head = roofline_s(
-        2 * model.head_params * head_rows, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
-    )
-    layers = model.num_dense_layers * dense.compute + model.num_moe_layers * moe_layer
-    overheads = (model.num_dense_layers + model.num_moe_layers * micro) * layer_overhead * 1e-6
-    # multi-token prediction: each draft token runs the MTP block (one MoE layer) and the head over the batch
-    mtp = 0.0
-    if dep.mtp_draft and not prefill:
-        mtp_mb = layer_work(
-            model, gpu, dep, eff, seqs / micro, seqs / micro, context, 0.0, moe=True, balancedness=bal
-        )
-        mtp_head = roofline_s(
-            2 * model.head_params * seqs, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
-        )
-        mtp = dep.mtp_draft * (
-            moe_layer_s(mtp_mb, dep, gpu, eff, micro) + mtp_head + micro * layer_overhead * 1e-6
-        )
-    step = layers + head + overheads + mtp + step_overhead * 1e-3
-
-    n_moe = model.num_moe_layers * micro
-    compute_parts = {
-        "attention projections": model.num_dense_layers * dense.attn_proj + n_moe * moe_mb.attn_proj,
-        "core attention": model.num_dense_layers * dense.attn_core + n_moe * moe_mb.attn_core,
-        "dense MLP": model.num_dense_layers * dense.mlp,
-        "shared experts": n_moe * moe_mb.mlp,
-        "routed experts": n_moe * moe_mb.experts,
-        "elementwise": model.num_dense_layers * dense.elementwise + n_moe * moe_mb.elementwise,
-        "LM head": head,
-    }
-    slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
-    if slow_compute > 1.0:
-        compute_parts["TBO slowdown (SMs lent, contention)"] = n_moe * (
-            (slow_compute - 1.0) * moe_mb.compute + (slow_comm - 1.0) * moe_mb.comm
-        )
-    comm_total = n_moe * moe_mb.comm
-    breakdown = {k: v * 1e3 for k, v in compute_parts.items()}
-    breakdown["dispatch + combine (total)"] = comm_total * 1e3
-    # what overlap hides: everything listed minus what the layers actually take
-    hidden = sum(compute_parts.values()) + comm_total - (layers + head)
-    breakdown["  of which hidden by TBO"] = -hidden * 1e3
-    breakdown["MTP draft"] = mtp * 1e3
-    breakdown["fixed overheads"] = (overheads + step_overhead * 1e-3) * 1e3
-    breakdown = {k: v for k, v in breakdown.items() if abs(v) > 1e-6 or k.startswith("dispatch")}
-
-    per_gpu = out_tokens / step
+    shape = step_shape(dep)
+    t = step_time(model, gpu, dep, eff, shape, bal)
+    per_gpu = shape.out_tokens / t.step
     mem = memory_gb(model, gpu, dep)
-    warnings = []
-    if mem["weights"] + mem["kv_cache"] > 0.92 * gpu.hbm_gb:
-        warnings.append(
-            f"weights {mem['weights']:.1f} GB + KV {mem['kv_cache']:.1f} GB exceed ~92% of "
-            f"{gpu.hbm_gb:.0f} GB"
-        )
-    if dep.dispatch_mode == "low_latency" and tokens / micro > 1024:
-        warnings.append(
-            f"{tokens / micro:.0f} tokens per micro-batch exceed DeepEP's low-latency limit (1024)"
-        )
     return PlanResult(
         phase=dep.phase,
-        step_ms=step * 1e3,
-        tokens_per_step=out_tokens,
+        step_ms=t.step * 1e3,
+        tokens_per_step=shape.out_tokens,
         tokens_per_s_gpu=per_gpu,
         tokens_per_s_node=per_gpu * min(dep.gpus_per_node, dep.num_gpus),
         tokens_per_s_total=per_gpu * dep.num_gpus,
         balancedness=bal,
         balancedness_source=source,
-        breakdown_ms=breakdown,
+        breakdown_ms=breakdown_ms(model, gpu, dep, eff, t),
         memory_gb=mem,
-        warnings=warnings,
+        warnings=step_warnings(gpu, dep, shape, mem),
     )
 
 

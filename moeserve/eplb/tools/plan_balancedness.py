@@ -11,12 +11,9 @@ and pass --balancedness (from `moeserve eplb simulate` on a recorded dump) when 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from moeserve.eplb.tools.plan import Deployment
-    from moeserve.eplb.tools.plan_models import ModelSpec
-
+from moeserve.eplb.tools.plan_deployment import Deployment
+from moeserve.eplb.tools.plan_models import ModelSpec
 
 SYNTHETIC_SEQ_SIGMA = 1.0  # per-sequence routing noise of the default workload (see workloads.py)
 

@@ -1,4 +1,4 @@
-"""Model shapes for the step-time model: presets and a reader for Hugging Face config.json files.
+"""Model shapes for the step-time model: presets, and ModelSpec from a Hugging Face config.json.
 
 Only what costs time is kept: parameter counts per part (attention, dense MLP, shared and routed experts,
 LM head), attention FLOPs per (query, key) pair, and KV-cache bytes per token. Attention is MLA (DeepSeek
@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeserve.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -189,66 +193,54 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def model_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
-    """A ModelSpec from a Hugging Face config.json dict (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral)."""
-    c = config.get("text_config", config)
-    quant = (c.get("quantization_config") or {}).get("quant_method", "")
-    weight_bytes = 1.0 if "fp8" in str(quant).lower() else 2.0
-    hidden, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
+def model_from_config(config: ModelConfig, name: str) -> ModelSpec:
+    """The step-time model's view of a parsed config.json: shapes, and FP8 or BF16 weights."""
+    if not (config.num_experts and config.num_experts_per_tok):
+        raise ValueError(f"{name}: not an MoE config (no routed experts); the planner models MoE models only")
     common = dict(
         name=name,
-        hidden=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        vocab=c["vocab_size"],
-        weight_bytes=weight_bytes,
-        topk=c.get("num_experts_per_tok", 2),
+        hidden=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_dense_layers=config.num_hidden_layers - len(config.moe_layers),
+        dense_intermediate=config.intermediate_size,
+        moe_intermediate=config.moe_intermediate_size,
+        num_experts=config.num_experts,
+        num_shared_experts=config.num_shared_experts,
+        topk=config.num_experts_per_tok,
+        vocab=config.vocab_size,
+        num_heads=config.num_attention_heads,
+        num_groups=config.n_group,
+        weight_bytes=1.0 if "fp8" in str(config.quantization or "").lower() else 2.0,
+        shared_intermediate=config.shared_expert_intermediate_size,
     )
-    if "kv_lora_rank" in c:  # DeepSeek MLA
+    if config.is_mla:
         return ModelSpec(
             **common,
-            num_dense_layers=c.get("first_k_dense_replace", 0),
-            dense_intermediate=c["intermediate_size"],
-            moe_intermediate=c["moe_intermediate_size"],
-            num_experts=c["n_routed_experts"],
-            num_shared_experts=c.get("n_shared_experts") or 0,
-            q_lora_rank=c.get("q_lora_rank") or 0,
-            kv_lora_rank=c["kv_lora_rank"],
-            qk_nope_dim=c["qk_nope_head_dim"],
-            qk_rope_dim=c["qk_rope_head_dim"],
-            v_head_dim=c["v_head_dim"],
-            num_groups=c.get("n_group") or 1,
+            attention="mla",
+            q_lora_rank=config.q_lora_rank or 0,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_dim=config.qk_nope_head_dim,
+            qk_rope_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
         )
-    gqa = dict(
-        attention="gqa",
-        num_kv_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or hidden // heads,
+    return ModelSpec(
+        **common, attention="gqa", num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim
     )
-    if "num_local_experts" in c:  # Mixtral: every layer MoE, intermediate_size is the expert width
-        return ModelSpec(
-            **common,
-            **gqa,
-            num_dense_layers=0,
-            dense_intermediate=c["intermediate_size"],
-            moe_intermediate=c["intermediate_size"],
-            num_experts=c["num_local_experts"],
-            num_shared_experts=0,
-        )
-    if "num_experts" in c:  # Qwen2-MoE / Qwen3-MoE
-        dense_layers = len(c.get("mlp_only_layers") or [])
-        if c.get("decoder_sparse_step", 1) != 1:
-            dense_layers = layers - layers // c["decoder_sparse_step"]
-        return ModelSpec(
-            **common,
-            **gqa,
-            num_dense_layers=dense_layers,
-            dense_intermediate=c["intermediate_size"],
-            moe_intermediate=c["moe_intermediate_size"],
-            num_experts=c["num_experts"],
-            num_shared_experts=0,
-            shared_intermediate=c.get("shared_expert_intermediate_size") or 0,
-        )
-    raise ValueError(f"{name}: not an MoE config this tool knows (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral)")
+
+
+def model_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config.json dict (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral).
+
+    moeserve's one config.json reader parses it (ModelConfig.from_dict with shapes_only: a multimodal
+    config's text_config, architectures moeserve does not serve by the family of their keys).
+    """
+    from moeserve.core.model_config import ModelConfig  # imports torch: only when a config is read
+
+    try:
+        parsed = ModelConfig.from_dict(config, shapes_only=True)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return model_from_config(parsed, name)
 
 
 def load_model(name_or_path: str) -> ModelSpec:
