@@ -8,7 +8,7 @@ recording is a window over it: start remembers the counts, stop freezes the diff
 A rank counts the tokens it routes; the server sums the ranks (attention-TP ranks that route the same tokens
 count them once: only the group's first rank reports them).
 
-The dump (EngineClient.dump_expert_distribution) is a .pt file with `logical_count` [1, layers, experts], the
+The dump (the server's dump_expert_distribution) is a .pt file with `logical_count` [1, layers, experts], the
 format `moeserve eplb` and ExpertLocation.load read (SGLang's stat dump has the same key), written under
 `expert_distribution_dir()` unless the offline Engine gives a path.
 """

@@ -33,7 +33,7 @@ The efficiency constants are calibrated in plan_calibration.py against published
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from moeserve.eplb.tools.plan_balancedness import estimate_balancedness
 from moeserve.eplb.tools.plan_deployment import Deployment
@@ -449,8 +449,3 @@ def plan_step(
         memory_gb=mem,
         warnings=step_warnings(gpu, dep, shape, mem),
     )
-
-
-def with_overrides(dep: Deployment, **kwargs) -> Deployment:
-    """A copy of dep with the non-None fields of kwargs replaced."""
-    return replace(dep, **{k: v for k, v in kwargs.items() if v is not None})
