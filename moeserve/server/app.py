@@ -49,7 +49,7 @@ def server_version() -> str:
 
 
 def build_app(client: Any) -> FastAPI:
-    """The FastAPI app serving `client` (an EngineClient, or anything of its shape)."""
+    """The FastAPI app serving `client` (a TokenizerManager, or anything of its shape)."""
     ctx = ServerContext(client)
     api_key = getattr(client.server_args, "api_key", None)
 
@@ -245,13 +245,13 @@ def _as_dict(x: Any) -> Any:
 # ----------------------------------------------------------------------
 def run_server(server_args: Any) -> None:
     """Start the engine, serve HTTP until SIGINT/SIGTERM, then stop the engine (no orphan workers)."""
-    from moeserve.server.tokenizer_manager import EngineClient
+    from moeserve.server.tokenizer_manager import TokenizerManager
 
     # NOTE: SIGTERM must unwind the stack (SystemExit), not kill the process, so that the workers are stopped.
     previous = _raise_on_sigterm()
     client = None
     try:
-        client = EngineClient(server_args)
+        client = TokenizerManager(server_args)
         app = build_app(client)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=getattr(server_args, "log_level", "info"), access_log=False,

@@ -1,4 +1,4 @@
-"""ServerContext: what every endpoint needs (the engine client, metrics, live requests), and SSE plumbing."""
+"""ServerContext: what every endpoint needs (the tokenizer manager, metrics, live requests), and SSE plumbing."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from starlette.responses import Response, StreamingResponse
 
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import Metrics
+from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.streams import ClientGone, SubRequest, close_all, first_outputs, until_disconnect
-from moeserve.server.tokenizer_manager import EngineDeadError, InvalidRequestError
+from moeserve.server.tokenizer_manager import InvalidRequestError
 
 DEFAULT_MODEL_ALIAS = "default"
 
 
 class ServerContext:
-    """The state of one HTTP server around one EngineClient."""
+    """The state of one HTTP server around one TokenizerManager."""
 
     def __init__(self, client: Any):
         self.client = client

@@ -1,4 +1,5 @@
-"""Test helpers: FakeClient, an in-process stand-in for EngineClient with the same shape, for fast tests of the HTTP layer.
+"""Test helpers: FakeClient, an in-process stand-in for TokenizerManager with the same shape, for fast tests of
+the HTTP layer.
 
 It validates like the real client (same exceptions and SamplingParams checks) and "generates" a deterministic
 token sequence per prompt, streamed one token at a time, honouring max_new_tokens, stop strings, stop token
@@ -23,7 +24,8 @@ from moeserve.args import ServerArgs
 from moeserve.rank.io_struct import LoadOut
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
-from moeserve.server.tokenizer_manager import EngineDeadError, GenerateInput, InvalidRequestError
+from moeserve.server.rank_client import EngineDeadError
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
 
 
 class FakeClient:
