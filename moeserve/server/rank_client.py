@@ -133,8 +133,10 @@ class RankClient:
             if isinstance(msg, BatchTokenOut):
                 if msg.load is not None:
                     self.on_load(msg.load)
-                    self._resolve(LoadOut, msg.load)
                 self.on_outputs(msg.outputs)
+            elif isinstance(msg, LoadOut):  # the reply to GetLoadReq
+                self.on_load(msg)
+                self._resolve(LoadOut, msg)
             elif isinstance(msg, (FlushCacheOut, ExpertDistributionOut)):
                 self._resolve(type(msg), msg)
             elif isinstance(msg, WorkerError):

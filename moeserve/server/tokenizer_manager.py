@@ -309,7 +309,7 @@ class TokenizerManager:
                 "token_expert_pairs": int(total.sum())}
 
     async def get_load(self) -> list[LoadOut]:
-        """Every DP group's load, fresh: each group answers a GetLoadReq."""
+        """Every DP group's load, fresh: each group answers a GetLoadReq with its LoadOut."""
         await self.ranks.control(GetLoadReq(), LoadOut)
         return list(self.last_load)
 
