@@ -14,13 +14,14 @@ from moeserve.rank.io_struct import LoadOut
 class DPController:
     """Load per attention DP group, and the choice of a group for a new request.
 
-    NOTE: not locked itself: the TokenizerManager calls assign and release under its own lock, together with its
+    NOTE: not locked itself: the TokenizerManager calls assign and release under its own lock, with its
     per-request state; record_load is one list store, made from the receiver thread.
     """
 
     def __init__(self, num_dp: int):
         self.num_dp = num_dp
-        self.last_load: list[LoadOut] = [LoadOut(d, 0, 0, 0, 0, 0, 0) for d in range(num_dp)]  # index: dp rank
+        # index: dp rank
+        self.last_load: list[LoadOut] = [LoadOut(d, 0, 0, 0, 0, 0, 0) for d in range(num_dp)]
         self._live_tokens = [0] * num_dp  # tokens of requests sent to each DP group and not finished
 
     def record_load(self, load: LoadOut) -> None:

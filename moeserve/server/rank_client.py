@@ -2,10 +2,10 @@
 
 It binds the ZeroMQ sockets (one PUSH socket per attention DP group, to that group's leader; one PULL socket
 that every leader sends to), starts the ranks and waits until all report ready, and then runs two threads: the
-receiver, which hands step outputs and loads to its owner (the TokenizerManager) and resolves control replies,
-and the watchdog, which notices a rank process that died. A dead engine fails every waiting control request and
-tells the owner, which fails its requests. Control requests go to every DP group and wait for one reply from
-each. Starting and stopping the processes and their addresses are launch.py's.
+receiver, which hands step outputs and loads to its owner (the TokenizerManager) and resolves control
+replies, and the watchdog, which notices a rank process that died. A dead engine fails every waiting control
+request and tells the owner, which fails its requests. Control requests go to every DP group and wait for one
+reply from each. Starting and stopping the processes and their addresses are launch.py's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class RankClient:
         self.healthy = False
         self.dead_reason: str | None = None
         self._waiters: list[_ControlWaiter] = []
-        self._lock = threading.Lock()  # the waiters, and the request sockets (a ZeroMQ socket is not thread-safe)
+        self._lock = threading.Lock()  # the waiters and the request sockets (ZeroMQ sockets are not thread-safe)
         self._closed = False
 
         self.ports = make_ports(server_args)
@@ -168,7 +168,8 @@ class RankClient:
             waiters, self._waiters = self._waiters, []
         self.on_dead(reason)
         for w in waiters:
-            w.loop.call_soon_threadsafe(lambda f=w.future: f.done() or f.set_exception(EngineDeadError(reason)))
+            w.loop.call_soon_threadsafe(
+                lambda f=w.future: f.done() or f.set_exception(EngineDeadError(reason)))
 
     # ------------------------------------------------------------------ send
     def send(self, dp_rank: int, msg: Any) -> None:

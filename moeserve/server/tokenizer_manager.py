@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,15 +82,15 @@ class TokenizerManager:
         if server_args.node_rank != 0:
             raise ValueError("the tokenizer manager runs on node 0; other nodes run only their ranks "
                              "(moeserve serve with --node-rank > 0 does that)")
-        resolve_model_path(server_args)
+        model_path = resolve_model_path(server_args)
         self.server_args = server_args
-        self.model_config = ModelConfig.from_pretrained(server_args.model_path)
-        self.model_name = server_args.served_model_name or server_args.model_path
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.model_name = server_args.served_model_name or model_path
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from moeserve.text.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+            self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
         self.num_dp = server_args.dp_size if server_args.enable_dp_attention else 1
         self.dp = DPController(self.num_dp)
         self._states: dict[str, _ReqState] = {}
@@ -164,7 +164,7 @@ class TokenizerManager:
         return params
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, obj: GenerateInput) -> AsyncIterator[dict]:
+    async def generate(self, obj: GenerateInput) -> AsyncGenerator[dict, None]:
         """Run one request; yields output dicts (one per chunk when streaming, else one at the end)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
@@ -249,8 +249,8 @@ class TokenizerManager:
 
     @staticmethod
     def _text(st: _ReqState, new_ids: list[int], finish: FinishReason | None) -> str:
-        """The request's text so far that may be sent: the matched stop string trimmed at the end, and while it
-        runs, a tail that may be the start of a stop string held back."""
+        """The request's text so far that may be sent: at the end, trimmed at the matched stop string; while it
+        runs, without a tail that may be the start of a stop string."""
         assert st.detok is not None
         st.detok.add(new_ids)
         text = st.detok.text
