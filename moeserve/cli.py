@@ -34,7 +34,7 @@ def cmd_serve(argv: list[str]) -> int:
 
         resolve_model_path(args)
         return run_worker_node(args)
-    from moeserve.server.app import run_server
+    from moeserve.server.http.server import run_server
 
     run_server(args)
     return 0

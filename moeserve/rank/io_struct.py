@@ -1,8 +1,9 @@
-"""Messages between the server process (EngineClient) and the rank workers, sent over ZeroMQ as pickles.
+"""Messages between the server process (moeserve/server/rank_client.py) and the rank workers, sent over ZeroMQ as
+pickles.
 
 Server -> rank 0 of each attention group: GenerateReq, AbortReq, FlushCacheReq, GetLoadReq, ExpertDistributionReq,
-ShutdownReq. Worker -> server: BatchTokenOut (token ids, never text: the server detokenizes), LoadOut,
-FlushCacheOut, ExpertDistributionOut.
+ShutdownReq. Worker -> server: BatchTokenOut (token ids, never text: the server detokenizes), and one reply per
+control request: LoadOut (to GetLoadReq), FlushCacheOut, ExpertDistributionOut.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class GetLoadReq:
 
 @dataclass
 class LoadOut:
-    """One attention group's load, for the DP controller and /get_load."""
+    """One attention group's load, for the DP controller and /get_load: the reply to GetLoadReq, and carried by
+    every BatchTokenOut."""
 
     dp_rank: int
     num_running: int

@@ -214,7 +214,7 @@ class WorkerLoop:
             ok = s.flush_cache()
             self._reply(FlushCacheOut(ok, "" if ok else "requests are in flight"))
         elif isinstance(msg, GetLoadReq):
-            self._reply(BatchTokenOut([], s.get_load()))
+            self._reply(s.get_load())
         elif isinstance(msg, ExpertDistributionReq):
             self._reply(self._expert_distribution(msg.action))
         elif isinstance(msg, ShutdownReq):

@@ -1,31 +1,27 @@
-"""EngineClient: the server-side half of the engine.
+"""TokenizerManager: the server process's side of every request, for the HTTP layer and the offline `Engine`.
 
-It validates and tokenizes requests, picks an attention DP group for each (least load), sends them to the rank
-workers over ZeroMQ, and turns the token ids that come back into text (incremental detokenization, stop-string
-trimming). Both the HTTP server and the offline `Engine` use it. A receiver thread reads worker messages and
-hands them to the asyncio loop of the request they belong to.
+It validates and tokenizes a request, asks the DP controller which attention group gets it, sends it to the
+ranks through the rank client, and turns the token ids that come back into outputs (incremental
+detokenization, stop-string trimming, logprobs), one per chunk, to the asyncio loop that asked. It holds each
+live request's state, ends requests on abort or when the engine dies, and answers the control requests (flush
+cache, load, expert distribution) of every DP group.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import pickle
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import zmq
 
 from moeserve.args import ServerArgs
 from moeserve.models.default_model import resolve_model_path
 from moeserve.rank.io_struct import (
     AbortReq,
-    BatchTokenOut,
     ExpertDistributionOut,
     ExpertDistributionReq,
     FinishReason,
@@ -34,25 +30,16 @@ from moeserve.rank.io_struct import (
     GenerateReq,
     GetLoadReq,
     LoadOut,
-    ShutdownReq,
     TokenOut,
-    WorkerError,
 )
 from moeserve.rank.sampling_params import SamplingParams
-from moeserve.rank.worker import WorkerReady
-from moeserve.server.launch import bind_addr, cleanup_ipc, make_ports, start_workers, stop_workers
-
-logger = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = 600.0
+from moeserve.server.detokenizer import IncrementalDetokenizer
+from moeserve.server.dp_controller import DPController
+from moeserve.server.rank_client import EngineDeadError, RankClient
 
 
 class InvalidRequestError(ValueError):
     """The request is malformed or cannot be served (the HTTP layer answers 400)."""
-
-
-class EngineDeadError(RuntimeError):
-    """A rank worker died; the engine cannot serve any more."""
 
 
 @dataclass
@@ -77,7 +64,7 @@ class _ReqState:
     queue: asyncio.Queue
     dp_rank: int
     num_tokens: int
-    detok: Any
+    detok: IncrementalDetokenizer | None
     params: SamplingParams
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
@@ -86,151 +73,49 @@ class _ReqState:
     sent_text_len: int = 0
 
 
-class EngineClient:
-    """Talks to the rank workers of one server (one node's view)."""
+class TokenizerManager:
+    """The requests of one server (node 0's view) and the text of their outputs."""
 
     def __init__(self, server_args: ServerArgs):
         from moeserve.core.model_config import ModelConfig
 
         if server_args.node_rank != 0:
-            raise ValueError("the engine client runs on node 0; other nodes run only their ranks "
+            raise ValueError("the tokenizer manager runs on node 0; other nodes run only their ranks "
                              "(moeserve serve with --node-rank > 0 does that)")
-        resolve_model_path(server_args)
+        model_path = resolve_model_path(server_args)
         self.server_args = server_args
-        self.model_config = ModelConfig.from_pretrained(server_args.model_path)
-        self.model_name = server_args.served_model_name or server_args.model_path
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.model_name = server_args.served_model_name or model_path
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from moeserve.text.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
-        self.healthy = False
-        self.dead_reason: str | None = None
+            self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
         self.num_dp = server_args.dp_size if server_args.enable_dp_attention else 1
-        self.last_load: list[LoadOut] = [LoadOut(d, 0, 0, 0, 0, 0, 0) for d in range(self.num_dp)]
-        self._live_tokens = [0] * self.num_dp  # tokens of requests sent to each DP group and not finished
+        self.dp = DPController(self.num_dp)
         self._states: dict[str, _ReqState] = {}
-        self._control_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, type]] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)
 
-        self.ports = make_ports(server_args)
-        self._zmq = zmq.Context()
-        self._result_sock = self._zmq.socket(zmq.PULL)
-        self._result_sock.bind(bind_addr(self.ports.result_addr))
-        self._req_socks = []
-        for addr in self.ports.request_addrs:
-            s = self._zmq.socket(zmq.PUSH)
-            s.bind(bind_addr(addr))
-            self._req_socks.append(s)
-        self.procs = start_workers(server_args, self.ports)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.healthy = True
-        self._receiver = threading.Thread(target=self._receive_loop, name="moeserve-recv", daemon=True)
-        self._receiver.start()
-        self._watchdog = threading.Thread(target=self._watch_workers, name="moeserve-watch", daemon=True)
-        self._watchdog.start()
+        self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
+                                on_dead=self._fail_all)
+        self.context_length = self.ranks.ready.context_length
+        self.vocab_size = self.ranks.ready.vocab_size
+        self.max_total_tokens = self.ranks.ready.num_kv_tokens
 
-    # ------------------------------------------------------------------ start-up
-    def _wait_ready(self) -> None:
-        expected = self.server_args.tp_size  # every rank of every node reports to node 0
-        ready: list[WorkerReady] = []
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < expected:
-            if self._result_sock.poll(200):
-                msg = pickle.loads(self._result_sock.recv())
-                if isinstance(msg, WorkerError):
-                    raise RuntimeError(f"rank {msg.rank} failed to start: {msg.message}")
-                if isinstance(msg, WorkerReady):
-                    ready.append(msg)
-            for p in self.procs:
-                if p.exitcode is not None:
-                    raise RuntimeError(f"worker {p.name} exited with code {p.exitcode} during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
-        first = min(ready, key=lambda r: r.rank)
-        self.context_length = first.context_length
-        self.vocab_size = first.vocab_size
-        self.max_total_tokens = first.num_kv_tokens
-        logger.info("%d worker(s) ready: %s, context %d, KV %d tokens per group", expected, first.architecture,
-                    self.context_length, self.max_total_tokens)
+    @property
+    def healthy(self) -> bool:
+        return self.ranks.healthy
 
-    # ------------------------------------------------------------------ receive
-    def _receive_loop(self) -> None:
-        while not self._closed:
-            try:
-                if not self._result_sock.poll(100):
-                    continue
-                msg = pickle.loads(self._result_sock.recv())
-            except zmq.ZMQError:
-                if self._closed:
-                    return
-                raise
-            if isinstance(msg, BatchTokenOut):
-                if msg.load is not None:
-                    self.last_load[msg.load.dp_rank] = msg.load
-                    self._resolve_control(LoadOut, msg.load)
-                for out in msg.outputs:
-                    self._deliver(out)
-            elif isinstance(msg, (FlushCacheOut, ExpertDistributionOut)):
-                self._resolve_control(type(msg), msg)
-            elif isinstance(msg, WorkerError):
-                self._mark_dead(f"rank {msg.rank} failed: {msg.message}")
+    @property
+    def dead_reason(self) -> str | None:
+        return self.ranks.dead_reason
 
-    def _deliver(self, out: TokenOut) -> None:
-        with self._lock:
-            st = self._states.get(out.rid)
-            if st is not None and out.finish_reason is not None:
-                del self._states[out.rid]
-                self._live_tokens[st.dp_rank] -= st.num_tokens
-        if st is not None:
-            st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
+    @property
+    def last_load(self) -> list[LoadOut]:
+        """The latest load of each DP group (index: dp rank)."""
+        return self.dp.last_load
 
-    def _resolve_control(self, kind: type, value: Any) -> None:
-        """One reply of `kind` answers the oldest waiter for it (a control request waits for one per group)."""
-        with self._lock:
-            i = next((i for i, w in enumerate(self._control_waiters) if w[2] is kind), None)
-            if i is None:
-                return
-            loop, fut, _ = self._control_waiters.pop(i)
-        loop.call_soon_threadsafe(lambda f=fut, v=value: f.done() or f.set_result(v))
-
-    def _watch_workers(self) -> None:
-        while not self._closed:
-            for p in self.procs:
-                if p.exitcode is not None and not self._closed:
-                    self._mark_dead(f"worker {p.name} exited with code {p.exitcode}")
-                    return
-            time.sleep(0.5)
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            logger.error("engine is dead: %s", reason)
-        self.dead_reason = self.dead_reason or reason
-        self.healthy = False
-        with self._lock:
-            states, self._states = self._states, {}
-            waiters, self._control_waiters = self._control_waiters, []
-        for st in states.values():
-            st.loop.call_soon_threadsafe(st.queue.put_nowait, EngineDeadError(reason))
-        for loop, fut, _ in waiters:
-            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(EngineDeadError(reason)))
-
-    # ------------------------------------------------------------------ requests
-    def _send(self, dp_rank: int, msg: Any) -> None:
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
-        with self._lock:
-            self._req_socks[dp_rank].send(pickle.dumps(msg))
-
-    def _broadcast(self, msg: Any) -> None:
-        for d in range(self.num_dp):
-            self._send(d, msg)
-
+    # ------------------------------------------------------------------ validate
     def tokenize(self, obj: GenerateInput) -> list[int]:
         if obj.input_ids is not None:
             if obj.text is not None:
@@ -278,13 +163,8 @@ class EngineClient:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
         return params
 
-    def pick_dp_rank(self) -> int:
-        """The attention group with the least load: tokens of its live requests, then its KV usage."""
-        return min(range(self.num_dp),
-                   key=lambda d: (self._live_tokens[d] + self.last_load[d].num_waiting_tokens,
-                                  self.last_load[d].kv_used_tokens))
-
-    async def generate(self, obj: GenerateInput) -> AsyncIterator[dict]:
+    # ------------------------------------------------------------------ generate
+    async def generate(self, obj: GenerateInput) -> AsyncGenerator[dict, None]:
         """Run one request; yields output dicts (one per chunk when streaming, else one at the end)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
@@ -295,27 +175,24 @@ class EngineClient:
         rid = obj.rid or uuid.uuid4().hex
         detok = None
         if self.tokenizer is not None:
-            from moeserve.server.detokenizer import IncrementalDetokenizer
-
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         loop = asyncio.get_running_loop()
         with self._lock:
             if rid in self._states:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
-            dp = self.pick_dp_rank()
-            st = _ReqState(loop, asyncio.Queue(), dp, len(ids) + params.max_new_tokens, detok, params)
+            num_tokens = len(ids) + params.max_new_tokens
+            st = _ReqState(loop, asyncio.Queue(), self.dp.assign(num_tokens), num_tokens, detok, params)
             self._states[rid] = st
-            self._live_tokens[dp] += st.num_tokens
         req = GenerateReq(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
                           obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
         finished = False
         try:
-            self._send(dp, req)
+            self.ranks.send(st.dp_rank, req)
             while True:
                 out = await st.queue.get()
                 if isinstance(out, Exception):
                     raise out
-                result = self._update(st, rid, out, len(ids))
+                result = self._output(st, rid, out, len(ids))
                 finished = out.finish_reason is not None
                 if finished or obj.stream:
                     yield result
@@ -325,28 +202,33 @@ class EngineClient:
             if not finished:
                 await self.abort(rid)
 
-    def _update(self, st: _ReqState, rid: str, out: TokenOut, prompt_len: int) -> dict:
+    def _deliver(self, outs: list[TokenOut]) -> None:
+        """Hand each output to its request's loop (receiver thread); a final one ends the request's state."""
+        for out in outs:
+            with self._lock:
+                st = self._states.get(out.rid)
+                if st is not None and out.finish_reason is not None:
+                    del self._states[out.rid]
+                    self.dp.release(st.dp_rank, st.num_tokens)
+            if st is not None:
+                st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
+
+    def _fail_all(self, reason: str) -> None:
+        """The engine died: every live request ends with EngineDeadError."""
+        with self._lock:
+            states, self._states = self._states, {}
+        for st in states.values():
+            st.loop.call_soon_threadsafe(st.queue.put_nowait, EngineDeadError(reason))
+
+    def _output(self, st: _ReqState, rid: str, out: TokenOut, prompt_len: int) -> dict:
+        """The output dict of one chunk: text and ids so far, this chunk's delta, and meta_info."""
         st.output_ids.extend(out.new_token_ids)
         if out.logprobs is not None:
             st.logprobs.extend((lp, t, None) for lp, t in zip(out.logprobs, out.new_token_ids, strict=False))
         if out.top_logprobs is not None:
             st.top_logprobs.extend([(lp, t, None) for t, lp in alts] for alts in out.top_logprobs)
         finish = out.finish_reason
-        text = ""
-        if st.detok is not None:
-            st.detok.add(out.new_token_ids)
-            text = st.detok.text
-            if finish is not None:
-                text += st.detok.flush()
-            stops = st.params.stop
-            stops = [stops] if isinstance(stops, str) else (stops or [])
-            if finish is not None and isinstance(finish.matched, str) and not st.params.no_stop_trim:
-                cut = text.find(finish.matched)
-                if cut >= 0:
-                    text = text[:cut]
-            elif finish is None and stops:
-                # hold back a tail that may be the start of a stop string, so it is never streamed
-                text = text[: max(len(text) - (max(len(s) for s in stops) - 1), st.sent_text_len)]
+        text = self._text(st, out.new_token_ids, finish) if st.detok is not None else ""
         delta = text[st.sent_text_len :]
         st.sent_text_len = len(text)
         meta: dict[str, Any] = {
@@ -365,37 +247,47 @@ class EngineClient:
         return {"text": text, "output_ids": list(st.output_ids), "delta_text": delta, "delta_ids": new_ids,
                 "meta_info": meta}
 
+    @staticmethod
+    def _text(st: _ReqState, new_ids: list[int], finish: FinishReason | None) -> str:
+        """The request's text so far that may be sent: at the end, trimmed at the matched stop string; while it
+        runs, without a tail that may be the start of a stop string."""
+        assert st.detok is not None
+        st.detok.add(new_ids)
+        text = st.detok.text
+        if finish is not None:
+            text += st.detok.flush()
+        stops = st.params.stop
+        stops = [stops] if isinstance(stops, str) else (stops or [])
+        if finish is not None and isinstance(finish.matched, str) and not st.params.no_stop_trim:
+            cut = text.find(finish.matched)
+            if cut >= 0:
+                text = text[:cut]
+        elif finish is None and stops:
+            # hold back a tail that may be the start of a stop string, so it is never streamed
+            text = text[: max(len(text) - (max(len(s) for s in stops) - 1), st.sent_text_len)]
+        return text
+
     async def abort(self, rid: str) -> None:
         """End a request: the worker frees its KV, and its generate() ends with finish reason 'abort'."""
         with self._lock:
             st = self._states.pop(rid, None)
             if st is not None:
-                self._live_tokens[st.dp_rank] -= st.num_tokens
+                self.dp.release(st.dp_rank, st.num_tokens)
         if st is None:
             return
         done = TokenOut(rid, [], FinishReason("abort", message="aborted by request"), 0, len(st.output_ids), 0)
         st.loop.call_soon_threadsafe(st.queue.put_nowait, done)
         if not self.dead_reason:
-            self._send(st.dp_rank, AbortReq(rid))
+            self.ranks.send(st.dp_rank, AbortReq(rid))
 
-    async def _control(self, msg: Any, reply: type, n: int) -> list:
-        loop = asyncio.get_running_loop()
-        futs = []
-        for _ in range(n):
-            fut = loop.create_future()
-            with self._lock:
-                self._control_waiters.append((loop, fut, reply))
-            futs.append(fut)
-        self._broadcast(msg)
-        return await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
-
+    # ------------------------------------------------------------------ control
     async def flush_cache(self) -> bool:
-        outs = await self._control(FlushCacheReq(), FlushCacheOut, self.num_dp)
+        outs = await self.ranks.control(FlushCacheReq(), FlushCacheOut)
         return all(o.success for o in outs)
 
     async def expert_distribution(self, action: str) -> list[ExpertDistributionOut]:
         """start / stop / dump the expert-distribution recording on every group; ValueError if it cannot."""
-        outs = await self._control(ExpertDistributionReq(action), ExpertDistributionOut, self.num_dp)
+        outs = await self.ranks.control(ExpertDistributionReq(action), ExpertDistributionOut)
         errors = sorted({o.error for o in outs if o.error})
         if errors:
             raise ValueError("; ".join(errors))
@@ -417,23 +309,11 @@ class EngineClient:
                 "token_expert_pairs": int(total.sum())}
 
     async def get_load(self) -> list[LoadOut]:
-        await self._control(GetLoadReq(), LoadOut, self.num_dp)
+        """Every DP group's load, fresh: each group answers a GetLoadReq with its LoadOut."""
+        await self.ranks.control(GetLoadReq(), LoadOut)
         return list(self.last_load)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         """Stop the workers and free the sockets; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self.healthy = False
-        for s in self._req_socks:
-            try:
-                s.send(pickle.dumps(ShutdownReq()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        stop_workers(getattr(self, "procs", []))
-        for s in [*self._req_socks, self._result_sock]:
-            s.close(linger=0)
-        self._zmq.term()
-        cleanup_ipc(self.ports)
+        self.ranks.shutdown()

@@ -1,4 +1,5 @@
-"""Test helpers: FakeClient, an in-process stand-in for EngineClient with the same shape, for fast tests of the HTTP layer.
+"""Test helpers: FakeClient, an in-process stand-in for TokenizerManager with the same shape, for fast tests of
+the HTTP layer.
 
 It validates like the real client (same exceptions and SamplingParams checks) and "generates" a deterministic
 token sequence per prompt, streamed one token at a time, honouring max_new_tokens, stop strings, stop token
@@ -14,16 +15,24 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
 from moeserve.args import ServerArgs
-from moeserve.rank.io_struct import LoadOut
+from moeserve.rank.io_struct import ExpertDistributionOut, LoadOut
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
-from moeserve.server.tokenizer_manager import EngineDeadError, GenerateInput, InvalidRequestError
+from moeserve.server.rank_client import EngineDeadError
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+
+
+@dataclass
+class FakeModelConfig:
+    context_length: int
+    vocab_size: int
+    architecture: str
 
 
 class FakeClient:
@@ -35,8 +44,7 @@ class FakeClient:
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 1024
         self.context_length = context_length
         self.max_total_tokens = 100_000
-        self.model_config = SimpleNamespace(context_length=context_length, vocab_size=self.vocab_size,
-                                            architecture="DeepseekV3ForCausalLM")
+        self.model_config = FakeModelConfig(context_length, self.vocab_size, "DeepseekV3ForCausalLM")
         self.model_name = "fake-model"
         self.healthy = True
         self.dead_reason: str | None = None
@@ -162,6 +170,14 @@ class FakeClient:
 
     async def get_load(self) -> list[LoadOut]:
         return list(self.last_load)
+
+    async def expert_distribution(self, action: str) -> list[ExpertDistributionOut]:
+        raise ValueError("the server records no expert distribution: start it with "
+                         "--expert-distribution-recorder-mode stat")
+
+    async def dump_expert_distribution(self, path: str | None = None) -> dict:
+        await self.expert_distribution("dump")
+        return {}
 
     def shutdown(self) -> None:
         self.shut_down = True

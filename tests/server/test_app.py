@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_fakes import FakeClient, serve_in_thread
 
-from moeserve.server.app import build_app
+from moeserve.server.http.app import build_app
 
 
 @pytest.fixture(scope="module")
@@ -532,7 +532,7 @@ def test_no_tokenizer():
 
 
 def test_shutdown_ends_streams_with_abort(default_tokenizer):
-    from moeserve.server.app import _Server
+    from moeserve.server.http.server import _Server
 
     fake = FakeClient(default_tokenizer)
     fake.token_delay = 0.05

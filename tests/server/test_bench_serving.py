@@ -11,7 +11,7 @@ from server_fakes import FakeClient, serve_in_thread
 from moeserve.bench import serving
 from moeserve.bench.datasets import random_requests, shared_prefix_requests, sharegpt_requests
 from moeserve.models.default_model import default_model_path
-from moeserve.server.app import build_app
+from moeserve.server.http.app import build_app
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,28 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from moeserve.server.context import SSE_DONE, ServerContext, engine_error, merged, serve, sse
-from moeserve.server.errors import APIError
-from moeserve.server.protocol import (
+from moeserve.server.http.context import Ctx, ServerContext
+from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     parse_body,
 )
-from moeserve.server.streams import SubRequest
+from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
+from moeserve.server.http.streams import SubRequest
 from moeserve.server.tokenizer_manager import GenerateInput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 1024
+
+router = APIRouter()
 
 
 # ----------------------------------------------------------------------
@@ -217,25 +220,38 @@ def chat_logprobs(ctx: ServerContext, meta: dict, start: int) -> dict:
 
 
 # ----------------------------------------------------------------------
-# handlers
-async def completions(ctx: ServerContext, request: Request) -> Any:
-    req = parse_body(await request.body(), CompletionRequest, "/v1/completions request")
+# routes
+@router.post("/v1/completions")
+async def completions(request: Request, ctx: Ctx) -> Any:
+    return await _serve(ctx, request, CompletionRequest, completion_inputs, "/v1/completions", "cmpl", chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, ctx: Ctx) -> Any:
+    return await _serve(ctx, request, ChatCompletionRequest, chat_inputs, "/v1/chat/completions", "chatcmpl",
+                        chat=True)
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Ctx) -> Any:
+    return {"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
+        "root": ctx.client.server_args.model_path, "max_model_len": ctx.context_length,
+    }]}
+
+
+OpenAIBody = TypeVar("OpenAIBody", CompletionRequest, ChatCompletionRequest)
+
+
+async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBody],
+                 to_inputs: Callable[[ServerContext, OpenAIBody, str], list[GenerateInput]], path: str,
+                 id_prefix: str, chat: bool) -> Any:
+    """Read the body, check the model, fan the prompts out into engine requests, answer (streamed or not)."""
+    req = parse_body(await request.body(), body_type, f"{path} request")
     ctx.check_model(req.model)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    inputs = completion_inputs(ctx, req, request_id)
-    return await _serve(ctx, request, req, inputs, request_id, chat=False)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    inputs = to_inputs(ctx, req, request_id)
 
-
-async def chat_completions(ctx: ServerContext, request: Request) -> Any:
-    req = parse_body(await request.body(), ChatCompletionRequest, "/v1/chat/completions request")
-    ctx.check_model(req.model)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    inputs = chat_inputs(ctx, req, request_id)
-    return await _serve(ctx, request, req, inputs, request_id, chat=True)
-
-
-async def _serve(ctx: ServerContext, request: Request, req: Any, inputs: list[GenerateInput], request_id: str,
-                 chat: bool) -> Any:
     def respond(outs: list[dict]) -> JSONResponse:
         return JSONResponse(_response(ctx, req, outs, request_id, chat))
 
@@ -316,9 +332,3 @@ async def _stream(ctx: ServerContext, req: Any, subs: list[SubRequest], firsts: 
         yield sse(engine_error(e).body())
     yield SSE_DONE
 
-
-def list_models(ctx: ServerContext) -> dict:
-    return {"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
-        "root": getattr(ctx.client.server_args, "model_path", None), "max_model_len": ctx.context_length,
-    }]}

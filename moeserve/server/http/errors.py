@@ -7,6 +7,7 @@ refuses, a dead worker, or a bug (500, logged with its traceback).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,6 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeserve.server.rank_client import EngineDeadError
+from moeserve.server.tokenizer_manager import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,36 @@ def validation_message(exc: ValidationError | RequestValidationError, what: str 
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The HTTP error for an exception from the engine client."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return APIError(str(e), 400, param=_param_of(str(e)))
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
+    if isinstance(e, asyncio.TimeoutError):
+        return APIError("the engine did not answer in time", 503, code="timeout")
+    raise e
+
+
+_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "stop_token_ids", "stop", "seed", "ignore_eos", "skip_special_tokens", "n",
+            "input_ids", "text", "top_logprobs_num", "sampling_params")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine error message is about (its first word, or the prompt)."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in _PARAMS:
+        return first
+    if "unknown sampling_params" in message:
+        return "sampling_params"
+    if "prompt" in message:
+        return "prompt"
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,16 +12,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from moeserve.server.context import SSE_DONE, ServerContext, engine_error, merged, serve, sse
-from moeserve.server.errors import APIError
-from moeserve.server.protocol import MAX_N, GenerateRequest, parse_body
-from moeserve.server.streams import SubRequest
+from moeserve.server.http.context import Ctx, ServerContext
+from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.protocol import MAX_N, GenerateRequest, parse_body
+from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
+from moeserve.server.http.streams import SubRequest
 from moeserve.server.tokenizer_manager import GenerateInput
 
 MAX_BATCH = 1024
+
+router = APIRouter()
 
 
 def _per_item(value: Any, name: str, batch: int | None) -> list:
@@ -106,7 +109,8 @@ def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, 
     return result
 
 
-async def generate(ctx: ServerContext, request: Request) -> Any:
+@router.post("/generate")
+async def generate(request: Request, ctx: Ctx) -> Any:
     req = parse_body(await request.body(), GenerateRequest, "/generate request")
     inputs, many = build_inputs(req)
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from moeserve.server.metrics import Metrics
+from moeserve.server.http.serving_client import ServingClient
+from moeserve.server.tokenizer_manager import GenerateInput
+
+if TYPE_CHECKING:  # metrics.py's route imports context.py, which imports this module
+    from moeserve.server.http.metrics import Metrics
 
 _END = object()
 
@@ -28,7 +32,8 @@ class _Abort:
 class SubRequest:
     """One engine request (`obj` is a GenerateInput whose rid is set) and its outputs."""
 
-    def __init__(self, client: Any, obj: Any, metrics: Metrics | None, registry: dict[str, SubRequest]):
+    def __init__(self, client: ServingClient, obj: GenerateInput, metrics: Metrics | None,
+                 registry: dict[str, SubRequest]):
         assert obj.rid, "the server names every request"
         self.client = client
         self.obj = obj

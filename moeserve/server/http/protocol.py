@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moeserve.server.errors import APIError, validation_message
+from moeserve.server.http.errors import APIError, validation_message
 
 MAX_N = 128  # most choices per request (n), and most prompts per batch request
 MAX_LOGPROBS = 20

@@ -1,0 +1,106 @@
+"""ServerContext: what every endpoint needs (the engine client, its metrics, the live requests), and the
+FastAPI dependency `Ctx` that hands it to a route."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.serving_client import ServingClient
+from moeserve.server.http.streams import SubRequest
+from moeserve.server.rank_client import EngineDeadError
+from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # metrics.py's route imports this module: build_app hands the Metrics in
+    from moeserve.server.http.metrics import Metrics
+
+DEFAULT_MODEL_ALIAS = "default"
+
+
+class ServerContext:
+    """The state of one HTTP server around its engine client (a TokenizerManager)."""
+
+    def __init__(self, client: ServingClient, metrics: Metrics):
+        self.client = client
+        self.model_name: str = client.model_name
+        self.api_key: str | None = client.server_args.api_key
+        self.metrics = metrics
+        self.inflight: dict[str, SubRequest] = {}  # rid -> live sub-request, for /abort_request
+        self.num_http_requests = 0  # generation requests being served, for max_concurrent_requests
+        self.max_concurrent_requests: int = client.server_args.max_concurrent_requests or 0
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ model facts
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.client.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.client.context_length or self.client.model_config.context_length
+
+    @property
+    def kv_capacity(self) -> int:
+        """Most tokens one request can hold in the KV cache."""
+        return self.client.max_total_tokens
+
+    @property
+    def model_names(self) -> set[str]:
+        names = {self.model_name, DEFAULT_MODEL_ALIAS}
+        if self.client.server_args.model_path:
+            names.add(self.client.server_args.model_path)
+        return names
+
+    def check_model(self, name: str | None) -> None:
+        """OpenAI answers 404 model_not_found for a model it does not serve; so does moeserve."""
+        if name is not None and name not in self.model_names:
+            raise APIError(f"the model {name!r} does not exist: this server serves {self.model_name!r} "
+                           "(see GET /v1/models)", 404, param="model", code="model_not_found")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        tok = self.tokenizer
+        if tok is None:
+            return b""
+        return tok.token_bytes(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs; a token holding part of a UTF-8 character is written 'bytes:\\xNN'
+        (OpenAI's convention), so that distinct tokens never share a name."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            raw = self.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------ requests
+    def new_sub(self, obj: GenerateInput) -> SubRequest:
+        if obj.rid in self.inflight:
+            raise APIError(f"request id {obj.rid!r} is already in use", 400, param="rid", code="duplicate_rid")
+        return SubRequest(self.client, obj, self.metrics, self.inflight)
+
+    def enter(self) -> None:
+        if self.max_concurrent_requests and self.num_http_requests >= self.max_concurrent_requests:
+            raise APIError(f"the server is serving {self.num_http_requests} requests, its limit "
+                           "(--max-concurrent-requests); retry later", 503, code="overloaded")
+        if not self.client.healthy:
+            raise engine_error(EngineDeadError(self.client.dead_reason or "the engine is not running"))
+        self.num_http_requests += 1
+
+    def leave(self) -> None:
+        self.num_http_requests -= 1
+
+
+def server_context(request: Request) -> ServerContext:
+    """The ServerContext of the app that serves `request` (build_app puts it in app.state)."""
+    return request.app.state.ctx
+
+
+Ctx = Annotated[ServerContext, Depends(server_context)]  # a route's `ctx: Ctx` parameter
