@@ -175,6 +175,11 @@ class ServerArgs:
 
     # ------------------------------------------------------------------
     @property
+    def num_dp_groups(self) -> int:
+        """Attention groups, each with its own requests and KV cache: dp_size with DP attention, else 1."""
+        return self.dp_size if self.enable_dp_attention else 1
+
+    @property
     def attn_tp_size(self) -> int:
         """Ranks per attention group: tp_size / dp_size with DP attention, tp_size otherwise."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size

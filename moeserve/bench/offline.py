@@ -47,7 +47,7 @@ def run(args: ServerArgs, num_prompts: int, input_len: int, output_len: int, see
     n_in = num_prompts * input_len
     n_out = sum(len(o["output_ids"]) for o in outs)
     assert n_out == num_prompts * output_len, (n_out, num_prompts, output_len)
-    return {"tp_size": args.tp_size, "dp_size": args.dp_size if args.enable_dp_attention else 1,
+    return {"tp_size": args.tp_size, "dp_size": args.num_dp_groups,
             "moe_a2a_backend": args.moe_a2a_backend, "deepep_mode": args.deepep_mode,
             "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
             "duration_s": dur, "startup_s": startup_s, "input_tokens": n_in, "output_tokens": n_out,

@@ -103,7 +103,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if on_cuda else "gloo", init_method=ports.dist_init_method,
                                 world_size=world, rank=rank, timeout=datetime.timedelta(minutes=30))
-    dp_size = server_args.dp_size if server_args.enable_dp_attention else 1
+    dp_size = server_args.num_dp_groups
     state = init_parallel_state(world, rank, dp_size, server_args.ep_size)
     sync = RankSync(state)
     runner = ModelRunner(server_args, local_rank=local_rank)

@@ -28,7 +28,7 @@ def make_ports(args: ServerArgs) -> WorkerPorts:
     the ports right after the torch.distributed port (result: port + 1, DP group d's requests: port + 2 + d), so
     every node derives the same addresses from the same command line.
     """
-    num_dp = args.dp_size if args.enable_dp_attention else 1
+    num_dp = args.num_dp_groups
     if args.nnodes > 1:
         host, port = split_host_port(args.dist_init_addr)
         return WorkerPorts(

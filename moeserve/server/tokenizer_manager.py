@@ -91,7 +91,7 @@ class TokenizerManager:
             from moeserve.text.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
-        self.num_dp = server_args.dp_size if server_args.enable_dp_attention else 1
+        self.num_dp = server_args.num_dp_groups
         self.dp = DPController(self.num_dp)
         self._states: dict[str, _ReqState] = {}
         self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)

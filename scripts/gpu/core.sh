@@ -5,8 +5,8 @@
 set -uo pipefail
 source scripts/gpu/setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 300 python3 -m pytest tests/models tests/engine/test_generation.py tests/engine/test_cuda_graph.py \
-  tests/engine/test_torch_compile.py -q -x -p no:cacheprovider 2>&1 | tail -4
+timeout 300 python3 -m pytest tests/models tests/rank/test_generation.py tests/rank/test_cuda_graph.py \
+  tests/rank/test_torch_compile.py -q -x -p no:cacheprovider 2>&1 | tail -4
 V2LITE="--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --context-length 4096
   --mem-fraction-static 0.5 --max-running-requests 64 --input-len 128 --output-len 64"
 python3 -m moeserve.cli bench one-batch $V2LITE --batch-size 1 64 --compare-transformers \

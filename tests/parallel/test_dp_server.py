@@ -19,7 +19,7 @@ import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.slow
 

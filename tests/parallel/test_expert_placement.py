@@ -9,7 +9,7 @@ import torch
 
 from moeserve.eplb.location import ExpertLocation
 from moeserve.rank.sampling_params import SamplingParams
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 from tests.parallel.test_ep_generation import GREEDY, _prompts, single_rank_greedy
 
 NAME = "v3_groups"  # 16 routed experts in 4 groups, 2 MoE layers

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeserve.rank.sampling_params import SamplingParams
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 NEW = 6

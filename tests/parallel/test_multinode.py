@@ -15,7 +15,7 @@ import pytest
 from moeserve.server.engine import Engine
 from moeserve.server.launch import free_port
 from tests.checkpoints import build_checkpoint
-from tests.engine.test_generation import NEW_TOKENS, _prompts, hf_greedy
+from tests.rank.test_generation import NEW_TOKENS, _prompts, hf_greedy
 
 pytestmark = pytest.mark.slow
 

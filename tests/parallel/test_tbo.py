@@ -17,7 +17,7 @@ import pytest
 import moeserve.models.tbo as tbo_mod
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 
 NEW_TOKENS = 24
 MIXED = [5, 17, 33, 9, 64, 2]

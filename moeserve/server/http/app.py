@@ -4,10 +4,9 @@ Endpoints (docs/serving.md has the details):
 - SGLang native (native_serving.py): POST /generate
 - OpenAI (openai_serving.py): POST /v1/completions, POST /v1/chat/completions, GET /v1/models
 - health and info (info.py): GET /health, /health_generate, /get_server_info (/server_info),
-  /get_model_info (/model_info), /version
+  /get_model_info (/model_info), /version, /metrics (Prometheus; the collectors in metrics.py)
 - control (control.py): GET /get_load, POST /flush_cache, POST /abort_request,
   POST /start_expert_distribution_record, /stop_expert_distribution_record, /dump_expert_distribution_record
-- metrics (metrics.py): GET /metrics (Prometheus)
 
 server.py serves the app with uvicorn (`run_server`).
 """
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
 
-from moeserve.server.http import control, info, metrics, native_serving, openai_serving
+from moeserve.server.http import control, info, native_serving, openai_serving
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, install_error_handlers
 from moeserve.server.http.metrics import Metrics
@@ -40,6 +39,6 @@ def build_app(client: ServingClient) -> FastAPI:
     app = FastAPI(title="moeserve", version=info.server_version(), dependencies=[Depends(check_api_key)])
     app.state.ctx = ServerContext(client, Metrics(client.model_name))
     install_error_handlers(app)
-    for module in (native_serving, openai_serving, info, control, metrics):
+    for module in (native_serving, openai_serving, info, control):
         app.include_router(module.router)
     return app

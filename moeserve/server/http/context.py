@@ -3,19 +3,17 @@ FastAPI dependency `Ctx` that hands it to a route."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Depends, Request
 
 from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.metrics import Metrics
 from moeserve.server.http.serving_client import ServingClient
 from moeserve.server.http.streams import SubRequest
 from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.tokenizer_manager import GenerateInput
 from moeserve.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # metrics.py's route imports this module: build_app hands the Metrics in
-    from moeserve.server.http.metrics import Metrics
 
 DEFAULT_MODEL_ALIAS = "default"
 

@@ -1,5 +1,5 @@
 """Health and information endpoints: GET /health, /health_generate, /get_server_info (/server_info),
-/get_model_info (/model_info), /version."""
+/get_model_info (/model_info), /version, /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError
+from moeserve.server.http.metrics import CONTENT_TYPE
 from moeserve.server.tokenizer_manager import GenerateInput
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -98,3 +99,8 @@ async def get_model_info(ctx: Ctx) -> Any:
 @router.get("/version")
 async def version() -> Any:
     return {"version": server_version()}
+
+
+@router.get("/metrics")
+async def metrics(ctx: Ctx) -> Any:
+    return Response(ctx.metrics.render(list(ctx.client.last_load)), media_type=CONTENT_TYPE)

@@ -3,19 +3,15 @@
 Latency histograms are observed by the server as outputs stream back (TTFT and inter-token latency only for
 requests served with `stream: true`, since a non-streamed request's tokens arrive all at once); counters at
 each request's end; load gauges are read from the engine's latest per-DP-group load at scrape time
-(GET /metrics, the route at the end).
+(GET /metrics, served by info.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from moeserve.server.http.context import Ctx
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -96,11 +92,3 @@ class Metrics:
         self.update_load(loads)
         return generate_latest(self.registry)
 
-
-# ----------------------------------------------------------------------
-router = APIRouter()
-
-
-@router.get("/metrics")
-async def metrics(ctx: Ctx) -> Any:
-    return Response(ctx.metrics.render(list(ctx.client.last_load)), media_type=CONTENT_TYPE)

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
+from moeserve.server.http.metrics import Metrics
 from moeserve.server.http.serving_client import ServingClient
 from moeserve.server.tokenizer_manager import GenerateInput
-
-if TYPE_CHECKING:  # metrics.py's route imports context.py, which imports this module
-    from moeserve.server.http.metrics import Metrics
 
 _END = object()
 

@@ -11,7 +11,7 @@ import pytest
 
 import moeserve
 from tests.checkpoints import build_checkpoint
-from tests.engine.test_generation import NEW_TOKENS, _prompts, hf_greedy
+from tests.rank.test_generation import NEW_TOKENS, _prompts, hf_greedy
 
 
 @pytest.fixture(scope="module")

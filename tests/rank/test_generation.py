@@ -15,7 +15,7 @@ import torch
 
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import NAMES, VOCAB, build_checkpoint, make_hf_model
-from tests.engine.inprocess import InProcessEngine
+from tests.rank.inprocess import InProcessEngine
 
 NEW_TOKENS = 32
 _HF_CACHE: dict[tuple, list[list[int]]] = {}

@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 from moeserve.args import ServerArgs
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
-from tests.engine.inprocess import InProcessEngine
-from tests.engine.test_generation import MIXED, _prompts
+from tests.rank.inprocess import InProcessEngine
+from tests.rank.test_generation import MIXED, _prompts
 
 
 @pytest.mark.parametrize("name", ["v3_groups", "qwen3_moe"])  # MLA and GQA attention

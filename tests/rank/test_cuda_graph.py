@@ -7,8 +7,8 @@ import torch
 
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
-from tests.engine.inprocess import InProcessEngine
-from tests.engine.test_generation import MIXED, _prompts
+from tests.rank.inprocess import InProcessEngine
+from tests.rank.test_generation import MIXED, _prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
