@@ -76,7 +76,7 @@ def test_encode_decode_match_transformers(tok, hf, text):
 
 
 def test_corpus_lines_round_trip(tok, hf):
-    corpus = (Path(__file__).parents[1] / "moeserve" / "models" / "default_corpus.txt").read_text(encoding="utf-8")
+    corpus = (Path(__file__).parents[2] / "moeserve" / "models" / "default_corpus.txt").read_text(encoding="utf-8")
     for line in corpus.splitlines():
         ids = tok.encode(line)
         assert ids == hf.encode(line)
