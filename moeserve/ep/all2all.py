@@ -50,6 +50,7 @@ class All2AllDispatcher(Dispatcher):
         self.last_mode: str | None = None  # the mode the last dispatch_a resolved to
 
     def _reset(self) -> None:
+        super()._reset()
         self._active: NormalDispatcher | LowLatencyDispatcher | None = None
 
     @property

@@ -80,9 +80,9 @@ class LowLatencyDispatcher(Dispatcher):
         return self.num_local_experts * rounds * self.size * self.cap * self.hidden_size * self.dtype.itemsize
 
     def _reset(self) -> None:
+        super()._reset()
         self._x = self._topk_ids = self._topk_weights = None
         self._rounds = 0
-        self._works: list[dist.Work] = []
         self._plans: list[MaskedPlan] = []
         self._out_flat: torch.Tensor | None = None
 
@@ -137,8 +137,7 @@ class LowLatencyDispatcher(Dispatcher):
         filled = torch.zeros(e_local, dtype=torch.int64, device=self.device)
         self._plans = []
         for i in range(self._rounds):
-            for w in self._works:
-                w.wait()
+            self._wait()
             local_ids, weights = unpack_meta(self._recv_meta)
             plan = plan_masked(local_ids, weights, e_local, cap_total, filled)
             scatter_masked(self._recv_x, plan, x_flat)
@@ -165,8 +164,7 @@ class LowLatencyDispatcher(Dispatcher):
         """[T, H] in x's dtype: sum_k w_k * expert_k(x_t)."""
         out = self._x.new_empty(self._x.shape)
         for i in range(self._rounds):
-            for w in self._works:
-                w.wait()
+            self._wait()
             lo, hi = self._chunk(i)
             back = self._recv_x.view(self.size, self.cap, self.hidden_size)[:, : hi - lo]
             out[lo:hi] = back.float().sum(0).to(self.dtype)

@@ -45,13 +45,12 @@ class NormalDispatcher(Dispatcher):
         return "all2all normal"
 
     def _reset(self) -> None:
+        super()._reset()
         self._num_tokens = 0
-        self._works: list[dist.Work] = []
         self._send_token: torch.Tensor | None = None  # [S] int64, token of each row sent, rank-major
         self._send_splits: list[int] = []
         self._recv_splits: list[int] = []
         self._recv_x = self._recv_meta = self._back = None
-        self._inflight: tuple[torch.Tensor, ...] = ()
         self._plan: ContiguousPlan | None = None
 
     def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -89,8 +88,7 @@ class NormalDispatcher(Dispatcher):
 
     def dispatch_b(self) -> ContiguousLayout:
         """This rank's received pairs: x [M, H] grouped by local expert, segments padded to align."""
-        for w in self._works:
-            w.wait()
+        self._wait()
         local_ids, weights = unpack_meta(self._recv_meta)
         self._plan = plan_contiguous(local_ids, weights, self.num_local_experts, self.align)
         return scatter_contiguous(self._recv_x, self._plan)
@@ -107,8 +105,7 @@ class NormalDispatcher(Dispatcher):
 
     def combine_b(self) -> torch.Tensor:
         """[T, H] in x's dtype: sum_k w_k * expert_k(x_t)."""
-        for w in self._works:
-            w.wait()
+        self._wait()
         out = torch.zeros(self._num_tokens, self.hidden_size, dtype=torch.float32, device=self._back.device)
         out.index_add_(0, self._send_token, self._back.float())
         self._reset()

@@ -44,10 +44,9 @@ class AllGatherDispatcher(Dispatcher):
     name = "allgather"
 
     def _reset(self) -> None:
+        super()._reset()
         self._num_tokens = self._t_max = 0
-        self._works: list[dist.Work] = []
         self._recv_x = self._recv_meta = self._out = None
-        self._inflight: tuple[torch.Tensor, ...] = ()
         self._plan: ContiguousPlan | None = None
 
     def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -73,8 +72,7 @@ class AllGatherDispatcher(Dispatcher):
 
     def dispatch_b(self) -> ContiguousLayout:
         """This rank's experts' pairs from all ranks: x [M, H] grouped by local expert, segments padded to align."""
-        for w in self._works:
-            w.wait()
+        self._wait()
         ids, weights = unpack_meta(self._recv_meta)
         local_ids, weights = local_topk(ids, weights, self.rank, self.num_local_experts)
         self._plan = plan_contiguous(local_ids, weights, self.num_local_experts, self.align)
@@ -90,8 +88,7 @@ class AllGatherDispatcher(Dispatcher):
 
     def combine_b(self) -> torch.Tensor:
         """[T, H] in x's dtype: sum_k w_k * expert_k(x_t)."""
-        for w in self._works:
-            w.wait()
+        self._wait()
         out = self._out[: self._num_tokens].to(self.dtype)
         self._reset()
         return out

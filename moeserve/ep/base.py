@@ -48,9 +48,16 @@ class Dispatcher(ABC):
         self.group, self.rank, self.size, self.align = ep_group, ep_rank, ep_size, align
         self._reset()
 
-    @abstractmethod
     def _reset(self) -> None:
-        """Drop the state of the step in flight (called at construction and after combine_b)."""
+        """Drop the state of the step in flight (called at construction and after combine_b). Subclasses add
+        their own state and call this."""
+        self._works: list[dist.Work] = []  # the collectives in flight
+        self._inflight: tuple[torch.Tensor, ...] = ()  # their send buffers, kept alive until they are done
+
+    def _wait(self) -> None:
+        """Wait for the collectives in flight."""
+        for w in self._works:
+            w.wait()
 
     @abstractmethod
     def dispatch_a(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -27,6 +27,7 @@ class LocalDispatcher(Dispatcher):
         super().__init__(num_experts=num_experts, align=align, **common)
 
     def _reset(self) -> None:
+        super()._reset()
         self._x: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None
