@@ -9,8 +9,8 @@ import torch
 
 from moeserve.eplb.location import ExpertLocation
 from moeserve.rank.sampling_params import SamplingParams
-from tests.rank.inprocess import InProcessEngine
 from tests.parallel.test_ep_generation import GREEDY, _prompts, single_rank_greedy
+from tests.rank.inprocess import InProcessEngine
 
 NAME = "v3_groups"  # 16 routed experts in 4 groups, 2 MoE layers
 EXPERTS, MOE_LAYERS = 16, 2
