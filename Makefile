@@ -2,10 +2,15 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pyproject.toml asks for any torch >= 2.6; the set-up installs this build first (the CPU wheel the development
+# machines and CI hold on disk), so that pip never downloads a CUDA build. `make install TORCH=` skips it, e.g. to
+# keep a torch already in the environment, or where this version does not exist.
+TORCH ?= torch==2.13.0
 
 $(BIN)/moeserve: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(if $(TORCH),$(BIN)/pip install -q '$(TORCH)')
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
