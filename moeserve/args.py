@@ -21,6 +21,17 @@ RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISAGG_MODES = ("null", "prefill", "decode")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
+# SGLang's other spellings of a flag (its short and long forms), so that an SGLang launch command runs unchanged.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "tp_size": ("--tp", "--tensor-parallel-size"),
+    "dp_size": ("--dp", "--data-parallel-size"),
+    "ep_size": ("--ep", "--expert-parallel-size"),
+}
+# Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
+SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
+                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "disaggregation_bootstrap_port",
+                    "disaggregation_transfer_backend")
+
 
 def _flag(default: Any, help: str, choices: tuple | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices, **kw})
@@ -35,7 +46,9 @@ class ServerArgs:
         None, "Directory of a Hugging Face checkpoint (config.json + safetensors). Default: the embedded tiny model."
     )
     tokenizer_path: str | None = _flag(None, "Tokenizer directory (default: --model-path).")
-    served_model_name: str | None = _flag(None, "Model name reported by the API (default: the model path).")
+    served_model_name: str | None = _flag(
+        None, "Model name the API reports and accepts (default: the model directory's name; 'default' for the "
+        "embedded model).")
     dtype: str = _flag("auto", "Weight and activation dtype; auto takes the checkpoint's (float32 on CPU).", DTYPES)
     load_format: str = _flag(
         "auto", "auto/safetensors read the checkpoint; dummy makes random weights of the real shapes.", LOAD_FORMATS
@@ -53,6 +66,9 @@ class ServerArgs:
     log_interval_s: float = _flag(5.0, "Seconds between the scheduler's throughput log lines.")
     stream_interval: int = _flag(1, "Send a streaming chunk every this many tokens.")
     max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503.")
+    shutdown_timeout: float = _flag(
+        20.0, "Seconds that SIGTERM or SIGINT leaves the requests in flight to finish (new ones get 503) before the "
+        "rest end with a 503 error and the server stops; a second signal stops it at once.")
 
     # --- device and memory ---
     device: str = _flag("auto", "cpu, cuda, or auto (cuda when available).", ("auto", "cpu", "cuda"))
@@ -141,6 +157,8 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
@@ -190,25 +208,30 @@ class ServerArgs:
 
     # ------------------------------------------------------------------
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one --flag per field, with its default and help."""
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one --flag per field (and SGLang's aliases of it), with its default and help; `skip`: fields left
+        out."""
         for f in dataclasses.fields(ServerArgs):
-            name = "--" + _dash(f.name)
+            if f.name in skip:
+                continue
+            names = ["--" + _dash(f.name), *FLAG_ALIASES.get(f.name, ())]
             help_text = f.metadata.get("help", "")
             choices = f.metadata.get("choices")
             default = f.default
             if f.type in ("bool", bool):
-                parser.add_argument(name, action="store_true", default=default, help=help_text)
+                parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
                 continue
             kind = _scalar_type(f.type)
-            kwargs: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {default})"}
+            if default is not None and "default" not in help_text.lower():
+                help_text = f"{help_text} (default: {default})"
+            kwargs: dict[str, Any] = {"default": default, "help": help_text, "dest": f.name}
             if kind is not str or default is not None:
                 kwargs["type"] = kind
             if choices:
                 kwargs["choices"] = [c for c in choices if c is not None] if None in choices else list(choices)
                 if None in choices:
                     kwargs["type"] = str
-            parser.add_argument(name, **kwargs)
+            parser.add_argument(*names, **kwargs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

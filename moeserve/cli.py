@@ -7,13 +7,13 @@ import json
 import logging
 import sys
 
-from moeserve.args import ServerArgs
+from moeserve.args import SERVE_ONLY_FLAGS, ServerArgs
 
 
-def _server_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ServerArgs.add_cli_args(p)
+def _server_parser(prog: str, description: str, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    # Each flag's help says its default once (ServerArgs.add_cli_args writes it).
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    ServerArgs.add_cli_args(p, skip=skip)
     return p
 
 
@@ -41,15 +41,18 @@ def cmd_serve(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    parser = _server_parser("moeserve generate", "Generate text for one prompt and print it.")
-    parser.add_argument("--prompt", required=True, help="Prompt text.")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--chat", action="store_true", help="Apply the model's chat template to the prompt.")
-    parser.add_argument("--json", action="store_true", help="Print the whole output as JSON.")
+    parser = _server_parser("moeserve generate", "Generate text for one prompt and print it (the offline Engine: no "
+                            "HTTP server; the model and engine flags are those of `moeserve serve`).",
+                            skip=SERVE_ONLY_FLAGS)
+    own = parser.add_argument_group("generation")
+    own.add_argument("--prompt", required=True, help="Prompt text.")
+    own.add_argument("--max-new-tokens", type=int, default=64, help="Most tokens to generate (default: 64).")
+    own.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
+    own.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass, in (0, 1] (default: 1).")
+    own.add_argument("--top-k", type=int, default=-1, help="Sample from the k likeliest tokens; -1: all (default: -1).")
+    own.add_argument("--seed", type=int, default=None, help="Sampling seed (default: none, a fresh draw).")
+    own.add_argument("--chat", action="store_true", help="Apply the model's chat template to the prompt.")
+    own.add_argument("--json", action="store_true", help="Print the whole output as JSON.")
     ns = parser.parse_args(argv)
     args = _args_or_exit(parser, ns)  # from_cli_args takes the ServerArgs fields only
     from moeserve.server.engine import Engine

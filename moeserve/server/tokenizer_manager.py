@@ -10,6 +10,7 @@ cache, load, expert distribution) of every DP group.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from moeserve.args import ServerArgs
-from moeserve.models.default_model import resolve_model_path
+from moeserve.models.default_model import CACHE_NAME, resolve_model_path
+from moeserve.paths import cache_root
 from moeserve.rank.io_struct import (
     AbortReq,
     ExpertDistributionOut,
@@ -36,6 +38,16 @@ from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.dp_controller import DPController
 from moeserve.server.rank_client import EngineDeadError, RankClient
+
+DEFAULT_MODEL_NAME = "default"  # the embedded model's name, and a name every server answers to
+
+
+def default_served_name(model_path: str) -> str:
+    """The name the API reports when --served-model-name is not given: the model directory's name, 'default' for
+    the embedded model (not its cache path)."""
+    if os.path.realpath(model_path) == os.path.realpath(cache_root() / CACHE_NAME):
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(model_path)) or model_path
 
 
 class InvalidRequestError(ValueError):
@@ -85,7 +97,7 @@ class TokenizerManager:
         model_path = resolve_model_path(server_args)
         self.server_args = server_args
         self.model_config = ModelConfig.from_pretrained(model_path)
-        self.model_name = server_args.served_model_name or model_path
+        self.model_name = server_args.served_model_name or default_served_name(model_path)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
             from moeserve.text.tokenizer import load_tokenizer

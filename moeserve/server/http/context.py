@@ -12,10 +12,8 @@ from moeserve.server.http.metrics import Metrics
 from moeserve.server.http.serving_client import ServingClient
 from moeserve.server.http.streams import SubRequest
 from moeserve.server.rank_client import EngineDeadError
-from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.tokenizer_manager import DEFAULT_MODEL_NAME, GenerateInput
 from moeserve.text.tokenizer import Tokenizer
-
-DEFAULT_MODEL_ALIAS = "default"
 
 
 class ServerContext:
@@ -47,7 +45,7 @@ class ServerContext:
 
     @property
     def model_names(self) -> set[str]:
-        names = {self.model_name, DEFAULT_MODEL_ALIAS}
+        names = {self.model_name, DEFAULT_MODEL_NAME}  # and the model's path, the name before --served-model-name
         if self.client.server_args.model_path:
             names.add(self.client.server_args.model_path)
         return names
