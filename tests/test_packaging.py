@@ -4,8 +4,9 @@ own set-up (the Makefile behind `make serve` / `make test`) installs the local C
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
