@@ -93,6 +93,9 @@ class FinishReason:
     type: str
     matched: int | str | None = None  # the stop token id or stop string
     message: str | None = None  # for 'abort': why
+    # for an 'abort' that is a failure, not a request to stop: the HTTP status the server answers (as SGLang's
+    # FINISH_ABORT carries one): 400 for a request the rank refuses, 500 for non-finite logits
+    status_code: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}
@@ -100,6 +103,8 @@ class FinishReason:
             d["matched"] = self.matched
         if self.message is not None:
             d["message"] = self.message
+        if self.status_code is not None:
+            d["status_code"] = self.status_code
         return d
 
 

@@ -7,6 +7,8 @@ the requested log-probabilities.
 Order of processing, for each row of logits [B, V]:
     penalties (repetition, then frequency/presence) -> temperature -> top-k -> top-p -> min-p -> draw
 - Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the argmax of the penalized logits.
+- Every filter keeps the likeliest token, so a row always has one to choose; a row whose logits hold NaN or +inf
+  (or nothing but -inf) gets NO_TOKEN, and the scheduler fails that request instead of sampling token 0.
 - top-p keeps the smallest prefix (by probability, highest first) whose mass reaches top_p, measured on the
   distribution left after top-k (renormalized), as vLLM does. min-p keeps tokens whose probability is at
   least min_p times the largest; that ratio does not depend on renormalization, so min-p after top-p simply
@@ -37,6 +39,10 @@ import torch
 from moeserve.rank.penalties import apply_penalties, build_token_counts, build_token_mask
 from moeserve.rank.sampling_params import SamplingParams
 
+NO_TOKEN = -1  # next_token_ids of a row whose logits were not finite
+# Repetition penalties below this are taken as this: a smaller one underflows float32 (1e-300 is 0, and logit / 0
+# is inf); at 1e-30 the seen tokens with positive logits already outweigh all others.
+MIN_REPETITION_PENALTY = 1e-30
 _MASK64 = (1 << 64) - 1
 _DEFAULT_RNG = random.Random(0)  # unseeded requests when the caller passes no rng; see module docstring
 
@@ -123,7 +129,7 @@ class SamplingBatch:
                     p.min_p,
                     p.frequency_penalty,
                     p.presence_penalty,
-                    p.repetition_penalty,
+                    max(p.repetition_penalty, MIN_REPETITION_PENALTY),
                 ]
             )
             ints.append([_as_int64(seed), step, top_k, int(greedy)])
@@ -170,7 +176,7 @@ class SamplingBatch:
 
 @dataclass
 class SampleOutput:
-    next_token_ids: list[int]  # [B]
+    next_token_ids: list[int]  # [B]; NO_TOKEN where the row's logits were not finite
     logprobs: list[float] | None  # [B] raw log-prob of each chosen token; None unless asked for
     top_logprobs: list[list[tuple[int, float]]]  # [B][n_b] (token id, raw log-prob), largest first
     next_token_ids_device: torch.Tensor  # [B] int64 on the logits' device, for the next step's input
@@ -203,13 +209,17 @@ def sample(
         repetition_penalties=batch.repetition_penalties,
     )
     if batch.all_greedy:
-        next_ids = penalized.argmax(dim=-1)
+        scores = penalized
     else:
         scaled = penalized / batch.temperatures
-        filtered = filter_logits(scaled, batch)
-        next_ids = (filtered + gumbel_noise(batch.seeds, batch.steps, vocab_size)).argmax(dim=-1)
+        scores = filter_logits(scaled, batch) + gumbel_noise(batch.seeds, batch.steps, vocab_size)
         if batch.any_greedy:
-            next_ids = torch.where(batch.is_greedy, penalized.argmax(dim=-1), next_ids)
+            scores = torch.where(batch.is_greedy[:, None], penalized, scores)
+    best = scores.argmax(dim=-1)
+    # A row whose winning score is not finite (NaN logits: argmax takes the first NaN; +inf; or nothing left
+    # to choose) has no token to give: NO_TOKEN, and the scheduler fails the request (never token 0).
+    finite = torch.isfinite(scores.gather(1, best[:, None]).squeeze(1))
+    next_ids = torch.where(finite, best, NO_TOKEN)
 
     chosen_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] = [[] for _ in range(batch_size)]
@@ -217,7 +227,7 @@ def sample(
     if return_logprob or max_num > 0:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if return_logprob:
-            chosen_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
+            chosen_logprobs = raw_logprobs.gather(1, best[:, None]).squeeze(1).tolist()
         if max_num > 0:
             values, ids = raw_logprobs.topk(min(max_num, vocab_size), dim=-1)  # sorted, largest first
             values_host, ids_host = values.tolist(), ids.tolist()
@@ -252,7 +262,10 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.need_top_p:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-        sorted_logits.masked_fill_(mass_before >= batch.top_ps[:, None], float("-inf"))
+        # The likeliest token always stays: a top_p that rounds to 0 in float32 (1e-46) means greedy, not nothing.
+        drop = mass_before >= batch.top_ps[:, None]
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
     if batch.need_min_p:
         threshold = sorted_logits[:, :1] + torch.log(batch.min_ps)[:, None]
         sorted_logits.masked_fill_(sorted_logits < threshold, float("-inf"))

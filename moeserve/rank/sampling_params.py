@@ -21,14 +21,14 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """Per-request sampling options. Names and defaults follow SGLang's `sampling_params`."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: the request ends with no output token (finish reason 'length')
     temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # (0, 1]: smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 = whole vocabulary, else >= 1
     min_p: float = 0.0  # [0, 1]: drop tokens with probability < min_p * (largest probability)
     frequency_penalty: float = 0.0  # [-2, 2], subtracted once per occurrence in the output
     presence_penalty: float = 0.0  # [-2, 2], subtracted once if the token occurs in the output
-    repetition_penalty: float = 1.0  # > 0, on tokens of prompt + output: logit / p if > 0 else logit * p
+    repetition_penalty: float = 1.0  # (0, 2], on tokens of prompt + output: logit / p if > 0 else logit * p
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -94,9 +94,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p, ok=lambda x: 0 <= x <= 1, hint="in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             _check_float(name, getattr(self, name), ok=lambda x: -2 <= x <= 2, hint="in [-2, 2]")
-        _check_float(
-            "repetition_penalty", self.repetition_penalty, ok=lambda x: x > 0, hint="> 0 (1 means none)"
-        )
+        _check_float("repetition_penalty", self.repetition_penalty, ok=lambda x: 0 < x <= 2,
+                     hint="in (0, 2] (> 0; 1 means none), as SGLang defines it")
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):

@@ -26,6 +26,7 @@ from moeserve.rank.page_allocator import PageAllocator
 from moeserve.rank.radix_cache import RadixCache
 from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
+from moeserve.rank.sampler import NO_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,15 @@ class Scheduler:
             self._reject(req, f"prompt + max_new_tokens = {total} tokens does not fit the KV cache "
                               f"({self.allocator.num_pages * self.page_size} tokens)")
             return
+        if req.params.max_new_tokens == 0:  # nothing to generate: done, with no output token
+            req.finish_reason = FinishReason("length")
+            self.pending_out.append(req.take_output())
+            return
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
     def _reject(self, req: Req, message: str) -> None:
-        req.finish_reason = FinishReason("abort", message=message)
+        req.finish_reason = FinishReason("abort", message=message, status_code=400)
         self.pending_out.append(req.take_output())
 
     def abort(self, rid: str) -> None:
@@ -306,6 +311,10 @@ class Scheduler:
         outs = self.pending_out
         self.pending_out = []
         for i, req in enumerate(sampled):
+            if next_ids[i] == NO_TOKEN:
+                self._fail_non_finite(req)
+                outs.append(req.take_output())
+                continue
             req.output_ids.append(next_ids[i])
             if req.asked.return_logprob and logprobs is not None:
                 req.logprobs.append(logprobs[i])
@@ -323,6 +332,17 @@ class Scheduler:
         if batch.mode.is_extend:
             self.stats.prefilled += sum(batch.extend_lens)
         return outs
+
+    def _fail_non_finite(self, req: Req) -> None:
+        """End a request whose logits were not finite (NaN or inf): an error, not a token; its KV is not cached."""
+        logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; failing it",
+                     req.rid, len(req.output_ids))
+        req.finish_reason = FinishReason(
+            "abort", status_code=500, message=f"the model computed non-finite logits (NaN or inf) at output token "
+            f"{len(req.output_ids)}; no token could be sampled")
+        self.running.remove(req)
+        self._release(req, cache=False)
+        del self.reqs[req.rid]
 
     def drain_pending(self) -> list[TokenOut]:
         outs, self.pending_out = self.pending_out, []

@@ -172,3 +172,27 @@ def test_bad_requests_are_rejected_cleanly(ckpt_dir):
         assert r["finish_reason"].type == "abort" and r["finish_reason"].message
     ok = eng.run([[5, 6, 7]], GREEDY)
     assert len(ok[0]["output_ids"]) == NEW_TOKENS
+
+
+def test_zero_new_tokens_and_non_finite_logits(ckpt_dir):
+    """max_new_tokens 0 ends with no token (was one); NaN logits fail the request with status 500, the others go on."""
+    eng = InProcessEngine(model_path=ckpt_dir("mixtral"))
+    res = eng.run([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=0), GREEDY])
+    assert res[0]["output_ids"] == [] and res[0]["finish_reason"].type == "length"
+    assert len(res[1]["output_ids"]) == NEW_TOKENS
+
+    forward = eng.runner.forward
+
+    def nan_for_first_row(batch):
+        logits = forward(batch).clone()
+        logits[0] = float("nan")
+        return logits
+
+    eng.runner.forward = nan_for_first_row
+    res = eng.run([[5, 6, 7]], GREEDY)
+    finish = res[0]["finish_reason"]
+    assert res[0]["output_ids"] == [] and finish.type == "abort" and finish.status_code == 500
+    assert "non-finite" in finish.message
+    eng.runner.forward = forward
+    assert eng.scheduler.num_used_tokens == 0
+    assert len(eng.run([[5, 6, 7]], GREEDY)[0]["output_ids"]) == NEW_TOKENS
