@@ -38,6 +38,9 @@ from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.dp_controller import DPController
 from moeserve.server.rank_client import EngineDeadError, RankClient
+from moeserve.server.validation import InvalidRequestError, RequestFailedError, RequestValidator
+
+__all__ = ["DEFAULT_MODEL_NAME", "GenerateInput", "InvalidRequestError", "RequestFailedError", "TokenizerManager"]
 
 DEFAULT_MODEL_NAME = "default"  # the embedded model's name, and a name every server answers to
 
@@ -48,10 +51,6 @@ def default_served_name(model_path: str) -> str:
     if os.path.realpath(model_path) == os.path.realpath(cache_root() / CACHE_NAME):
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model_path)) or model_path
-
-
-class InvalidRequestError(ValueError):
-    """The request is malformed or cannot be served (the HTTP layer answers 400)."""
 
 
 @dataclass
@@ -72,6 +71,9 @@ class GenerateInput:
 
 @dataclass
 class _ReqState:
+    rid: str  # the client's id (unique among live requests)
+    wire_id: str  # the ranks' id for it: unique for the server's life, so a late output of an earlier request
+    # with the same rid (an abort the rank had not yet seen) can never reach this one
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     dp_rank: int
@@ -105,7 +107,9 @@ class TokenizerManager:
             self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
         self.num_dp = server_args.num_dp_groups
         self.dp = DPController(self.num_dp)
-        self._states: dict[str, _ReqState] = {}
+        self._states: dict[str, _ReqState] = {}  # wire id -> live request
+        self._rids: dict[str, _ReqState] = {}  # rid -> live request
+        self._seq = 0
         self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)
 
         self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
@@ -113,6 +117,7 @@ class TokenizerManager:
         self.context_length = self.ranks.ready.context_length
         self.vocab_size = self.ranks.ready.vocab_size
         self.max_total_tokens = self.ranks.ready.num_kv_tokens
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens)
 
     @property
     def healthy(self) -> bool:
@@ -127,75 +132,33 @@ class TokenizerManager:
         """The latest load of each DP group (index: dp rank)."""
         return self.dp.last_load
 
-    # ------------------------------------------------------------------ validate
-    def tokenize(self, obj: GenerateInput) -> list[int]:
-        if obj.input_ids is not None:
-            if obj.text is not None:
-                raise InvalidRequestError("give either text or input_ids, not both")
-            ids = obj.input_ids
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InvalidRequestError("input_ids must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input_ids has token ids outside the vocabulary [0, {self.vocab_size}):"
-                                          f" {bad[:5]}")
-        elif obj.text is not None:
-            if not isinstance(obj.text, str):
-                raise InvalidRequestError("text must be a string")
-            if not obj.text:
-                raise InvalidRequestError("the prompt is empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError("the server runs without a tokenizer (--skip-tokenizer-init): "
-                                          "send input_ids")
-            ids = self.tokenizer.encode(obj.text)
-        else:
-            raise InvalidRequestError("give text or input_ids")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        return ids
-
-    def make_params(self, obj: GenerateInput, prompt_len: int) -> SamplingParams:
-        try:
-            params = SamplingParams.from_dict(obj.sampling_params or {})
-            params.validate(self.vocab_size)
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(str(e)) from None
-        if prompt_len >= self.context_length:
-            raise InvalidRequestError(f"the prompt has {prompt_len} tokens, but the context length is "
-                                      f"{self.context_length}")
-        if prompt_len + params.max_new_tokens > self.context_length:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
-                f"length of {self.context_length}")
-        if prompt_len + params.max_new_tokens > self.max_total_tokens:
-            raise InvalidRequestError(
-                f"prompt + max_new_tokens = {prompt_len + params.max_new_tokens} tokens exceeds the KV cache "
-                f"({self.max_total_tokens} tokens)")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
-        return params
-
     # ------------------------------------------------------------------ generate
     async def generate(self, obj: GenerateInput) -> AsyncGenerator[dict, None]:
-        """Run one request; yields output dicts (one per chunk when streaming, else one at the end)."""
+        """Run one request; yields output dicts (one per chunk when streaming, else one at the end).
+
+        Raises InvalidRequestError for a request it cannot serve, RequestFailedError when the ranks fail it,
+        EngineDeadError once the engine is dead. Closing the generator early aborts the request on the ranks.
+        """
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
-        ids = self.tokenize(obj)
-        params = self.make_params(obj, len(ids))
-        if not isinstance(obj.top_logprobs_num, int) or not 0 <= obj.top_logprobs_num <= 20:
-            raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]")
+        ids = await self.validator.prompt_ids(obj.text, obj.input_ids)
+        params = self.validator.params(obj.sampling_params, len(ids), obj.top_logprobs_num)
         rid = obj.rid or uuid.uuid4().hex
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        loop = asyncio.get_running_loop()
         with self._lock:
-            if rid in self._states:
-                raise InvalidRequestError(f"request id {rid!r} is already in use")
+            if rid in self._rids:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", code="duplicate_rid", param="rid")
+            if self.dead_reason:
+                raise EngineDeadError(self.dead_reason)
+            self._seq += 1
             num_tokens = len(ids) + params.max_new_tokens
-            st = _ReqState(loop, asyncio.Queue(), self.dp.assign(num_tokens), num_tokens, detok, params)
-            self._states[rid] = st
-        req = GenerateReq(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
+            st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
+                           self.dp.assign(num_tokens), num_tokens, detok, params)
+            self._rids[rid] = st
+            self._states[st.wire_id] = st
+        req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
                           obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
         finished = False
         try:
@@ -204,15 +167,16 @@ class TokenizerManager:
                 out = await st.queue.get()
                 if isinstance(out, Exception):
                     raise out
-                result = self._output(st, rid, out, len(ids))
                 finished = out.finish_reason is not None
+                _raise_failure(out.finish_reason)
+                result = self._output(st, rid, out, len(ids))
                 if finished or obj.stream:
                     yield result
                 if finished:
                     return
         finally:
             if not finished:
-                await self.abort(rid)
+                self._abort_state(st)
 
     def _deliver(self, outs: list[TokenOut]) -> None:
         """Hand each output to its request's loop (receiver thread); a final one ends the request's state."""
@@ -220,15 +184,21 @@ class TokenizerManager:
             with self._lock:
                 st = self._states.get(out.rid)
                 if st is not None and out.finish_reason is not None:
-                    del self._states[out.rid]
-                    self.dp.release(st.dp_rank, st.num_tokens)
+                    self._forget(st)
             if st is not None:
                 st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
+
+    def _forget(self, st: _ReqState) -> None:
+        """Drop a request's state (under the lock): its rid is free again, its tokens leave its DP group's load."""
+        del self._states[st.wire_id]
+        if self._rids.get(st.rid) is st:
+            del self._rids[st.rid]
+        self.dp.release(st.dp_rank, st.num_tokens)
 
     def _fail_all(self, reason: str) -> None:
         """The engine died: every live request ends with EngineDeadError."""
         with self._lock:
-            states, self._states = self._states, {}
+            states, self._states, self._rids = self._states, {}, {}
         for st in states.values():
             st.loop.call_soon_threadsafe(st.queue.put_nowait, EngineDeadError(reason))
 
@@ -280,17 +250,24 @@ class TokenizerManager:
         return text
 
     async def abort(self, rid: str) -> None:
-        """End a request: the worker frees its KV, and its generate() ends with finish reason 'abort'."""
+        """End the live request `rid`: the ranks free its KV, and its generate() ends with finish reason 'abort'."""
         with self._lock:
-            st = self._states.pop(rid, None)
-            if st is not None:
-                self.dp.release(st.dp_rank, st.num_tokens)
-        if st is None:
-            return
-        done = TokenOut(rid, [], FinishReason("abort", message="aborted by request"), 0, len(st.output_ids), 0)
+            st = self._rids.get(rid)
+        if st is not None:
+            self._abort_state(st)
+
+    def _abort_state(self, st: _ReqState) -> None:
+        with self._lock:
+            if self._states.get(st.wire_id) is not st:
+                return  # finished or aborted already
+            self._forget(st)
+        done = TokenOut(st.wire_id, [], FinishReason("abort", message="aborted by request"), 0, len(st.output_ids), 0)
         st.loop.call_soon_threadsafe(st.queue.put_nowait, done)
         if not self.dead_reason:
-            self.ranks.send(st.dp_rank, AbortReq(rid))
+            try:
+                self.ranks.send(st.dp_rank, AbortReq(st.wire_id))
+            except EngineDeadError:
+                pass
 
     # ------------------------------------------------------------------ control
     async def flush_cache(self) -> bool:
@@ -329,3 +306,16 @@ class TokenizerManager:
     def shutdown(self) -> None:
         """Stop the workers and free the sockets; safe to call twice."""
         self.ranks.shutdown()
+        if hasattr(self, "validator"):
+            self.validator.shutdown()
+
+
+def _raise_failure(finish: FinishReason | None) -> None:
+    """A rank's 'abort' with a status code is a failure, not a stop: the request fails (400: the rank refused it;
+    500: it could not go on), so that no client takes it for an answer."""
+    if finish is None or finish.type != "abort" or finish.status_code is None:
+        return
+    message = finish.message or "the request failed"
+    if finish.status_code == 400:
+        raise InvalidRequestError(message)
+    raise RequestFailedError(message, finish.status_code)

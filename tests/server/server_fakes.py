@@ -26,6 +26,7 @@ from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+from moeserve.server.validation import RequestValidator
 
 
 @dataclass
@@ -45,6 +46,7 @@ class FakeClient:
         self.context_length = context_length
         self.max_total_tokens = 100_000
         self.model_config = FakeModelConfig(context_length, self.vocab_size, "DeepseekV3ForCausalLM")
+        self.validator = RequestValidator(tokenizer, self.vocab_size, context_length, self.max_total_tokens)
         self.model_name = "fake-model"
         self.healthy = True
         self.dead_reason: str | None = None
@@ -99,14 +101,18 @@ class FakeClient:
             raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]")
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.running:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
+            raise InvalidRequestError(f"request id {rid!r} is already in use", code="duplicate_rid", param="rid")
         self.requests.append(obj)
         self.running[rid] = obj
+        done = False
         try:
             async for out in self._run(obj, rid, ids, params):
+                done = out["meta_info"]["finish_reason"] is not None
                 yield out
         finally:
             self.running.pop(rid, None)
+            if not done:  # closed early, as the TokenizerManager's generator aborts its request on the ranks
+                self.aborted.append(rid)
 
     async def _run(self, obj: GenerateInput, rid: str, ids: list[int], params: SamplingParams):
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None

@@ -556,3 +556,20 @@ def test_shutdown_ends_streams_with_abort(default_tokenizer):
         assert time.monotonic() - start < 3  # not the 5 s graceful timeout
     events = sse_events(result["r"].text)
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "the server is shutting down"}
+
+
+def test_reused_rid_while_streaming_is_duplicate_rid(base_url, http, fake):
+    fake.token_delay = 0.02
+    with httpx.Client(base_url=base_url, timeout=30) as c, c.stream(
+            "POST", "/generate", json={"text": "x", "rid": "twice", "stream": True,
+                                       "sampling_params": {"max_new_tokens": 300}}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        for path, body in (("/generate", {"text": "y", "rid": "twice"}),
+                           ("/v1/completions", {"prompt": "y", "rid": "twice", "max_tokens": 2})):
+            again = http.post(path, json=body)
+            assert again.status_code == 400, again.text
+            assert again.json()["error"]["code"] == "duplicate_rid" and again.json()["error"]["param"] == "rid"
+    _wait_until(lambda: not fake.running)
+    ok = http.post("/generate", json={"text": "y", "rid": "twice", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["finish_reason"]["type"] == "length"

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.server.rank_client import EngineDeadError
-from moeserve.server.tokenizer_manager import InvalidRequestError
+from moeserve.server.tokenizer_manager import InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,9 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, InvalidRequestError):
-        return APIError(str(e), 400, param=_param_of(str(e)))
+        return APIError(str(e), 400, param=e.param or _param_of(str(e)), code=e.code)
+    if isinstance(e, RequestFailedError):
+        return APIError(str(e), e.status, code="request_failed")
     if isinstance(e, EngineDeadError):
         return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
     if isinstance(e, asyncio.TimeoutError):

@@ -7,9 +7,10 @@ i). Chat prompts are rendered with the model's chat template and tokenized witho
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -25,7 +26,8 @@ from moeserve.server.http.protocol import (
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+from moeserve.server.validation import INLINE_TEXT_CHARS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 1024
@@ -77,7 +79,7 @@ def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple
     return inputs
 
 
-def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_id: str) -> list[GenerateInput]:
+async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_id: str) -> list[GenerateInput]:
     _check_common(req)
     if req.echo:
         raise APIError("echo is not supported", 400, param="echo", code="unsupported_parameter")
@@ -129,7 +131,7 @@ def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
     return d
 
 
-def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
+async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
     _check_common(req)
     if req.tools:
         raise APIError("tool calling is not supported", 400, param="tools", code="unsupported_parameter")
@@ -143,12 +145,19 @@ def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id: str)
     if ctx.tokenizer is None:
         raise APIError("chat completions need a tokenizer; the server runs with --skip-tokenizer-init", 400)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    validator = ctx.client.validator
     try:
-        prompt = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                   **(req.chat_template_kwargs or {}))
+        # A conversation whose text alone could not fit the context is refused before it is rendered.
+        validator.check_text_len(sum(len(m["content"]) for m in messages), "the conversation")
+        render = functools.partial(ctx.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                   **(req.chat_template_kwargs or {}))
+        long = sum(len(m["content"]) for m in messages) > INLINE_TEXT_CHARS
+        prompt = await validator.off_loop(render) if long else render()
+        ids = await validator.encode(prompt, add_special_tokens=False)
+    except InvalidRequestError as e:
+        raise engine_error(e) from None
     except (ValueError, TypeError) as e:
         raise APIError(str(e), 400, param="messages") from None
-    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         # OpenAI's default: as much as the context leaves (the engine rejects a prompt that fills it).
@@ -244,13 +253,13 @@ OpenAIBody = TypeVar("OpenAIBody", CompletionRequest, ChatCompletionRequest)
 
 
 async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBody],
-                 to_inputs: Callable[[ServerContext, OpenAIBody, str], list[GenerateInput]], path: str,
+                 to_inputs: Callable[[ServerContext, OpenAIBody, str], Awaitable[list[GenerateInput]]], path: str,
                  id_prefix: str, chat: bool) -> Any:
     """Read the body, check the model, fan the prompts out into engine requests, answer (streamed or not)."""
     req = parse_body(await request.body(), body_type, f"{path} request")
     ctx.check_model(req.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    inputs = to_inputs(ctx, req, request_id)
+    inputs = await to_inputs(ctx, req, request_id)
 
     def respond(outs: list[dict]) -> JSONResponse:
         return JSONResponse(_response(ctx, req, outs, request_id, chat))

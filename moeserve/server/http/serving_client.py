@@ -13,6 +13,7 @@ from typing import Protocol
 from moeserve.args import ServerArgs
 from moeserve.rank.io_struct import ExpertDistributionOut, LoadOut
 from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.validation import RequestValidator
 from moeserve.text.tokenizer import Tokenizer
 
 
@@ -37,6 +38,7 @@ class ServingClient(Protocol):
     tokenizer: Tokenizer | None
     context_length: int  # most tokens of one request (prompt + output), as the ranks report it
     max_total_tokens: int  # KV cache tokens of one DP group: most tokens one request can hold
+    validator: RequestValidator  # prompt limits and tokenizing off the event loop (the chat endpoint's too)
 
     @property
     def model_config(self) -> ModelFacts: ...

@@ -68,27 +68,27 @@ class SubRequest:
         """End the request from outside (/abort_request): the reader gets a final 'abort' output."""
         self.queue.put_nowait(_Abort(message))
 
+    def fail(self, error: Exception) -> None:
+        """End the request from outside with an error the reader raises (the server shutting down)."""
+        self.queue.put_nowait(error)
+
     async def next(self) -> dict | None:
         """The next output, or None after the last one. Raises the engine's error (e.g. InvalidRequestError)."""
         if self.finished:
             return None
         item = await self.queue.get()
         if item is _END:
-            self.finished = True
+            self._finish()
             return None
         if isinstance(item, BaseException):
-            self.finished = True
-            self.registry.pop(self.rid, None)
+            self._finish()
             raise item
         if isinstance(item, _Abort):
             item = self._abort_output(item.message)
         self._observe(item)
         self.last = item
         if item["meta_info"].get("finish_reason") is not None:
-            self.finished = True
-            self.registry.pop(self.rid, None)
-            if self.task is not None and not self.task.done():
-                self.task.cancel()  # after an outside abort the engine may still be running it
+            self._finish()
         return item
 
     async def result(self) -> dict:
@@ -100,18 +100,24 @@ class SubRequest:
         return self.last
 
     async def close(self) -> None:
-        """Stop the request if it is still running (client gone) and tell the engine to free it."""
-        self.registry.pop(self.rid, None)
+        """Stop the request if it is still running (the client went away): its generator, cancelled, tells the
+        engine to free it, and it counts as finished with reason 'abort'."""
         if self.finished:
+            self._unregister()
             return
+        self._observe(self._abort_output("the client disconnected"))
+        self._finish()
+
+    def _finish(self) -> None:
         self.finished = True
-        if self.task is not None:
-            self.task.cancel()
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.client.abort(self.rid)
-            except Exception:  # noqa: BLE001 - a dead engine has nothing left to free
-                pass
+        self._unregister()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # after an outside abort or error the engine may still be running it
+
+    def _unregister(self) -> None:
+        # NOTE: only its own entry: a new request may hold the rid by now
+        if self.registry.get(self.rid) is self:
+            del self.registry[self.rid]
 
     # ------------------------------------------------------------------
     def _abort_output(self, message: str) -> dict:
