@@ -334,6 +334,24 @@ def test_disconnect_mid_stream_aborts(base_url, fake, path, body):
     assert rid in fake.aborted
 
 
+def _abort_count(http) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("moeserve:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_disconnects_count_as_aborted_requests(base_url, http, fake):
+    fake.token_delay = 0.02
+    before = _abort_count(http)
+    with httpx.Client(base_url=base_url, timeout=30) as c, c.stream(
+            "POST", "/v1/completions", json={"prompt": "slow", "stream": True, "max_tokens": 400}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=base_url, timeout=0.3) as c:
+        c.post("/generate", json={"text": "slow", "sampling_params": {"max_new_tokens": 400}})
+    _wait_until(lambda: not fake.running and _abort_count(http) == before + 2)
+
+
 def test_disconnect_non_streaming_aborts(base_url, fake):
     fake.token_delay = 0.02
     before = len(fake.requests)
@@ -368,7 +386,15 @@ def test_abort_request_ends_the_stream(base_url, http, fake):
 # ----------------------------------------------------------------------
 # bad input never hurts the server
 LONG = "word " * 1000
+DEEP = b"[" * 1000 + b"]" * 1000  # RecursionError in json's parser: was a 500
 BAD_REQUESTS = [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "metadata": {"a": ' + DEEP + b"}}",
+     400, "nested"),
+    ("/v1/completions", b'{"prompt": "x", "user": ' + DEEP + b"}", 400, "nested"),
+    ("/generate", b'{"text": "x", "sampling_params": {"a": ' + DEEP + b"}}", 400, "nested"),
+    ("/abort_request", b'{"rid": ' + DEEP + b"}", 400, "nested"),
+    ("/generate", {"text": ["x"] * 1024, "sampling_params": {"n": 2}}, 400, "exceeds 1024"),
+    ("/generate", {"input_ids": [[5, 6]] * 9, "sampling_params": {"n": 128}}, 400, "exceeds 1024"),
     # (path, raw body or JSON, status, words the message must contain)
     ("/v1/completions", b'{"prompt": "x",', 400, "not valid JSON"),
     ("/v1/chat/completions", b'{"messages": [}', 400, "not valid JSON"),

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from moeserve.server.http.errors import APIError, engine_error
 from moeserve.server.http.metrics import Metrics
+from moeserve.server.http.protocol import MAX_PROMPTS
 from moeserve.server.http.serving_client import ServingClient
 from moeserve.server.http.streams import SubRequest
 from moeserve.server.rank_client import EngineDeadError
@@ -42,6 +43,11 @@ class ServerContext:
     def kv_capacity(self) -> int:
         """Most tokens one request can hold in the KV cache."""
         return self.client.max_total_tokens
+
+    @property
+    def max_entries(self) -> int:
+        """Most entries of any array or object in a request body: no request needs more (json_body.py)."""
+        return max(self.context_length, MAX_PROMPTS, self.client.model_config.vocab_size)
 
     @property
     def model_names(self) -> set[str]:

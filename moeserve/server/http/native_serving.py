@@ -17,12 +17,11 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.protocol import MAX_N, GenerateRequest, parse_body
+from moeserve.server.http.json_body import read_body
+from moeserve.server.http.protocol import MAX_CHOICES, MAX_N, MAX_PROMPTS, GenerateRequest
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
 from moeserve.server.tokenizer_manager import GenerateInput
-
-MAX_BATCH = 1024
 
 router = APIRouter()
 
@@ -52,8 +51,8 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
         ids = req.input_ids
         batch = len(ids) if ids and isinstance(ids[0], list) else None
         prompts = [(None, p) for p in (ids if batch is not None else [ids])]
-    if batch is not None and not 1 <= batch <= MAX_BATCH:
-        raise APIError(f"a batch holds 1 to {MAX_BATCH} prompts, got {batch}", 400,
+    if batch is not None and not 1 <= batch <= MAX_PROMPTS:
+        raise APIError(f"a batch holds 1 to {MAX_PROMPTS} prompts, got {batch}", 400,
                        param="text" if req.text is not None else "input_ids")
 
     for i, (text, ids) in enumerate(prompts):
@@ -72,14 +71,15 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     if len(set(given)) != len(given):
         raise APIError("rid values must be unique within a batch", 400, param="rid")
 
+    ns = [_n_of(sp) for sp in params]
+    if sum(ns) > MAX_CHOICES:
+        raise APIError(f"prompts x n = {sum(ns)} exceeds {MAX_CHOICES}", 400, param="sampling_params.n")
     inputs: list[GenerateInput] = []
     many = batch is not None
     for i, (text, ids) in enumerate(prompts):
         sp = dict(params[i] or {})
-        n = sp.pop("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-            raise APIError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}", 400,
-                           param="sampling_params.n")
+        sp.pop("n", None)
+        n = ns[i]
         many = many or n > 1
         base = rids[i] or uuid.uuid4().hex
         for j in range(n):
@@ -92,6 +92,14 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
                                         bootstrap_host=hosts[i], bootstrap_port=ports[i],
                                         bootstrap_room=rooms[i]))
     return inputs, many
+
+
+def _n_of(sampling_params: dict | None) -> int:
+    n = (sampling_params or {}).get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise APIError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}", 400,
+                       param="sampling_params.n")
+    return n
 
 
 def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, index: int | None) -> dict:
@@ -111,7 +119,7 @@ def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, 
 
 @router.post("/generate")
 async def generate(request: Request, ctx: Ctx) -> Any:
-    req = parse_body(await request.body(), GenerateRequest, "/generate request")
+    req = await read_body(await request.body(), GenerateRequest, "/generate request", ctx.max_entries)
     inputs, many = build_inputs(req)
 
     def respond(outs: list[dict]) -> JSONResponse:

@@ -18,11 +18,13 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.json_body import read_body
 from moeserve.server.http.protocol import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    parse_body,
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
@@ -30,8 +32,6 @@ from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
 from moeserve.server.validation import INLINE_TEXT_CHARS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_PROMPTS = 1024
-
 router = APIRouter()
 
 
@@ -105,8 +105,8 @@ async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_
             raise APIError(f"{where} is empty", 400, param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", 400, param="prompt")
-    if len(prompts) * req.n > MAX_PROMPTS:
-        raise APIError(f"prompts x n = {len(prompts) * req.n} exceeds {MAX_PROMPTS}", 400, param="n")
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(f"prompts x n = {len(prompts) * req.n} exceeds {MAX_CHOICES}", 400, param="n")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     sp = sampling_params(req, max_tokens)
     return _fan_out(req, prompts, [sp] * len(prompts), request_id, req.logprobs or 0, req.logprobs is not None)
@@ -256,7 +256,7 @@ async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBod
                  to_inputs: Callable[[ServerContext, OpenAIBody, str], Awaitable[list[GenerateInput]]], path: str,
                  id_prefix: str, chat: bool) -> Any:
     """Read the body, check the model, fan the prompts out into engine requests, answer (streamed or not)."""
-    req = parse_body(await request.body(), body_type, f"{path} request")
+    req = await read_body(await request.body(), body_type, f"{path} request", ctx.max_entries)
     ctx.check_model(req.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     inputs = await to_inputs(ctx, req, request_id)

@@ -1,4 +1,4 @@
-"""Request bodies of the HTTP API as pydantic models, and the JSON reading in front of them.
+"""Request bodies of the HTTP API as pydantic models, and the limits of a request (json_body.py reads bodies).
 
 Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as OpenAI's API does: a misspelt
 `max_token` is an error that names it, not a silently ignored option. OpenAI fields that moeserve accepts but
@@ -10,16 +10,43 @@ stop_token_ids, ignore_eos, ...) are top-level fields of the OpenAI bodies (the 
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+)
 
-from moeserve.server.http.errors import APIError, validation_message
+# The limits of a request, the same on every endpoint (json_body.py has those of the body itself).
+MAX_N = 128  # most choices per prompt (n)
+MAX_PROMPTS = 1024  # most prompts per request
+MAX_CHOICES = 1024  # most prompts x n per request (as OpenAI's endpoints cap it)
+MAX_LOGPROBS = 20  # most top logprobs per token (logprobs, top_logprobs, top_logprobs_num)
 
-MAX_N = 128  # most choices per request (n), and most prompts per batch request
-MAX_LOGPROBS = 20
-MAX_BODY_BYTES = 64 * 1024 * 1024
+_TOKEN_IDS = TypeAdapter(list[int], config=ConfigDict(strict=True))
+
+
+def _token_id_batch(value: Any) -> list[list[int]]:
+    # One pydantic call per prompt, not one for the whole batch: a batch of millions of ids then never holds the
+    # GIL for long (json_body.py validates large bodies in a worker thread).
+    if not isinstance(value, list):
+        raise ValueError("must be a list of lists of token ids")
+    out = []
+    for i, ids in enumerate(value):
+        try:
+            out.append(_TOKEN_IDS.validate_python(ids))
+        except ValidationError as e:
+            raise ValueError(f"entry {i}: {e.errors()[0].get('msg', 'not a list of integers')}") from None
+    return out
+
+
+TokenIdBatch = Annotated[list[list[int]], PlainValidator(_token_id_batch),
+                         WithJsonSchema({"type": "array", "items": {"type": "array", "items": {"type": "integer"}}})]
 
 
 class _Body(BaseModel):
@@ -32,7 +59,7 @@ class GenerateRequest(_Body):
     """POST /generate: one prompt or a batch (lists), as text or token ids."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int] | TokenIdBatch | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
@@ -96,7 +123,7 @@ class _OpenAICommon(_SamplingExtras):
 class CompletionRequest(_OpenAICommon):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | TokenIdBatch
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -134,60 +161,3 @@ class ChatCompletionRequest(_OpenAICommon):
     service_tier: str | None = None  # accepted, unused
     reasoning_effort: str | None = None  # accepted, unused
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
-
-
-# ----------------------------------------------------------------------
-# reading bodies
-def parse_json(raw: bytes) -> Any:
-    """The JSON value of a request body; APIError (400) for bad UTF-8, bad JSON, NaN, lone surrogates."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", 413)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(f"the request body is not valid UTF-8 (bad byte at offset {e.start})", 400,
-                       code="invalid_utf8") from None
-    if not text.strip():
-        raise APIError("the request body is empty; send a JSON object", 400, code="invalid_json")
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise APIError(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})", 400,
-                       code="invalid_json") from None
-    except ValueError as e:
-        raise APIError(str(e), 400, code="invalid_json") from None
-    _check_strings(value, "")
-    return value
-
-
-def parse_body(raw: bytes, model: type[BaseModel], what: str) -> Any:
-    """Parse and validate a body into `model`; every problem becomes a 400 naming the field."""
-    value = parse_json(raw)
-    if not isinstance(value, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(value).__name__}", 400,
-                       code="invalid_json")
-    try:
-        return model.model_validate(value)
-    except ValidationError as e:
-        raise validation_message(e, what) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"the request body holds {name}, which is not valid JSON")
-
-
-def _check_strings(value: Any, path: str) -> None:
-    # JSON escapes can encode lone UTF-16 surrogates ("\ud800"), which no tokenizer can take.
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(f"{path or 'the body'}: the string holds an unpaired UTF-16 surrogate "
-                           "(invalid Unicode)", 400, param=path or None, code="invalid_unicode") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k, path)
-            _check_strings(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_strings(v, f"{path}[{i}]")
