@@ -599,3 +599,23 @@ def test_reused_rid_while_streaming_is_duplicate_rid(base_url, http, fake):
     _wait_until(lambda: not fake.running)
     ok = http.post("/generate", json={"text": "y", "rid": "twice", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200 and ok.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_openapi_documents_bodies_and_errors(http):
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, model in (("/generate", "GenerateRequest"), ("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest"), ("/abort_request", "AbortRequest")):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        assert model in schemas
+        for status in ("400", "404", "413", "503"):
+            assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "/ErrorResponse"), (path, status)
+    assert "ChatMessage" in schemas and "422" not in doc["paths"]["/generate"]["post"]["responses"]
+    ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids))
+    sp = schemas["GenerateRequest"]["properties"]["sampling_params"]["anyOf"][0]
+    assert {"max_new_tokens", "temperature", "top_p", "stop"} <= set(sp["properties"])
+    r = http.get("/health")
+    assert r.headers["content-type"] == "application/json" and r.json() == {"status": "ok"}

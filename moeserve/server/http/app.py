@@ -19,14 +19,13 @@ from moeserve.server.http import control, info, native_serving, openai_serving
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, install_error_handlers
 from moeserve.server.http.metrics import Metrics
+from moeserve.server.http.openapi import OPEN_PATHS, openapi_document
 from moeserve.server.http.serving_client import ServingClient
-
-_OPEN_PATHS = {"/health", "/metrics", "/version"}  # reachable without the API key
 
 
 async def check_api_key(request: Request, ctx: Ctx) -> None:
     """With --api-key, every endpoint but the open ones asks for 'Authorization: Bearer KEY'."""
-    if ctx.api_key is None or request.url.path in _OPEN_PATHS:
+    if ctx.api_key is None or request.url.path in OPEN_PATHS:
         return
     auth = request.headers.get("authorization", "")
     if auth != f"Bearer {ctx.api_key}":
@@ -41,4 +40,5 @@ def build_app(client: ServingClient) -> FastAPI:
     install_error_handlers(app)
     for module in (native_serving, openai_serving, info, control):
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     return app

@@ -38,8 +38,9 @@ def _check_healthy(ctx: ServerContext) -> None:
 
 @router.get("/health")
 async def health(ctx: Ctx) -> Any:
+    """Liveness: 200 {"status": "ok"} while the engine runs; 503 once it is dead or the server is stopping."""
     _check_healthy(ctx)
-    return Response(status_code=200)
+    return {"status": "ok"}
 
 
 @router.get("/health_generate")
@@ -63,7 +64,7 @@ async def health_generate(ctx: Ctx) -> Any:
                        code="engine_dead") from None
     finally:
         await gen.aclose()
-    return Response(status_code=200)
+    return {"status": "ok"}
 
 
 @router.get("/get_server_info")

@@ -22,6 +22,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from moeserve.rank.sampling_params import SamplingParams
+
 # The limits of a request, the same on every endpoint (json_body.py has those of the body itself).
 MAX_N = 128  # most choices per prompt (n)
 MAX_PROMPTS = 1024  # most prompts per request
@@ -45,6 +47,16 @@ def _token_id_batch(value: Any) -> list[list[int]]:
     return out
 
 
+def _sampling_params_schema() -> dict[str, Any]:
+    """The JSON schema of /generate's `sampling_params` object, for /openapi.json (SGLang's names and types)."""
+    schema = TypeAdapter(SamplingParams).json_schema()
+    schema.pop("title", None)
+    return {**schema, "additionalProperties": False}
+
+
+SamplingParamsJSON = Annotated[dict[str, Any] | list[dict[str, Any]] | None, WithJsonSchema({"anyOf": [
+    _sampling_params_schema(), {"type": "array", "items": _sampling_params_schema()}, {"type": "null"}]})]
+
 TokenIdBatch = Annotated[list[list[int]], PlainValidator(_token_id_batch),
                          WithJsonSchema({"type": "array", "items": {"type": "array", "items": {"type": "integer"}}})]
 
@@ -60,7 +72,7 @@ class GenerateRequest(_Body):
 
     text: str | list[str] | None = None
     input_ids: list[int] | TokenIdBatch | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsJSON = None
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
