@@ -25,14 +25,26 @@ def _args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Se
         raise  # unreachable
 
 
+def _check_model_or_exit(parser: argparse.ArgumentParser, args: ServerArgs) -> None:
+    """The model's config.json read and the parallel layout checked, before any process starts: a layout the model
+    cannot run is a usage error (exit 2, one line), not tracebacks from every rank."""
+    from moeserve.core.model_config import ModelConfig
+    from moeserve.models.default_model import resolve_model_path
+    from moeserve.server.launch import check_model_fits
+
+    try:
+        check_model_fits(args, ModelConfig.from_pretrained(resolve_model_path(args)))
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def cmd_serve(argv: list[str]) -> int:
     parser = _server_parser("moeserve serve", "Start the OpenAI- and SGLang-compatible HTTP server.")
     args = _args_or_exit(parser, parser.parse_args(argv))
-    if args.node_rank > 0:  # every node runs the same command; only node 0 serves HTTP
-        from moeserve.models.default_model import resolve_model_path
+    _check_model_or_exit(parser, args)
+    if args.node_rank > 0:  # every node runs the same command; only node 0 serves HTTP (the model resolved above)
         from moeserve.server.launch import run_worker_node
 
-        resolve_model_path(args)
         return run_worker_node(args)
     from moeserve.server.http.server import run_server
 
@@ -55,6 +67,7 @@ def cmd_generate(argv: list[str]) -> int:
     own.add_argument("--json", action="store_true", help="Print the whole output as JSON.")
     ns = parser.parse_args(argv)
     args = _args_or_exit(parser, ns)  # from_cli_args takes the ServerArgs fields only
+    _check_model_or_exit(parser, args)
     from moeserve.server.engine import Engine
 
     engine = Engine(**vars(args))

@@ -65,3 +65,38 @@ def test_served_model_name_defaults_to_the_directory_name():
 
     assert default_served_name(default_model_path()) == "default"  # not its cache path
     assert default_served_name("/models/Qwen3-30B-A3B/") == "Qwen3-30B-A3B"
+
+
+def test_a_layout_the_model_cannot_run_fails_before_any_process_starts(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import time
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
+              "hidden_size": 80, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "moeserve.cli", "serve", "--model-path", str(tmp_path),
+                        "--tp-size", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "5 attention heads" in r.stderr and "--tp-size 2" in r.stderr
+    assert "Traceback" not in r.stderr and "rank" not in r.stdout
+    assert time.monotonic() - start < 30
+
+
+def test_check_model_fits_names_the_flags():
+    from moeserve.core.model_config import ModelConfig
+    from moeserve.models.default_model import default_model_path
+    from moeserve.server.launch import check_model_fits
+
+    config = ModelConfig.from_pretrained(default_model_path())  # 16 experts, 4 MLA heads
+    check_model_fits(ServerArgs(tp_size=2, ep_size=2), config)
+    with pytest.raises(ValueError, match="4 attention heads.*--tp-size 3"):
+        check_model_fits(ServerArgs(tp_size=3), config)
+    dp = dict(tp_size=3, dp_size=3, enable_dp_attention=True)  # one rank per attention group
+    with pytest.raises(ValueError, match="16 physical experts .*--ep-size 3"):
+        check_model_fits(ServerArgs(**dp), config)
+    check_model_fits(ServerArgs(**dp, ep_num_redundant_experts=2), config)

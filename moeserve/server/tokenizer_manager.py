@@ -37,6 +37,7 @@ from moeserve.rank.io_struct import (
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.dp_controller import DPController
+from moeserve.server.launch import check_model_fits
 from moeserve.server.rank_client import EngineDeadError, RankClient
 from moeserve.server.validation import InvalidRequestError, RequestFailedError, RequestValidator
 
@@ -99,6 +100,7 @@ class TokenizerManager:
         model_path = resolve_model_path(server_args)
         self.server_args = server_args
         self.model_config = ModelConfig.from_pretrained(model_path)
+        check_model_fits(server_args, self.model_config)  # before any rank process starts
         self.model_name = server_args.served_model_name or default_served_name(model_path)
         self.tokenizer = None
         if not server_args.skip_tokenizer_init:
