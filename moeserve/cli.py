@@ -48,8 +48,7 @@ def cmd_serve(argv: list[str]) -> int:
         return run_worker_node(args)
     from moeserve.server.http.server import run_server
 
-    run_server(args)
-    return 0
+    return run_server(args)  # 1 when the engine died, so that a supervisor restarts the server
 
 
 def cmd_generate(argv: list[str]) -> int:

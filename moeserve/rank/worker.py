@@ -60,9 +60,11 @@ class WorkerReady:
 
 def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
     """Entry point of a rank process. Never raises: a fatal error is reported to the client, then we exit."""
-    # The server process decides when workers stop (ShutdownReq, then terminate): a Ctrl-C in the terminal
-    # reaches the whole process group, and must not kill a worker mid-step.
+    # The server process decides when workers stop (ShutdownReq, then kill): a Ctrl-C in the terminal, or the
+    # SIGTERM that systemd and `kill -TERM -PGID` send to the whole group, must not kill a worker mid-step while
+    # the server drains. A worker whose server died exits by itself (WorkerLoop._recv).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=server_args.log_level.upper(),
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -175,6 +177,7 @@ class WorkerLoop:
         if req_sock is not None:
             self.poller.register(req_sock, zmq.POLLIN)
         self.running = True
+        self.server_pid = os.getppid()
         self.last_log = time.monotonic()
         self.last_counts = (0, 0)
 
@@ -193,6 +196,9 @@ class WorkerLoop:
     def _recv(self, block: bool) -> list:
         if self.req_sock is None:
             return []
+        if block and os.getppid() != self.server_pid:  # orphaned: the server process is gone
+            logger.error("the server process (pid %d) is gone; stopping", self.server_pid)
+            return [ShutdownReq()]
         msgs = []
         timeout = 100 if block else 0
         while self.poller.poll(timeout):

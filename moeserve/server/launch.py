@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
+import time
 import uuid
 
 from moeserve.args import ServerArgs
@@ -121,16 +123,29 @@ def start_workers(args: ServerArgs, ports: WorkerPorts) -> list[mp.Process]:
 
 
 def stop_workers(procs: list[mp.Process], timeout: float = 10.0) -> None:
-    """Join the workers (they were asked to shut down); terminate, then kill, the ones that linger."""
+    """Join the workers (they were asked to shut down) for up to `timeout` seconds in all; kill the ones that
+    linger (they ignore SIGTERM: the server process decides when they stop)."""
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
-            p.terminate()
-            p.join(3)
-        if p.is_alive():
+            logger.warning("rank process %s (pid %s) did not stop; killing it", p.name, p.pid)
             p.kill()
-            p.join(1)
+            p.join(2)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """A process's end in words: 'exited with code 1', 'was killed by signal 9 (SIGKILL)'."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = f" ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            name = ""
+        return f"was killed by signal {-exitcode}{name}"
+    return f"exited with code {exitcode}"
 
 
 def cleanup_ipc(ports: WorkerPorts) -> None:

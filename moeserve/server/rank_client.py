@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing.connection as mp_connection
 import pickle
 import threading
 import time
@@ -32,12 +33,21 @@ from moeserve.rank.io_struct import (
     WorkerError,
 )
 from moeserve.rank.worker import WorkerReady
-from moeserve.server.launch import bind_addr, cleanup_ipc, make_ports, start_workers, stop_workers
+from moeserve.server.launch import (
+    bind_addr,
+    cleanup_ipc,
+    describe_exit,
+    local_ranks,
+    make_ports,
+    start_workers,
+    stop_workers,
+)
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
 CONTROL_REPLY_TIMEOUT_S = 60.0
+FAILURE_GRACE_S = 0.5  # after a rank fails, how long the others have to exit or report before one is blamed
 
 Reply = TypeVar("Reply")
 
@@ -71,6 +81,8 @@ class RankClient:
         self.healthy = False
         self.dead_reason: str | None = None
         self._waiters: list[_ControlWaiter] = []
+        self._worker_errors: list[WorkerError] = []  # fatal errors the ranks reported, in order
+        self._failed = threading.Event()
         self._lock = threading.Lock()  # the waiters and the request sockets (ZeroMQ sockets are not thread-safe)
         self._closed = False
 
@@ -85,6 +97,7 @@ class RankClient:
             s.bind(bind_addr(addr))
             self._req_socks.append(s)
         self.procs = start_workers(server_args, self.ports)
+        self.local_ranks = list(local_ranks(server_args))  # the rank of each of self.procs
         try:
             self.ready = self._wait_ready()
         except BaseException:
@@ -140,7 +153,9 @@ class RankClient:
             elif isinstance(msg, (FlushCacheOut, ExpertDistributionOut)):
                 self._resolve(type(msg), msg)
             elif isinstance(msg, WorkerError):
-                self._mark_dead(f"rank {msg.rank} failed: {msg.message}")
+                logger.error("rank %d failed: %s", msg.rank, msg.message)
+                self._worker_errors.append(msg)
+                self._failed.set()  # the watchdog decides which rank to blame
 
     def _resolve(self, kind: type, value: Any) -> None:
         """One reply of `kind` answers the oldest waiter for it (a control request waits for one per group)."""
@@ -152,12 +167,34 @@ class RankClient:
         w.loop.call_soon_threadsafe(lambda f=w.future, v=value: f.done() or f.set_result(v))
 
     def _watch_workers(self) -> None:
+        """Wake at the first rank process that exits or reports a fatal error; give the others FAILURE_GRACE_S to
+        follow (a rank killed by a signal takes its peers down with connection errors), then blame one."""
+        sentinels = [p.sentinel for p in self.procs]
         while not self._closed:
-            for p in self.procs:
-                if p.exitcode is not None and not self._closed:
-                    self._mark_dead(f"worker {p.name} exited with code {p.exitcode}")
-                    return
-            time.sleep(0.5)
+            if mp_connection.wait(sentinels, timeout=0.2) or self._failed.is_set():
+                break
+        if self._closed:
+            return
+        time.sleep(FAILURE_GRACE_S)
+        if not self._closed:
+            self._mark_dead(self._failure_reason())
+
+    def _failure_reason(self) -> str:
+        """Which rank brought the engine down, and how: a rank killed by a signal, or one that exited without a
+        word, before the ranks that then reported errors (often their lost connection to it)."""
+        exits = [(rank, p) for rank, p in zip(self.local_ranks, self.procs, strict=True) if p.exitcode is not None]
+        reported = {e.rank for e in self._worker_errors}
+        culprits = ([(r, p) for r, p in exits if p.exitcode < 0]
+                    or [(r, p) for r, p in exits if r not in reported and p.exitcode != 0])
+        others = "; ".join(f"then rank {e.rank} failed: {e.message}" for e in self._worker_errors[:2])
+        if culprits:
+            rank, p = culprits[0]
+            return f"rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)}" + (f"; {others}" if others else "")
+        if self._worker_errors:
+            first = self._worker_errors[0]
+            return f"rank {first.rank} failed: {first.message}"
+        rank, p = exits[0] if exits else (-1, None)
+        return f"rank {rank} (pid {p.pid if p else '?'}) {describe_exit(p.exitcode if p else None)}"
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -204,7 +241,8 @@ class RankClient:
                 s.send(pickle.dumps(ShutdownReq()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        stop_workers(getattr(self, "procs", []))
+        # a dead engine's surviving ranks may be stuck in a collective with the one that died: do not wait long
+        stop_workers(getattr(self, "procs", []), timeout=1.0 if self.dead_reason else 10.0)
         for s in [*self._req_socks, self._result_sock]:
             s.close(linger=0)
         self._zmq.term()

@@ -28,6 +28,7 @@ class ServerContext:
         self.inflight: dict[str, SubRequest] = {}  # rid -> live sub-request, for /abort_request
         self.num_http_requests = 0  # generation requests being served, for max_concurrent_requests
         self.max_concurrent_requests: int = client.server_args.max_concurrent_requests or 0
+        self.draining = False  # the server is stopping: new requests get 503 (server.py)
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------ model facts
@@ -88,7 +89,15 @@ class ServerContext:
             raise APIError(f"request id {obj.rid!r} is already in use", 400, param="rid", code="duplicate_rid")
         return SubRequest(self.client, obj, self.metrics, self.inflight)
 
+    def fail_inflight(self, message: str) -> None:
+        """End every live request with a 503 error (the server is shutting down)."""
+        for sub in list(self.inflight.values()):
+            sub.fail(APIError(message, 503, code="shutting_down"))
+
     def enter(self) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down and takes no new requests; retry on another replica", 503,
+                           code="shutting_down")
         if self.max_concurrent_requests and self.num_http_requests >= self.max_concurrent_requests:
             raise APIError(f"the server is serving {self.num_http_requests} requests, its limit "
                            "(--max-concurrent-requests); retry later", 503, code="overloaded")

@@ -31,6 +31,8 @@ def server_version() -> str:
 
 
 def _check_healthy(ctx: ServerContext) -> None:
+    if ctx.draining and ctx.client.healthy:
+        raise APIError("the server is shutting down", 503, code="shutting_down")
     if not ctx.client.healthy:
         raise APIError(f"unhealthy: {ctx.client.dead_reason or 'the engine is not running'}", 503,
                        code="engine_dead")

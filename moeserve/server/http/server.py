@@ -1,5 +1,14 @@
 """run_server: the server process's main. It starts the engine (a TokenizerManager, which starts the ranks),
-serves the HTTP app with uvicorn until SIGINT or SIGTERM, then stops the engine, leaving no worker behind."""
+serves the HTTP app with uvicorn, and stops the engine at the end, leaving no worker behind.
+
+How it ends (docs/reliability.md):
+- SIGTERM or SIGINT (to the server alone or to its whole process group: the ranks ignore both) drains: new
+  requests get 503 and /health 503, the requests in flight have --shutdown-timeout seconds to finish, those still
+  running then end with a 503 error (streams: an error event), and the process exits 0. A second signal stops at
+  once, ending the rest the same way.
+- A dead rank: the rank client names it (with its exit code or signal), every request fails with 503, and the
+  process exits 1 within seconds, so that a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,29 +29,37 @@ from moeserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
+EXIT_ENGINE_DEAD = 1
+CLOSE_TIMEOUT_S = 5.0  # for responses to finish writing once the requests have ended
 
-def run_server(server_args: ServerArgs) -> None:
-    """Start the engine, serve HTTP until SIGINT/SIGTERM, then stop the engine (no orphan workers)."""
-    # NOTE: SIGTERM must unwind the stack (SystemExit), not kill the process, so that the workers are stopped.
+
+def run_server(server_args: ServerArgs) -> int:
+    """Start the engine, serve HTTP until a signal or a dead engine, stop the engine; the process's exit code."""
+    # NOTE: until uvicorn takes the signals over, SIGTERM must unwind the stack (SystemExit), not kill the
+    # process, so that the workers are stopped.
     previous = _raise_on_sigterm()
     client = None
+    exit_code = 0
     try:
         client = TokenizerManager(server_args)
         app = build_app(client)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level, access_log=False,
-                                timeout_keep_alive=30, timeout_graceful_shutdown=5, lifespan="off")
+                                log_level=server_args.log_level, access_log=False, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off")
         server = _Server(config)
         server.moeserve_ctx = app.state.ctx
+        server.shutdown_timeout = server_args.shutdown_timeout
         server.run()
+        exit_code = server.exit_code
     except (KeyboardInterrupt, SystemExit):
         logger.info("interrupted; shutting down")
     finally:
         if client is not None:
             client.shutdown()
-        logger.info("moeserve stopped")
+        logger.info("moeserve stopped%s", f" (exit code {exit_code})" if exit_code else "")
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    return exit_code
 
 
 def _raise_on_sigterm() -> Any:
@@ -55,9 +73,12 @@ def _raise_on_sigterm() -> Any:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, logging moeserve's URL once listening and not re-raising the stop signal."""
+    """uvicorn's Server, with moeserve's drain on a stop signal and its exit when the engine dies."""
 
     moeserve_ctx: ServerContext | None = None
+    shutdown_timeout: float = 0.0
+    exit_code = 0
+    _drain_deadline: float | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
@@ -66,13 +87,47 @@ class _Server(uvicorn.Server):
             name = self.moeserve_ctx.model_name if self.moeserve_ctx else "?"
             logger.info("moeserve serving %s at http://%s:%d (OpenAI API under /v1)", name, host, self.config.port)
 
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        ctx = self.moeserve_ctx
+        if ctx is not None and self._drain_deadline is None and self.shutdown_timeout > 0 and not self.should_exit:
+            self._drain_deadline = time.monotonic() + self.shutdown_timeout
+            ctx.draining = True
+            logger.info("%s: draining %d request(s) in flight for up to %.0f s (--shutdown-timeout); new ones get "
+                        "503; a second signal stops at once", signal.Signals(sig).name, ctx.num_http_requests,
+                        self.shutdown_timeout)
+            return
+        if ctx is not None:
+            ctx.draining = True
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        ctx = self.moeserve_ctx
+        if ctx is not None and not self.should_exit:
+            if not ctx.client.healthy:
+                logger.error("the engine is dead (%s): stopping the server, exit code %d, so that a supervisor "
+                             "restarts it", ctx.client.dead_reason, EXIT_ENGINE_DEAD)
+                self.exit_code = EXIT_ENGINE_DEAD
+                ctx.draining = True
+                self.config.timeout_graceful_shutdown = 1.0  # the requests have failed already
+                self.should_exit = True
+            elif self._drain_deadline is not None and (ctx.num_http_requests == 0
+                                                       or time.monotonic() >= self._drain_deadline):
+                self.should_exit = True
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets: Any = None) -> None:
-        # End the requests in flight (finish reason 'abort') so that their responses complete at once instead
-        # of being cut when the graceful-shutdown timeout runs out.
-        if self.moeserve_ctx is not None and self.moeserve_ctx.inflight:
-            logger.info("shutting down: aborting %d requests in flight", len(self.moeserve_ctx.inflight))
-            for sub in list(self.moeserve_ctx.inflight.values()):
-                sub.abort("the server is shutting down")
+        # Requests still running end now with a clear error (never a 200 with what they had so far), so that
+        # their responses complete at once instead of being cut when the close timeout runs out.
+        ctx = self.moeserve_ctx
+        if ctx is not None:
+            ctx.draining = True
+            if ctx.inflight:
+                why = (f"it did not finish within --shutdown-timeout {self.shutdown_timeout:g} s"
+                       if self._drain_deadline is not None else "the server was stopped at once")
+                logger.info("shutting down: ending %d request(s) still in flight (%s)", len(ctx.inflight), why)
+                ctx.fail_inflight(f"the server is shutting down: the request was ended unfinished, as {why}")
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
