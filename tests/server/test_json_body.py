@@ -88,3 +88,29 @@ def test_body_size_limit():
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(b" " * (MAX_BODY_BYTES + 1), M, "x", 10))
     assert e.value.status == 413
+
+
+def test_large_bodies_are_refused_from_the_raw_bytes():
+    """Over a limit, a large body is refused by the scan before it is parsed (a 64 MB string alone takes the GIL
+    for 0.1 s to build): a string longer than the longest prompt, an array with too many entries."""
+    from moeserve.server.http import json_body
+
+    calls = []
+    real = json_body._parse_large
+    json_body._parse_large = lambda raw: calls.append(1) or real(raw)
+    try:
+        long_text = json.dumps({"text": "x" * (INLINE_BODY_BYTES + 100)}).encode()
+        with pytest.raises(APIError) as e:
+            parse_json(long_text, 10_000, max_string_bytes=INLINE_BODY_BYTES)
+        assert e.value.code == "context_length_exceeded"
+        escaped = json.dumps({"text": "\n" * (INLINE_BODY_BYTES // 2 + 10)}).encode()  # 2 bytes written for 1
+        assert parse_json(escaped, 10_000, max_string_bytes=INLINE_BODY_BYTES // 2 + 10)
+        ids = json.dumps({"prompt": list(range(200_000))}).encode()
+        with pytest.raises(APIError) as e:
+            parse_json(ids, 100_000)
+        assert e.value.code == "too_many_entries"
+        nested = json.dumps({"a": [[1, 2]] * 1000, "b": "x,y" * 100_000}).encode()  # commas in strings, inner lists
+        assert parse_json(nested, 1000)
+        assert calls == [1, 1]
+    finally:
+        json_body._parse_large = real

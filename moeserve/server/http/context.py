@@ -3,11 +3,13 @@ FastAPI dependency `Ctx` that hands it to a route."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 
 from moeserve.server.http.errors import APIError, engine_error
+from moeserve.server.http.json_body import MAX_BODY_BYTES, read_body, receive_body
 from moeserve.server.http.metrics import Metrics
 from moeserve.server.http.protocol import MAX_PROMPTS
 from moeserve.server.http.serving_client import ServingClient
@@ -15,6 +17,8 @@ from moeserve.server.http.streams import SubRequest
 from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.tokenizer_manager import DEFAULT_MODEL_NAME, GenerateInput
 from moeserve.text.tokenizer import Tokenizer
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class ServerContext:
@@ -51,6 +55,11 @@ class ServerContext:
         return max(self.context_length, MAX_PROMPTS, self.client.model_config.vocab_size)
 
     @property
+    def max_string_bytes(self) -> int:
+        """Longest string a large request body may hold (json_body.py): the longest prompt the context can hold."""
+        return self.client.validator.max_prompt_chars or MAX_BODY_BYTES
+
+    @property
     def model_names(self) -> set[str]:
         names = {self.model_name, DEFAULT_MODEL_NAME}  # and the model's path, the name before --served-model-name
         if self.client.server_args.model_path:
@@ -84,6 +93,15 @@ class ServerContext:
         return text
 
     # ------------------------------------------------------------------ requests
+    async def read_body(self, request: Request, model: type[BodyT], what: str, required: bool = True
+                        ) -> BodyT | None:
+        """The request's body parsed and validated into `model` within this server's limits (json_body.py); None
+        for an empty body that is not `required`."""
+        raw = await receive_body(request)
+        if not raw and not required:
+            return None
+        return await read_body(raw, model, what, self.max_entries, self.max_string_bytes)
+
     def new_sub(self, obj: GenerateInput) -> SubRequest:
         if obj.rid in self.inflight:
             raise APIError(f"request id {obj.rid!r} is already in use", 400, param="rid", code="duplicate_rid")

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from moeserve.eplb.recorder import expert_distribution_dir
 from moeserve.server.http.context import Ctx
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.json_body import read_body
 from moeserve.server.http.protocol import AbortRequest, DumpExpertDistributionRequest
 
 CONTROL_TIMEOUT_S = 30.0
@@ -53,7 +52,7 @@ async def flush_cache(ctx: Ctx) -> Any:
 
 @router.post("/abort_request")
 async def abort_request(request: Request, ctx: Ctx) -> Any:
-    req = await read_body(await request.body(), AbortRequest, "/abort_request request", ctx.max_entries)
+    req = await ctx.read_body(request, AbortRequest, "/abort_request request")
     if not req.rid and not req.abort_all:
         raise APIError("give the rid of the request to abort, or abort_all: true", 400, param="rid")
     rids = list(ctx.inflight) if req.abort_all else [req.rid]
@@ -87,14 +86,13 @@ async def stop_expert_distribution_record(ctx: Ctx) -> Any:
 
 @router.api_route("/dump_expert_distribution_record", methods=["POST", "GET"])
 async def dump_expert_distribution_record(request: Request, ctx: Ctx) -> Any:
-    body = await request.body()
     path = None
-    if body:
-        req = await read_body(body, DumpExpertDistributionRequest, "/dump_expert_distribution_record request",
-                              ctx.max_entries)
-        if req.name is not None:  # a plain file name: an HTTP client does not choose where the server writes
-            if not req.name or Path(req.name).name != req.name or req.name.startswith("."):
-                raise APIError(f"name {req.name!r}: give a plain file name, no directories", 400, param="name")
-            path = str(expert_distribution_dir() / req.name)
+    req = await ctx.read_body(request, DumpExpertDistributionRequest, "/dump_expert_distribution_record request",
+                              required=False)
+    if req is not None and req.name is not None:  # a plain file name: an HTTP client does not choose where the
+        # server writes
+        if not req.name or Path(req.name).name != req.name or req.name.startswith("."):
+            raise APIError(f"name {req.name!r}: give a plain file name, no directories", 400, param="name")
+        path = str(expert_distribution_dir() / req.name)
     dump = await _control(ctx.client.dump_expert_distribution(path), refused=(ValueError,))
     return {"success": True, **dump}

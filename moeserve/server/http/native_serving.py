@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.json_body import read_body
 from moeserve.server.http.protocol import MAX_CHOICES, MAX_N, MAX_PROMPTS, GenerateRequest
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
@@ -119,7 +118,7 @@ def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, 
 
 @router.post("/generate")
 async def generate(request: Request, ctx: Ctx) -> Any:
-    req = await read_body(await request.body(), GenerateRequest, "/generate request", ctx.max_entries)
+    req = await ctx.read_body(request, GenerateRequest, "/generate request")
     inputs, many = build_inputs(req)
 
     def respond(outs: list[dict]) -> JSONResponse:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.json_body import read_body
 from moeserve.server.http.protocol import (
     MAX_CHOICES,
     MAX_PROMPTS,
@@ -256,7 +255,7 @@ async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBod
                  to_inputs: Callable[[ServerContext, OpenAIBody, str], Awaitable[list[GenerateInput]]], path: str,
                  id_prefix: str, chat: bool) -> Any:
     """Read the body, check the model, fan the prompts out into engine requests, answer (streamed or not)."""
-    req = await read_body(await request.body(), body_type, f"{path} request", ctx.max_entries)
+    req = await ctx.read_body(request, body_type, f"{path} request")
     ctx.check_model(req.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     inputs = await to_inputs(ctx, req, request_id)
