@@ -44,6 +44,7 @@ from moeserve.server.validation import InvalidRequestError, RequestFailedError, 
 __all__ = ["DEFAULT_MODEL_NAME", "GenerateInput", "InvalidRequestError", "RequestFailedError", "TokenizerManager"]
 
 DEFAULT_MODEL_NAME = "default"  # the embedded model's name, and a name every server answers to
+INLINE_DETOKENIZE_IDS = 2048  # more new tokens than this in one output are detokenized in a worker thread
 
 
 def default_served_name(model_path: str) -> str:
@@ -171,7 +172,10 @@ class TokenizerManager:
                     raise out
                 finished = out.finish_reason is not None
                 _raise_failure(out.finish_reason)
-                result = self._output(st, rid, out, len(ids))
+                if len(out.new_token_ids) > INLINE_DETOKENIZE_IDS:  # a whole long answer at once: off the loop
+                    result = await self.validator.off_loop(self._output, st, rid, out, len(ids))
+                else:
+                    result = self._output(st, rid, out, len(ids))
                 if finished or obj.stream:
                     yield result
                 if finished:

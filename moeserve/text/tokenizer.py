@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 _GIL_FREE_CHARS = 4096  # texts longer than this are tokenized without holding the GIL (Tokenizer.encode)
+_GIL_FREE_IDS = 2048  # id lists longer than this are decoded without holding it (Tokenizer.decode)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -93,6 +94,8 @@ class Tokenizer:
         return self._max_token_bytes
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _GIL_FREE_IDS:  # the batch call releases the GIL (see encode)
+            return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -161,3 +161,20 @@ def test_tokenizing_a_long_text_leaves_the_loop_free(tm):
 
     worst_gap, took = asyncio.run(run())
     assert took > 0.1 and worst_gap < 0.05, (worst_gap, took)  # it tokenized for a while, the loop ran
+
+
+def test_a_long_answer_is_detokenized_off_the_loop(tm):
+    """A non-streamed answer arrives in one output; thousands of tokens are decoded in a worker thread."""
+    ids = tm.tokenizer.encode("The Tortoise and the Hare. " * 3000, add_special_tokens=False)
+    assert len(ids) > tokenizer_manager.INLINE_DETOKENIZE_IDS
+
+    async def run():
+        gen = asyncio.ensure_future(_drain(tm.generate(GenerateInput(input_ids=[5, 6],
+                                                                     sampling_params={"max_new_tokens": 200}))))
+        await asyncio.sleep(0)
+        _deliver(tm, tm.ranks.sent[-1].rid, ids, FinishReason("length"))
+        (out,) = await gen
+        return out
+
+    out = asyncio.run(run())
+    assert out["text"] == tm.tokenizer.decode(ids) and out["output_ids"] == ids
