@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -212,3 +213,18 @@ def serve_in_thread(app, server_cls: type = uvicorn.Server, holder: dict | None 
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def sse_events(text: str) -> list:
+    """The JSON events of an SSE body, checking that it ends with [DONE]."""
+    lines = [line for line in text.split("\n\n") if line.strip()]
+    assert lines[-1] == "data: [DONE]", lines[-1]
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import signal
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from server_fakes import FakeClient, serve_in_thread
+from server_fakes import FakeClient, serve_in_thread, sse_events
+from server_fakes import wait_until as _wait_until
 
 from moeserve.server.http.app import build_app
 
@@ -44,14 +42,6 @@ def http(base_url):
 @pytest.fixture(scope="module")
 def oai(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-
-
-def sse_events(text: str) -> list:
-    """The JSON events of an SSE body, checking that it ends with [DONE]."""
-    lines = [line for line in text.split("\n\n") if line.strip()]
-    assert lines[-1] == "data: [DONE]", lines[-1]
-    assert all(line.startswith("data: ") for line in lines)
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
 
 def expected_ids(fake, prompt_ids, n, seed=0):
@@ -311,13 +301,6 @@ def test_metrics(http, fake):
 
 # ----------------------------------------------------------------------
 # aborts and disconnects
-def _wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("path,body", [
     ("/generate", {"text": "slow", "stream": True, "sampling_params": {"max_new_tokens": 400}}),
     ("/v1/completions", {"prompt": "slow", "stream": True, "max_tokens": 400}),
@@ -333,24 +316,6 @@ def test_disconnect_mid_stream_aborts(base_url, fake, path, body):
     _wait_until(lambda: len(fake.requests) > before and not fake.running)
     rid = fake.requests[-1].rid
     assert rid in fake.aborted
-
-
-def _abort_count(http) -> float:
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("moeserve:request_success_total{") and 'finished_reason="abort"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def test_disconnects_count_as_aborted_requests(base_url, http, fake):
-    fake.token_delay = 0.02
-    before = _abort_count(http)
-    with httpx.Client(base_url=base_url, timeout=30) as c, c.stream(
-            "POST", "/v1/completions", json={"prompt": "slow", "stream": True, "max_tokens": 400}) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=base_url, timeout=0.3) as c:
-        c.post("/generate", json={"text": "slow", "sampling_params": {"max_new_tokens": 400}})
-    _wait_until(lambda: not fake.running and _abort_count(http) == before + 2)
 
 
 def test_disconnect_non_streaming_aborts(base_url, fake):
@@ -556,94 +521,3 @@ def test_no_tokenizer():
         r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200 and r.json()["text"] == ""
         assert c.get("/get_model_info").json()["tokenizer_path"] is None
-
-
-def _serve_with_drain(fake, shutdown_timeout: float):
-    from moeserve.server.http.server import _Server
-
-    app = build_app(fake)
-    holder: dict = {}
-    ctx = serve_in_thread(app, _Server, holder)
-
-    class _Ctx:
-        def __enter__(self):
-            self.url = ctx.__enter__()
-            self.server = holder["server"]
-            self.server.moeserve_ctx = app.state.ctx
-            self.server.shutdown_timeout = shutdown_timeout
-            return self
-
-        def __exit__(self, *exc):
-            return ctx.__exit__(*exc)
-
-    return _Ctx()
-
-
-def _post_in_thread(url, path, body, result, key):
-    def run():
-        with httpx.Client(base_url=url, timeout=30) as c:
-            result[key] = c.post(path, json=body)
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
-def test_shutdown_ends_streams_with_an_error(default_tokenizer):
-    """Stopped at once (no drain): a stream in flight ends at once with an in-band 503 error, not a finish."""
-    fake = FakeClient(default_tokenizer)
-    fake.token_delay = 0.05
-    lines: list[str] = []
-
-    def run(url):
-        with httpx.Client(base_url=url, timeout=30) as c, c.stream(
-                "POST", "/generate", json={"text": "x", "stream": True,
-                                           "sampling_params": {"max_new_tokens": 400}}) as r:
-            lines.extend(r.iter_lines())
-
-    with _serve_with_drain(fake, shutdown_timeout=0) as srv:
-        t = threading.Thread(target=run, args=(srv.url,))
-        t.start()
-        _wait_until(lambda: lines)  # the stream has started
-        start = time.monotonic()
-        srv.server.handle_exit(signal.SIGTERM, None)
-        t.join(timeout=10)
-        assert time.monotonic() - start < 3  # not the close timeout
-    events = sse_events("\n\n".join(line for line in lines if line))
-    assert events[-1]["error"]["code"] == "shutting_down" and "shutting down" in events[-1]["error"]["message"]
-    assert all("error" not in e for e in events[:-1])
-
-
-def test_sigterm_drains(default_tokenizer):
-    """SIGTERM: new requests and /health get 503, a request in flight that fits the timeout finishes with 200,
-    one that does not ends with a 503 error at the timeout (never a 200 with what it had so far)."""
-    fake = FakeClient(default_tokenizer)
-    fake.token_delay = 0.05
-    result: dict = {}
-    with _serve_with_drain(fake, shutdown_timeout=2.0) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
-        short = _post_in_thread(srv.url, "/v1/completions", {"prompt": "short", "max_tokens": 10}, result, "short")
-        long = _post_in_thread(srv.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                                 "max_tokens": 400}, result, "long")
-        _wait_until(lambda: len(fake.running) == 2)
-        start = time.monotonic()
-        srv.server.handle_exit(signal.SIGTERM, None)
-        busy = c.post("/generate", json={"text": "late"})
-        assert busy.status_code == 503 and busy.json()["error"]["code"] == "shutting_down"
-        assert c.get("/health").status_code == 503
-        short.join(timeout=10)
-        long.join(timeout=10)
-        took = time.monotonic() - start
-    assert result["short"].status_code == 200 and result["short"].json()["usage"]["completion_tokens"] == 10
-    r = result["long"]
-    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
-    assert "--shutdown-timeout 2" in r.json()["error"]["message"]
-    assert 1.9 < took < 5, took
-
-
-def test_a_dead_engine_stops_the_server_with_exit_code_1(default_tokenizer):
-    fake = FakeClient(default_tokenizer)
-    with _serve_with_drain(fake, shutdown_timeout=20.0) as srv:
-        fake.healthy = False
-        fake.dead_reason = "rank 1 (pid 1) was killed by signal 9 (SIGKILL)"
-        _wait_until(lambda: srv.server.should_exit, timeout=2)
-        assert srv.server.exit_code == 1
