@@ -76,7 +76,7 @@ def _shape(path: str, body: dict, status: int, text: str) -> dict:
 
 
 def _short(i: int) -> tuple[str, dict]:
-    n = 2 + i % 6
+    n = 16 + i % 24  # long enough that dozens are in flight at the signal, short enough to finish in the drain
     if i % 2:
         return "/generate", {"text": f"Load {i}: once upon a time", "stream": i % 4 == 1,
                              "sampling_params": {"max_new_tokens": n, **GREEDY}}
