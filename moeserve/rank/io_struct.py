@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.rank.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class LoadOut:
     kv_used_tokens: int
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
+    eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
 
 
 @dataclass
@@ -74,10 +76,12 @@ class ExpertDistributionReq:
 
 @dataclass
 class ExpertDistributionOut:
-    """One attention group's answer: its recorded window [layers, experts] for dump, or an error."""
+    """One attention group's answer: its part of the dump (moeserve/eplb/recorder.py `dump`) for dump, or an
+    error."""
 
     dp_rank: int
-    logical_count: Any = None
+    mode: str = "stat"
+    dump: dict[str, Any] | None = None
     error: str = ""
 
 

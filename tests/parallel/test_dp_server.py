@@ -19,8 +19,8 @@ import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
-from tests.rank.inprocess import InProcessEngine
 from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
+from tests.rank.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.slow
 
