@@ -92,10 +92,13 @@ class RebalanceReport:
     rebalances: int = 0  # rebalances completed
     balancedness: float | None = None  # measured over the last window, under the placement in force
     num_stalls: int = 0  # execute stalls so far (one per chunk executed)
-    stalls_s: list[float] = field(default_factory=list)  # the newest of them, at most MAX_STALLS_KEPT
+    stalls_s: list[float] = field(default_factory=list)  # the newest of them, at most MAX_KEPT
+    # the newest windows, at most MAX_KEPT: (forward passes so far, balancedness, routed tokens per pass of the
+    # busiest GPU, averaged over MoE layers)
+    windows: list[tuple[int, float, float]] = field(default_factory=list)
 
 
-MAX_STALLS_KEPT = 4096
+MAX_KEPT = 4096
 
 
 @dataclass
@@ -115,6 +118,7 @@ class _Rebalance:
     plan_s: float = 0.0
     prepare_s: float = 0.0
     stalls: list[float] = field(default_factory=list)
+    from_host: bool = False  # rebalance_to(from_host=True): no device copies from this rank's own slots
 
 
 class Rebalancer:
@@ -163,20 +167,41 @@ class Rebalancer:
     def snapshot(self) -> RebalanceReport:
         """A copy of the report (cumulative)."""
         r = self.report
-        return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s))
+        return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s), list(r.windows))
 
     # ------------------------------------------------------------------ 1. window
     def _check_window(self) -> None:
         per_rank = self._window()
-        before = self._balancedness(per_rank, self.location)
+        loads = self._gpu_loads(per_rank, self.location)
+        before = float(balancedness_of_loads(loads).mean())
+        busiest = float(loads.amax(-1).mean()) / self.options.interval
         self.report.balancedness = before
+        self.report.windows = [*self.report.windows[-(MAX_KEPT - 1):], (self.passes, before, busiest)]
         if before >= self.options.utilization_threshold:
             self._log("EPLB: balancedness %.3f over the last %d passes is at least %.3f: no rebalance", before,
                       self.options.interval, self.options.utilization_threshold)
             return
-        self._thread = threading.Thread(target=self._plan_and_prepare, args=(per_rank, before),
-                                        name="moeserve-eplb", daemon=True)
-        self._job = _Rebalance(self.location, [], [], before, before)  # filled by the thread
+        self._run(_Rebalance(self.location, [], [], before, before), self._plan_and_prepare, per_rank)
+
+    def rebalance_to(self, location: ExpertLocation, from_host: bool = False) -> None:
+        """Start a rebalance to `location` now, unplanned (benchmarks; every rank must call it at the same pass):
+        prepare in the background, then execute and commit through begin_pass like a planned one. from_host:
+        every incoming expert comes from the weight source, also those this rank holds already."""
+        if self._job is not None:
+            raise RuntimeError("a rebalance is in flight")
+        job = _Rebalance(location, [], [], self.report.balancedness or 0.0, 0.0, from_host=from_host)
+        self._run(job, self._prepare_job)
+
+    def _run(self, job: _Rebalance, target: Callable[..., None], *args: object) -> None:
+        """Phase 2 in a background thread that fills `job` in; whatever goes wrong there ends in FAILED."""
+        def body() -> None:
+            try:
+                target(*args)
+            except BaseException as e:  # noqa: BLE001 - never leave the ranks waiting for this one
+                job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, []
+
+        self._job = job
+        self._thread = threading.Thread(target=body, name="moeserve-eplb", daemon=True)
         self._thread.start()
 
     def _window(self) -> torch.Tensor:
@@ -189,28 +214,30 @@ class Rebalancer:
         _all_gather(out, mine.reshape(-1), group=self.group)
         return out.view(-1, *mine.shape)
 
-    def _balancedness(self, per_rank: torch.Tensor, location: ExpertLocation) -> float:
-        """Mean over MoE layers of mean / max routed tokens per GPU, had `per_rank` [ranks, L, E] been routed with
-        `location`: static dispatch sends rank r's tokens of expert e to its table's slot; dynamic spreads them over
-        the replicas alike."""
+    def _gpu_loads(self, per_rank: torch.Tensor, location: ExpertLocation) -> torch.Tensor:
+        """[L, GPUs] routed tokens, had `per_rank` [ranks, L, E] been routed with `location`: static dispatch sends
+        rank r's tokens of expert e to its table's slot; dynamic spreads them over the replicas alike."""
         if self.options.dynamic_dispatch:
-            loads = gpu_loads(per_rank.sum(0), location.physical_to_logical_map,
-                              location.logical_to_all_physical_map_num_valid, self.ep_size)
-        else:
-            physical = torch.zeros(location.num_layers, location.num_physical_experts, dtype=torch.int64)
-            tables = location.logical_to_rank_dispatch_physical_map  # [ep_size, L, E]
-            for rank, counts in enumerate(per_rank):
-                physical.scatter_add_(1, tables[rank % self.ep_size], counts)
-            loads = physical.view(location.num_layers, self.ep_size, -1).sum(-1)
-        return float(balancedness_of_loads(loads).mean())
+            return gpu_loads(per_rank.sum(0), location.physical_to_logical_map,
+                             location.logical_to_all_physical_map_num_valid, self.ep_size)
+        physical = torch.zeros(location.num_layers, location.num_physical_experts, dtype=torch.int64)
+        tables = location.logical_to_rank_dispatch_physical_map  # [ep_size, L, E]
+        for rank, counts in enumerate(per_rank):
+            physical.scatter_add_(1, tables[rank % self.ep_size], counts)
+        return physical.view(location.num_layers, self.ep_size, -1).sum(-1).double()
+
+    def _balancedness(self, per_rank: torch.Tensor, location: ExpertLocation) -> float:
+        """Mean over MoE layers of mean / max routed tokens per GPU (see _gpu_loads)."""
+        return float(balancedness_of_loads(self._gpu_loads(per_rank, location)).mean())
 
     def _log(self, msg: str, *args: object, warning: bool = False) -> None:
         if self.ep_rank == 0:  # the ranks agree on everything logged here: one line for the server
             (logger.warning if warning else logger.info)(msg, *args)
 
     # ------------------------------------------------------------------ 2. plan and prepare (background thread)
-    def _plan_and_prepare(self, per_rank: torch.Tensor, before: float) -> None:
+    def _plan_and_prepare(self, per_rank: torch.Tensor) -> None:
         job = self._job
+        before = job.before
         try:
             job.new = self._plan(per_rank.sum(0).double())
             job.predicted = self._balancedness(per_rank, job.new)
@@ -220,7 +247,16 @@ class Rebalancer:
                              f"{self.options.min_improvement} of the placement in force ({before:.3f})")
                 job.result = SKIPPED
                 return
-            job.moves = self._moves(job.new)
+        except Exception as e:  # noqa: BLE001 - any failure keeps the old placement; the log says why
+            job.error, job.result = f"{type(e).__name__}: {e}", FAILED
+            return
+        self._prepare_job()
+
+    def _prepare_job(self) -> None:
+        """Phase 2's second half, for job.new: this rank's moves, the chunks, the staging buffers."""
+        job = self._job
+        try:
+            job.moves = self._moves(job.new, job.from_host)
             num_layers = self.location.num_layers
             n = self.options.layers_per_chunk or num_layers
             job.chunks = [range(i, min(i + n, num_layers)) for i in range(0, num_layers, n)]
@@ -239,7 +275,7 @@ class Rebalancer:
         return ExpertLocation.from_placement(phy2log, self.ep_size, loc.num_gpus_per_node,
                                              num_logical_experts=loc.num_logical_experts)
 
-    def _moves(self, new: ExpertLocation) -> list[Move]:
+    def _moves(self, new: ExpertLocation, from_host: bool = False) -> list[Move]:
         per_rank = self.location.num_local_physical_experts
         first = self.ep_rank * per_rank
         old_p2l = self.location.physical_to_logical_map[:, first:first + per_rank].tolist()
@@ -248,7 +284,8 @@ class Rebalancer:
         for i, (old_row, new_row) in enumerate(zip(old_p2l, new_p2l, strict=True)):
             for slot, (was, now) in enumerate(zip(old_row, new_row, strict=True)):
                 if was != now:
-                    moves.append(Move(i, slot, now, old_row.index(now) if now in old_row else None))
+                    local = old_row.index(now) if now in old_row and not from_host else None
+                    moves.append(Move(i, slot, now, local))
         return moves
 
     def _prepare(self, job: _Rebalance) -> None:
@@ -286,7 +323,7 @@ class Rebalancer:
             job.executed += 1
             job.stalls.append(time.perf_counter() - t0)
             self.report.num_stalls += 1
-            self.report.stalls_s = [*self.report.stalls_s[-(MAX_STALLS_KEPT - 1):], job.stalls[-1]]
+            self.report.stalls_s = [*self.report.stalls_s[-(MAX_KEPT - 1):], job.stalls[-1]]
 
     def _swap(self, job: _Rebalance, chunk: range, location: ExpertLocation) -> None:
         """Exchange the chunk's changed slots with their staging buffers, then set the chunk's maps."""

@@ -65,6 +65,7 @@ class ExpertDistributionRecorder:
             self._step_ids = torch.zeros(max_rows_per_pass, num_layers, top_k, dtype=torch.int32, device=device)
             self._token_ids = torch.zeros(buffer_size, num_layers, top_k, dtype=torch.int32, device=device)
             self._token_pass = torch.full((buffer_size,), -1, dtype=torch.int64, device=device)
+            self._token_seq = torch.zeros(buffer_size, dtype=torch.int64, device=device)  # arrival order
             self._tokens_seen = 0
 
     # ------------------------------------------------------------------ the hot path
@@ -89,6 +90,8 @@ class ExpertDistributionRecorder:
             for dst, src, n in _ring_spans(self._tokens_seen, rows, self.buffer_size):
                 self._token_ids[dst:dst + n].copy_(self._step_ids[src:src + n])
                 self._token_pass[dst:dst + n] = self.pass_id
+                first = self._tokens_seen + src
+                torch.arange(first, first + n, out=self._token_seq[dst:dst + n])
             self._tokens_seen += rows
         self.pass_id += 1
 
@@ -120,7 +123,7 @@ class ExpertDistributionRecorder:
         if self.mode == "per_token":
             passes = self._token_pass.cpu()
             keep = ((passes >= first) & (passes < last)).nonzero().squeeze(1)
-            keep = keep[torch.argsort(passes[keep], stable=True)]
+            keep = keep[torch.argsort(self._token_seq.cpu()[keep])]
             out["topk_ids"] = self._token_ids.cpu()[keep].long()
             out["forward_pass_id"] = passes[keep]
         return out

@@ -7,7 +7,8 @@ A rank holds only its experts on the device; a rebalance can hand it any other. 
 - mmap:   read when needed from the memory-mapped safetensors files (the page cache is shared by the ranks of a
   node): no start-up cost, a prepare phase that reads from disk the first time.
 With --load-format dummy there is no checkpoint: an expert is drawn again from the seeded generator that made it
-(models/loader.py dummy_tensor), on the experts' device.
+(models/loader.py dummy_tensor) on the experts' device, once at start-up into host memory (memory), or when needed
+(mmap: no host copy at all).
 """
 
 from __future__ import annotations
@@ -38,17 +39,16 @@ def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str
         return moe.experts.expert_keys(f"{name}.experts", logical)
 
     if load_format == "dummy":
-        def draw(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
             gate, up, down = (dummy_tensor(k, s, dtype, device, seed) for k, s in
                               zip(keys(i, logical), ((inter, hidden), (inter, hidden), (hidden, inter)), strict=True))
             return torch.cat([gate, up]), down
-        return draw
+    else:
+        reader = _CheckpointReader(Path(model_path))
 
-    reader = _CheckpointReader(Path(model_path))
-
-    def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up, down = (reader.get(k).to(dtype) for k in keys(i, logical))
-        return torch.cat([gate, up]), down
+        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gate, up, down = (reader.get(k).to(dtype) for k in keys(i, logical))
+            return torch.cat([gate, up]), down
 
     if mode == "mmap":
         return read
@@ -56,7 +56,7 @@ def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str
     table = {}
     for i in range(len(layers)):
         for logical in range(experts.num_experts):
-            w13, w2 = read(i, logical)
+            w13, w2 = (t.to("cpu", copy=True) for t in read(i, logical))
             table[i, logical] = (w13.pin_memory(), w2.pin_memory()) if pin else (w13, w2)
     return lambda i, logical: table[i, logical]
 
