@@ -111,7 +111,7 @@ class _Rebalance:
     before: float  # measured balancedness of the window
     predicted: float  # the plan's balancedness on the window
     started: float = field(default_factory=time.perf_counter)
-    staging: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     result: int = WORKING  # the prepare thread's outcome: 1 (ready), FAILED or SKIPPED
     error: str = ""
     executed: int = 0  # chunks executed
@@ -198,7 +198,7 @@ class Rebalancer:
             try:
                 target(*args)
             except BaseException as e:  # noqa: BLE001 - never leave the ranks waiting for this one
-                job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, []
+                job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, {}
 
         self._job = job
         self._thread = threading.Thread(target=body, name="moeserve-eplb", daemon=True)
@@ -265,7 +265,7 @@ class Rebalancer:
             job.prepare_s = time.perf_counter() - t0
             job.result = 1
         except Exception as e:  # noqa: BLE001 - any failure keeps the old placement; the log says why
-            job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, []
+            job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, {}
 
     def _plan(self, logical: torch.Tensor) -> ExpertLocation:
         loc = self.location
@@ -289,21 +289,25 @@ class Rebalancer:
         return moves
 
     def _prepare(self, job: _Rebalance) -> None:
-        """Fill job.staging (one pair per move) on the side stream; every copy is done when this returns."""
+        """Fill job.staging (per MoE layer: its changed slots and their new experts, stacked) on the side stream;
+        every copy is done when this returns."""
         if self._injected("prepare"):
             raise RuntimeError("injected fault (--eplb-debug-fail prepare)")
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        by_layer: dict[int, list[Move]] = {}
+        for m in job.moves:
+            by_layer.setdefault(m.moe_index, []).append(m)
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for m in job.moves:
-                w13, w2 = self.layers[m.moe_index].slot_weights()
-                dst = (torch.empty_like(w13[m.slot]), torch.empty_like(w2[m.slot]))
-                if m.from_slot is not None:
-                    src = (w13[m.from_slot], w2[m.from_slot])
-                else:
-                    src = self.source(m.moe_index, m.logical)
-                for d, s in zip(dst, src, strict=True):
-                    d.copy_(s, non_blocking=True)
-                job.staging.append(dst)
+            for i, moves in by_layer.items():
+                w13, w2 = self.layers[i].slot_weights()
+                s13 = w13.new_empty(len(moves), *w13.shape[1:])
+                s2 = w2.new_empty(len(moves), *w2.shape[1:])
+                for j, m in enumerate(moves):
+                    src = (w13[m.from_slot], w2[m.from_slot]) if m.from_slot is not None else self.source(i, m.logical)
+                    s13[j].copy_(src[0], non_blocking=True)
+                    s2[j].copy_(src[1], non_blocking=True)
+                slots = torch.tensor([m.slot for m in moves], dtype=torch.int64).to(self.device, non_blocking=True)
+                job.staging[i] = (slots, s13, s2)
             if stream is not None:
                 stream.synchronize()
 
@@ -326,19 +330,23 @@ class Rebalancer:
             self.report.stalls_s = [*self.report.stalls_s[-(MAX_KEPT - 1):], job.stalls[-1]]
 
     def _swap(self, job: _Rebalance, chunk: range, location: ExpertLocation) -> None:
-        """Exchange the chunk's changed slots with their staging buffers, then set the chunk's maps."""
+        """Exchange the chunk's changed slots with their staging buffers (which then hold the slots' old experts),
+        then set the chunk's maps."""
         with torch.no_grad():
-            for m, (s13, s2) in zip(job.moves, job.staging, strict=True):
-                if m.moe_index in chunk:
-                    w13, w2 = self.layers[m.moe_index].slot_weights()
-                    for slot, stage in ((w13[m.slot], s13), (w2[m.slot], s2)):
-                        old = slot.clone()
-                        slot.copy_(stage)
-                        stage.copy_(old)
             for i in chunk:
+                if i in job.staging:
+                    slots, s13, s2 = job.staging[i]
+                    w13, w2 = self.layers[i].slot_weights()
+                    old13, old2 = w13.index_select(0, slots), w2.index_select(0, slots)
+                    w13.index_copy_(0, slots, s13)
+                    w2.index_copy_(0, slots, s2)
+                    if s13.is_cuda:  # made on the side stream, read here: not reused before this stream is done
+                        for t in (slots, s13, s2):
+                            t.record_stream(torch.cuda.current_stream(self.device))
+                    job.staging[i] = (slots, old13, old2)
                 self.layers[i].set_placement(location, i)
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()
 
     def _abort(self, codes: Sequence[int]) -> None:
         job = self._job

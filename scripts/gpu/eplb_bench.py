@@ -30,7 +30,9 @@ from moeserve.rank.worker import run_step
 
 
 def _step(sched: Scheduler, runner: ModelRunner) -> float:
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    # the serving stream only (as the worker waits for its tokens): a device-wide sync would wait for the
+    # prepare phase's uploads on their side stream too
+    sync = torch.cuda.current_stream().synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     run_step(sched, runner)
