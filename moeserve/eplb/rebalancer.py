@@ -99,6 +99,7 @@ class RebalanceReport:
 
 
 MAX_KEPT = 4096
+UPLOAD_BATCH_BYTES = 64 << 20
 
 
 @dataclass
@@ -111,7 +112,7 @@ class _Rebalance:
     before: float  # measured balancedness of the window
     predicted: float  # the plan's balancedness on the window
     started: float = field(default_factory=time.perf_counter)
-    staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    staging: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # see Rebalancer._prepare
     result: int = WORKING  # the prepare thread's outcome: 1 (ready), FAILED or SKIPPED
     error: str = ""
     executed: int = 0  # chunks executed
@@ -139,6 +140,8 @@ class Rebalancer:
         self._job: _Rebalance | None = None
         self._thread: threading.Thread | None = None
         self.report = RebalanceReport()
+        # the stream the forward passes run on (this thread's): spare buffers come from its pool, swaps wait on it
+        self._serving_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     # ------------------------------------------------------------------ the lock-step interface
     def status(self) -> int:
@@ -289,27 +292,40 @@ class Rebalancer:
         return moves
 
     def _prepare(self, job: _Rebalance) -> None:
-        """Fill job.staging (per MoE layer: its changed slots and their new experts, stacked) on the side stream;
-        every copy is done when this returns."""
+        """Fill job.staging per MoE layer: its changed slots, their new experts stacked, and a spare buffer of the
+        same size (a swap leaves the old experts there), on the side stream; every copy is done when this returns.
+
+        The uploads go in batches of UPLOAD_BATCH_BYTES, each waited for before the next: the serving stream's own
+        small host-to-device copies share the copy engine and must not queue behind gigabytes. The spare buffers
+        come from the serving stream's pool, so the swaps allocate nothing."""
         if self._injected("prepare"):
             raise RuntimeError("injected fault (--eplb-debug-fail prepare)")
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
         by_layer: dict[int, list[Move]] = {}
         for m in job.moves:
             by_layer.setdefault(m.moe_index, []).append(m)
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        in_flight = 0
+        with torch.no_grad():
             for i, moves in by_layer.items():
                 w13, w2 = self.layers[i].slot_weights()
-                s13 = w13.new_empty(len(moves), *w13.shape[1:])
-                s2 = w2.new_empty(len(moves), *w2.shape[1:])
-                for j, m in enumerate(moves):
-                    src = (w13[m.from_slot], w2[m.from_slot]) if m.from_slot is not None else self.source(i, m.logical)
-                    s13[j].copy_(src[0], non_blocking=True)
-                    s2[j].copy_(src[1], non_blocking=True)
-                slots = torch.tensor([m.slot for m in moves], dtype=torch.int64).to(self.device, non_blocking=True)
-                job.staging[i] = (slots, s13, s2)
-            if stream is not None:
-                stream.synchronize()
+                with torch.cuda.stream(self._serving_stream) if cuda else contextlib.nullcontext():
+                    spare = (w13.new_empty(len(moves), *w13.shape[1:]), w2.new_empty(len(moves), *w2.shape[1:]))
+                with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                    s13 = w13.new_empty(len(moves), *w13.shape[1:])
+                    s2 = w2.new_empty(len(moves), *w2.shape[1:])
+                    for j, m in enumerate(moves):
+                        src = (w13[m.from_slot], w2[m.from_slot]) if m.from_slot is not None else self.source(i, m.logical)
+                        s13[j].copy_(src[0], non_blocking=True)
+                        s2[j].copy_(src[1], non_blocking=True)
+                        in_flight += s13[j].nbytes + s2[j].nbytes
+                        if cuda and in_flight >= UPLOAD_BATCH_BYTES:
+                            side.synchronize()
+                            in_flight = 0
+                    slots = torch.tensor([m.slot for m in moves], dtype=torch.int64).to(self.device)
+                job.staging[i] = (slots, s13, s2, *spare)
+            if cuda:
+                side.synchronize()
 
     # ------------------------------------------------------------------ 3. execute, abort, commit
     def _advance(self, codes: Sequence[int]) -> None:
@@ -330,23 +346,22 @@ class Rebalancer:
             self.report.stalls_s = [*self.report.stalls_s[-(MAX_KEPT - 1):], job.stalls[-1]]
 
     def _swap(self, job: _Rebalance, chunk: range, location: ExpertLocation) -> None:
-        """Exchange the chunk's changed slots with their staging buffers (which then hold the slots' old experts),
-        then set the chunk's maps."""
+        """Exchange the chunk's changed slots with their staging buffers: the slots' experts go to the spare
+        buffers, the staged ones into the slots, and the two buffers trade roles (a second swap undoes the first);
+        then the chunk's maps."""
         with torch.no_grad():
             for i in chunk:
                 if i in job.staging:
-                    slots, s13, s2 = job.staging[i]
+                    slots, in13, in2, out13, out2 = job.staging[i]
                     w13, w2 = self.layers[i].slot_weights()
-                    old13, old2 = w13.index_select(0, slots), w2.index_select(0, slots)
-                    w13.index_copy_(0, slots, s13)
-                    w2.index_copy_(0, slots, s2)
-                    if s13.is_cuda:  # made on the side stream, read here: not reused before this stream is done
-                        for t in (slots, s13, s2):
-                            t.record_stream(torch.cuda.current_stream(self.device))
-                    job.staging[i] = (slots, old13, old2)
+                    torch.index_select(w13, 0, slots, out=out13)
+                    torch.index_select(w2, 0, slots, out=out2)
+                    w13.index_copy_(0, slots, in13)
+                    w2.index_copy_(0, slots, in2)
+                    job.staging[i] = (slots, out13, out2, in13, in2)
                 self.layers[i].set_placement(location, i)
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+                self._serving_stream.synchronize()
 
     def _abort(self, codes: Sequence[int]) -> None:
         job = self._job

@@ -5,7 +5,7 @@ chunk of MoE layers.
 
 V2-Lite-shaped dummy model in bf16 with redundant expert slots, one rank (EP 1), decode steps of `batch` requests
 (distinct random prompts) through the scheduler and model runner with CUDA graphs. A rebalance is started to a
-placement that gives every slot another expert (`Rebalancer.rebalance_to(..., from_host=True)`: every incoming
+placement that gives every redundant slot another expert (`Rebalancer.rebalance_to(..., from_host=True)`: every incoming
 expert comes from the host weight source, as on a rank of a multi-GPU server that did not hold it). Measured:
 the decode steps before it (baseline), the steps while the prepare thread uploads (throughput relative to the
 baseline), each execute chunk's stall, and the steps after it.
@@ -74,9 +74,12 @@ def main() -> None:
     loc = reb.location
     num_layers, slots = loc.physical_to_logical_map.shape
     g = torch.Generator().manual_seed(1)
-    target = torch.stack([torch.cat([torch.randperm(loc.num_logical_experts, generator=g),
-                                     torch.randint(0, loc.num_logical_experts, (slots - loc.num_logical_experts,),
-                                                   generator=g)]) for _ in range(num_layers)])
+    # every redundant slot gets another replica (what a rebalance on one GPU does): experts from the host
+    target = loc.physical_to_logical_map.clone()
+    extra = slots - loc.num_logical_experts
+    target[:, loc.num_logical_experts:] = (target[:, loc.num_logical_experts:] + 1
+                                           + torch.randint(0, loc.num_logical_experts - 1, (num_layers, extra),
+                                                           generator=g)) % loc.num_logical_experts
     target = ExpertLocation.from_placement(target, 1, num_logical_experts=loc.num_logical_experts)
     moved = int((target.physical_to_logical_map != loc.physical_to_logical_map).sum())
     t_start = time.perf_counter()
