@@ -99,7 +99,7 @@ class RebalanceReport:
 
 
 MAX_KEPT = 4096
-UPLOAD_BATCH_BYTES = 64 << 20
+UPLOAD_BATCH_BYTES = 16 << 20
 
 
 @dataclass
@@ -295,7 +295,7 @@ class Rebalancer:
         """Fill job.staging per MoE layer: its changed slots, their new experts stacked, and a spare buffer of the
         same size (a swap leaves the old experts there), on the side stream; every copy is done when this returns.
 
-        The uploads go in batches of UPLOAD_BATCH_BYTES, each waited for before the next: the serving stream's own
+        The uploads go in batches of UPLOAD_BATCH_BYTES, each waited for before the next (16 MiB: about 0.4 ms of PCIe): the serving stream's own
         small host-to-device copies share the copy engine and must not queue behind gigabytes. The spare buffers
         come from the serving stream's pool, so the swaps allocate nothing."""
         if self._injected("prepare"):

@@ -47,12 +47,15 @@ def main() -> None:
     p.add_argument("--layers-per-chunk", type=int, default=1)
     p.add_argument("--weights", default="memory", choices=("memory", "mmap"))
     p.add_argument("--out", default=None)
+    p.add_argument("--move", default="redundant", choices=("redundant", "all"),
+                   help="redundant: the redundant slots get other replicas; all: every slot another expert")
+    p.add_argument("--mem-fraction-static", type=float, default=0.6)
     p.add_argument("--model-path", default="benchmarks/configs/deepseek-v2-lite")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     args = ServerArgs(model_path=a.model_path, load_format=a.load_format, dtype=a.dtype,
-                      context_length=4096, mem_fraction_static=0.6, max_running_requests=a.batch,
+                      context_length=4096, mem_fraction_static=a.mem_fraction_static, max_running_requests=a.batch,
                       enable_eplb=True, eplb_rebalance_num_iterations=10**9, ep_num_redundant_experts=a.redundant,
                       eplb_rebalance_layers_per_chunk=a.layers_per_chunk, eplb_expert_weights=a.weights)
     t0 = time.perf_counter()
@@ -76,10 +79,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     # every redundant slot gets another replica (what a rebalance on one GPU does): experts from the host
     target = loc.physical_to_logical_map.clone()
-    extra = slots - loc.num_logical_experts
-    target[:, loc.num_logical_experts:] = (target[:, loc.num_logical_experts:] + 1
-                                           + torch.randint(0, loc.num_logical_experts - 1, (num_layers, extra),
-                                                           generator=g)) % loc.num_logical_experts
+    first = loc.num_logical_experts if a.move == "redundant" else 0
+    target[:, first:] = (target[:, first:] + 1 + torch.randint(0, loc.num_logical_experts - 1,
+                                                              (num_layers, slots - first), generator=g)
+                         ) % loc.num_logical_experts
+    if a.move == "all":  # every expert keeps a replica: rotate the first E slots' experts instead
+        target[:, :loc.num_logical_experts] = (torch.arange(loc.num_logical_experts) + 1) % loc.num_logical_experts
     target = ExpertLocation.from_placement(target, 1, num_logical_experts=loc.num_logical_experts)
     moved = int((target.physical_to_logical_map != loc.physical_to_logical_map).sum())
     t_start = time.perf_counter()
@@ -96,7 +101,7 @@ def main() -> None:
     after = [_step(sched, runner) for _ in range(40)]
     expert_mib = sum(t[0].nbytes for t in reb.layers[0].slot_weights()) / 2**20
     result = {
-        "batch": a.batch, "redundant": a.redundant, "layers_per_chunk": a.layers_per_chunk, "weights": a.weights,
+        "batch": a.batch, "redundant": a.redundant, "move": a.move, "layers_per_chunk": a.layers_per_chunk, "weights": a.weights,
         "startup_s": startup_s, "experts_moved": moved, "moved_gib": moved * expert_mib / 1024,
         "baseline_tok_s": a.batch * len(baseline) / sum(baseline), "prepare_s": prepare_s,
         "during_prepare_steps": len(during),
