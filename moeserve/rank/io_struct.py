@@ -8,7 +8,7 @@ control request: LoadOut (to GetLoadReq), FlushCacheOut, ExpertDistributionOut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moeserve.eplb.rebalancer import RebalanceReport
@@ -65,6 +65,10 @@ class LoadOut:
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
+
+    def to_json(self) -> dict[str, Any]:
+        """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "eplb"}
 
 
 @dataclass
