@@ -99,7 +99,7 @@ def run(args: ServerArgs, prompts: list[list[list[int]]], output_len: int) -> li
 
 
 def _passes(report) -> int:
-    return report.windows[-1][0] if report.windows else 0
+    return report.passes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,6 +96,7 @@ class RebalanceReport:
     # the newest windows, at most MAX_KEPT: (forward passes so far, balancedness, routed tokens per pass of the
     # busiest GPU, averaged over MoE layers)
     windows: list[tuple[int, float, float]] = field(default_factory=list)
+    passes: int = 0  # forward passes so far
 
 
 MAX_KEPT = 4096
@@ -170,7 +171,8 @@ class Rebalancer:
     def snapshot(self) -> RebalanceReport:
         """A copy of the report (cumulative)."""
         r = self.report
-        return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s), list(r.windows))
+        return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s), list(r.windows),
+                               self.passes)
 
     # ------------------------------------------------------------------ 1. window
     def _check_window(self) -> None:
