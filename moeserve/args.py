@@ -18,6 +18,9 @@ A2A_BACKENDS = ("none", "allgather", "all2all")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel")
 RECORDER_MODES = ("stat", "per_pass", "per_token")
+EP_DISPATCH_ALGORITHMS = ("static", "dynamic")
+EPLB_ALGORITHMS = ("auto", "deepseek")
+EPLB_WEIGHT_SOURCES = ("memory", "mmap")
 DISAGG_MODES = ("null", "prefill", "decode")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -117,15 +120,38 @@ class ServerArgs:
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
     tbo_token_threshold: int = _flag(64, "TBO only runs on steps with at least this many tokens.")
-    enable_eplb: bool = _flag(False, "Rebalance expert placement online from recorded load (not implemented yet).")
     ep_num_redundant_experts: int = _flag(0, "Extra physical expert slots for replicas of hot experts.")
     init_expert_location: str = _flag(
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
+    ep_dispatch_algorithm: str = _flag(
+        "static", "How a token picks among an expert's replicas: static (each rank's table: a replica on its own "
+        "GPU, else its node, else spread) or dynamic (at random, so a hot expert's replicas share its load).",
+        EP_DISPATCH_ALGORITHMS)
     expert_distribution_recorder_mode: str | None = _flag(
-        None, "Record expert load (start/stop/dump endpoints): stat (counts per MoE layer and expert); per_pass and "
-        "per_token are not implemented yet.", (None, *RECORDER_MODES))
+        None, "Record expert load (start/stop/dump endpoints): stat (counts per MoE layer and expert), per_pass "
+        "(also each forward pass's counts), per_token (also each token's experts).", (None, *RECORDER_MODES))
+    expert_distribution_recorder_buffer_size: int = _flag(
+        1000, "Bounded recorder buffer: passes kept (per_pass) or tokens kept (per_token).")
+    enable_eplb: bool = _flag(
+        False, "Rebalance the expert placement while serving, from the recorded load: host copies of every expert, "
+        "upload in the background, swap between forward passes (docs/eplb.md).")
     eplb_rebalance_num_iterations: int = _flag(1000, "Forward passes between online rebalances.")
+    eplb_rebalance_layers_per_chunk: int | None = _flag(
+        None, "MoE layers swapped per forward pass when a rebalance executes (default: all in one pass).")
+    eplb_min_rebalancing_utilization_threshold: float = _flag(
+        1.0, "No rebalance while the measured balancedness (mean / max routed tokens per GPU, averaged over MoE "
+        "layers) is at least this.")
+    eplb_min_improvement: float = _flag(
+        0.01, "No rebalance when the new placement raises the window's balancedness by less than this.")
+    eplb_algorithm: str = _flag(
+        "auto", "Placement algorithm: auto (moeserve's, never worse than the reference) or deepseek (DeepSeek's "
+        "reference EPLB policy).", EPLB_ALGORITHMS)
+    eplb_expert_weights: str = _flag(
+        "memory", "Where every expert waits on the host for a rebalance: memory (read at start-up; pinned on CUDA) "
+        "or mmap (read from the memory-mapped safetensors checkpoint when needed).", EPLB_WEIGHT_SOURCES)
+    eplb_debug_fail: str | None = _flag(
+        None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
 
     # --- CUDA graphs, torch.compile ---
     disable_cuda_graph: bool = _flag(False, "Run decode without CUDA graphs.")
@@ -180,13 +206,21 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
         if self.ep_num_redundant_experts < 0:
             raise ValueError("--ep-num-redundant-experts must be >= 0")
-        if self.enable_eplb:
-            raise ValueError(
-                "--enable-eplb (rebalancing while serving) is not implemented yet: plan a placement offline with "
-                "`moeserve eplb` and start with --init-expert-location FILE (and --ep-num-redundant-experts)")
-        if self.expert_distribution_recorder_mode not in (None, "stat"):
-            raise ValueError(f"--expert-distribution-recorder-mode {self.expert_distribution_recorder_mode} is not "
-                             "implemented yet; stat records the counts per MoE layer and expert")
+        if self.expert_distribution_recorder_buffer_size < 1:
+            raise ValueError("--expert-distribution-recorder-buffer-size must be >= 1")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise ValueError("--eplb-rebalance-num-iterations must be >= 1")
+        if self.eplb_rebalance_layers_per_chunk is not None and self.eplb_rebalance_layers_per_chunk < 1:
+            raise ValueError("--eplb-rebalance-layers-per-chunk must be >= 1")
+        if not 0.0 <= self.eplb_min_rebalancing_utilization_threshold <= 1.0:
+            raise ValueError("--eplb-min-rebalancing-utilization-threshold must be in [0, 1]")
+        if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:
+            raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
+                             "does not run with --enable-two-batch-overlap")
+        if self.eplb_debug_fail is not None:
+            phase, _, rank = self.eplb_debug_fail.partition(":")
+            if phase not in ("prepare", "execute") or not rank.isdigit():
+                raise ValueError(f"--eplb-debug-fail must be prepare:RANK or execute:RANK, got {self.eplb_debug_fail!r}")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")

@@ -86,7 +86,7 @@ def cmd_generate(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     kinds = {"one-batch": "moeserve.bench.one_batch", "serving": "moeserve.bench.serving",
              "offline": "moeserve.bench.offline", "dispatch": "moeserve.bench.dispatch",
-             "tbo": "moeserve.bench.tbo"}
+             "tbo": "moeserve.bench.tbo", "eplb": "moeserve.bench.eplb"}
     if not argv or argv[0] not in kinds:
         print(f"usage: moeserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ __all__ = [
     "logical_to_physical_map",
     "rebalance_experts",
     "rebalance_experts_over_window",
+    "rebalance_experts_reference",
 ]
 
 
@@ -104,6 +105,23 @@ def rebalance_experts_over_window(
     w32 = np.einsum("t,tle->le", tw, w).astype(np.float32)
     args = (num_replicas, num_groups, num_nodes, num_gpus, max_slots_per_gpu, avoid_duplicates)
     return _rebalance(w, tw, w32, *args)
+
+
+def rebalance_experts_reference(
+    weight: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek's reference policy alone (its steps in float32, its tie-breaks, no local search), with the same
+    arguments and returns as rebalance_experts: what --eplb-algorithm deepseek runs."""
+    w = _as_float64(weight)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be [layers, experts], got shape {tuple(w.shape)}")
+    _validate(w[None], num_replicas, num_groups, num_nodes, num_gpus, None)
+    if not is_hierarchical(num_groups, num_nodes):
+        num_groups = num_nodes = 1
+    p = _Problem(num_replicas, num_groups, num_nodes, num_gpus, w.shape[1])
+    phy2log = torch.from_numpy(np.ascontiguousarray(_reference_candidate(_as_float32(weight), p).to_phy2log()))
+    log2phy, logcnt = logical_to_physical_map(phy2log, w.shape[1])
+    return phy2log, log2phy, logcnt
 
 
 def is_hierarchical(num_groups: int, num_nodes: int) -> bool:

@@ -311,22 +311,30 @@ class ExpertLocation:
         if mode == "static":
             out = self.logical_to_rank_dispatch_physical_map[rank, layers].gather(1, flat)
         elif mode == "dynamic":
-            cnt = (
-                self.logical_to_all_physical_map_num_valid[layers].gather(1, flat).view_as(ids)
-            )  # [L', T, k]
-            if generator is not None:
-                u = torch.rand(ids.shape, generator=generator, device=ids.device)
-                pick = torch.minimum((u * cnt).long(), cnt - 1)
-            else:
+            if generator is None:  # round robin by token index and rank
+                cnt = self.logical_to_all_physical_map_num_valid[layers].gather(1, flat).view_as(ids)
                 token = torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
-                pick = (token + rank) % cnt
-            table = self.logical_to_all_physical_map[layers]  # [L', E, X]
-            width = table.shape[2]
-            out = table.flatten(1).gather(1, (ids * width + pick).flatten(1))
+                u = ((token + rank) % cnt + 0.5) / cnt
+            else:
+                u = torch.rand(ids.shape, generator=generator, device=ids.device)
+            out = torch.stack([pick_replicas(ids[i], self.logical_to_all_physical_map[layers][i],
+                                             self.logical_to_all_physical_map_num_valid[layers][i], u[i])
+                               for i in range(ids.shape[0])])
         else:
             raise ValueError(f"mode must be 'static' or 'dynamic', not {mode!r}")
         out = out.view_as(ids)
         return out[0] if layer is not None else out
+
+
+def pick_replicas(topk_ids: torch.Tensor, replicas: torch.Tensor, num_replicas: torch.Tensor,
+                  u: torch.Tensor) -> torch.Tensor:
+    """Dynamic dispatch of one layer: topk_ids [T, k] logical -> physical slots, replica floor(u * count) of each
+    expert (u [T, k] in [0, 1): uniform draws spread the tokens over the replicas alike). replicas [E, X] the
+    slots of each expert (-1 padded), num_replicas [E]. Static shapes, no host sync (CUDA-graph safe)."""
+    ids = topk_ids.long()
+    cnt = num_replicas[ids]
+    pick = torch.minimum((u * cnt).long(), cnt - 1)
+    return replicas.view(-1)[ids * replicas.shape[1] + pick]
 
 
 _TENSOR_FIELDS = tuple(

@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(type(self), config, self.rotary, options)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
+        self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""

@@ -220,18 +220,24 @@ def fill_dummy(model: nn.Module, specs: list[WeightSpec], seed: int, show_progre
     needed = [s for s in specs if s.param is not None]
     for s in tqdm(needed, desc="Dummy weights", unit="tensor", disable=not show_progress):
         p = params[s.param]
-        full = torch.empty(s.shape, dtype=p.dtype, device=p.device)
-        if s.key.endswith("norm.weight"):
-            full.fill_(1.0)
-        else:
-            gen = torch.Generator(device=p.device)
-            gen.manual_seed((seed * 1_000_003 + zlib.crc32(s.key.encode())) % (1 << 63))
-            std = DUMMY_BIAS_STD if s.key.endswith("e_score_correction_bias") else DUMMY_STD
-            full.normal_(0.0, std, generator=gen)
+        full = dummy_tensor(s.key, s.shape, p.dtype, p.device, seed)
         part = full[s.src] if s.src else full
         (p.data[s.dst] if s.dst else p.data).copy_(part)
         written[s.param] += part.numel()
     _check_written(params, written)
+
+
+def dummy_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 seed: int) -> torch.Tensor:
+    """The dummy value of checkpoint tensor `key`: drawn from its own generator seeded by (seed, key) on `device`,
+    so every rank, and the EPLB weight source later, draws the same numbers."""
+    full = torch.empty(shape, dtype=dtype, device=device)
+    if key.endswith("norm.weight"):
+        return full.fill_(1.0)
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63))
+    std = DUMMY_BIAS_STD if key.endswith("e_score_correction_bias") else DUMMY_STD
+    return full.normal_(0.0, std, generator=gen)
 
 
 def _check_written(params: dict[str, nn.Parameter], written: dict[str, int]) -> None:

@@ -1,7 +1,7 @@
 """The model's options: the one place where the server's flags (ServerArgs) become what models and layers read.
 
 Layers never see ServerArgs: an MoE layer gets MoEOptions (dispatch backend and mode, experts' kernels, placement,
-two-batch overlap), the decoder gets ModelOptions. The worker asks `dispatch_options` whether the dispatchers need a
+two-batch overlap, replica choice), the decoder gets ModelOptions, the online rebalancer RebalanceOptions. The worker asks `dispatch_options` whether the dispatchers need a
 process group; the model runner asks the built dispatchers whether decode can be captured in CUDA graphs.
 """
 
@@ -15,6 +15,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.model_config import ModelConfig
 from moeserve.ep.registry import DispatchOptions
 from moeserve.eplb.location import ExpertLocation
+from moeserve.eplb.rebalancer import RebalanceOptions
 from moeserve.layers.moe.layer import MoEOptions
 from moeserve.parallel.state import get_parallel_state
 
@@ -28,6 +29,19 @@ class ModelOptions:
     tbo_token_threshold: int = 64  # --tbo-token-threshold: steps with fewer tokens (on every rank) do not overlap
 
 
+def rebalance_options(args: ServerArgs, config: ModelConfig) -> RebalanceOptions:
+    """--enable-eplb's flags (the online rebalancer runs on every rank)."""
+    fail = None
+    if args.eplb_debug_fail:
+        phase, _, rank = args.eplb_debug_fail.partition(":")
+        fail = (phase, int(rank))
+    return RebalanceOptions(
+        interval=args.eplb_rebalance_num_iterations, layers_per_chunk=args.eplb_rebalance_layers_per_chunk,
+        utilization_threshold=args.eplb_min_rebalancing_utilization_threshold,
+        min_improvement=args.eplb_min_improvement, algorithm=args.eplb_algorithm,
+        dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", num_groups=config.n_group or 1, fail=fail)
+
+
 def dispatch_options(args: ServerArgs) -> DispatchOptions:
     """--moe-a2a-backend, --deepep-mode, --ep-max-tokens-per-rank."""
     return DispatchOptions(backend=args.moe_a2a_backend, deepep_mode=args.deepep_mode,
@@ -39,7 +53,8 @@ def model_options(args: ServerArgs, config: ModelConfig) -> ModelOptions:
     moe = MoEOptions(dispatch=dispatch_options(args), runner_backend=args.moe_runner_backend,
                      num_redundant_experts=args.ep_num_redundant_experts,
                      placement=expert_location(config, args, get_parallel_state().ep_size),
-                     two_batch_overlap=args.enable_two_batch_overlap)
+                     two_batch_overlap=args.enable_two_batch_overlap,
+                     dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb)
     return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
                         tbo_token_threshold=args.tbo_token_threshold)
 
@@ -54,7 +69,8 @@ def expert_location(config: ModelConfig, args: ServerArgs, ep_size: int) -> Expe
         return None
     num_physical = config.num_experts + args.ep_num_redundant_experts
     trivial = args.init_expert_location == "trivial"
-    if trivial and num_physical == config.num_experts:
+    maps_change = args.enable_eplb or args.ep_dispatch_algorithm == "dynamic"
+    if trivial and num_physical == config.num_experts and not maps_change:
         return None
     gpus_per_node = max(1, ep_size // max(1, args.nnodes))
     with torch.device("cpu"):  # models are built under torch.device("meta"): the maps are host tables

@@ -8,9 +8,10 @@ control request: LoadOut (to GetLoadReq), FlushCacheOut, ExpertDistributionOut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.rank.sampling_params import SamplingParams
 
 
@@ -63,6 +64,11 @@ class LoadOut:
     kv_used_tokens: int
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
+    eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
+
+    def to_json(self) -> dict[str, Any]:
+        """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "eplb"}
 
 
 @dataclass
@@ -74,10 +80,12 @@ class ExpertDistributionReq:
 
 @dataclass
 class ExpertDistributionOut:
-    """One attention group's answer: its recorded window [layers, experts] for dump, or an error."""
+    """One attention group's answer: its part of the dump (moeserve/eplb/recorder.py `dump`) for dump, or an
+    error."""
 
     dp_rank: int
-    logical_count: Any = None
+    mode: str = "stat"
+    dump: dict[str, Any] | None = None
     error: str = ""
 
 

@@ -14,6 +14,7 @@ from moeserve.core.kv_pool import make_kv_pool
 from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
+from moeserve.rank.expert_load import make_rebalancer, make_recorder
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 
@@ -109,13 +110,10 @@ class ModelRunner:
                 self.device)
         self.expert_tokens = (enable_local_expert_tokens(self.ep.num_local_experts, self.device)
                               if self.ep.num_moe_layers else None)
-        self.expert_recorder = None
-        if server_args.expert_distribution_recorder_mode is not None and self.config.moe_layers:
-            from moeserve.eplb.recorder import ExpertDistributionRecorder
-
-            self.expert_recorder = ExpertDistributionRecorder(self.config.moe_layers, self.config.num_experts,
-                                                              self.device)
-            self.model.set_expert_recorder(self.expert_recorder)  # before CUDA graphs and torch.compile see it
+        self.expert_recorder = make_recorder(server_args, self.config, self.model, self.device)
+        self._first_moe = self.model.moe_layers()[0] if self.expert_recorder is not None else None
+        self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device)
+                           if self.expert_recorder is not None else None)
         if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
             from moeserve.rank.compiled_decode import CompiledDecode
 
@@ -189,8 +187,12 @@ class ModelRunner:
         fb = batch.to(self.device)
         fb.kv_pool = self.kv_pool
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.run(fb)
-        return self._decode_forward(fb)
+            logits = self.graph_runner.run(fb)
+        else:
+            logits = self._decode_forward(fb)
+        if self.expert_recorder is not None:
+            self.expert_recorder.on_pass_end(self._first_moe.recorded_rows(fb.num_tokens))
+        return logits
 
     def _decode_forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model, compiled where --enable-torch-compile covers the batch (also what CUDA graphs capture)."""

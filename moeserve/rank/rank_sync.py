@@ -2,13 +2,14 @@
 
 Every rank of an attention TP group runs the same scheduler on the same messages: the group's leader (attention
 TP rank 0) reads the ZeroMQ socket and broadcasts what it got. Before each forward, all ranks exchange a small
-header (tokens this step, is it a prefill) because MoE layers are collective: a rank with nothing to do runs an
+header (tokens this step, is it a prefill, the rebalancer's state) because MoE layers are collective: a rank with nothing to do runs an
 IDLE batch, and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
 group's schedulers never diverge.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,16 @@ from moeserve.parallel.state import ParallelState
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch has only the former.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class StepHeader:
+    """What every rank knows of every other before a step."""
+
+    global_num_tokens: list[int]  # tokens of each DP group this step
+    any_extend: bool  # some group prefills (all2all `auto` picks normal dispatch)
+    any_stop: bool  # some rank is shutting down: every rank leaves its loop at this step
+    eplb: list[int]  # each rank's online-rebalancer status (moeserve/eplb/rebalancer.py)
 
 
 class RankSync:
@@ -41,17 +52,17 @@ class RankSync:
         dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
         return box[0]
 
-    def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False) -> tuple[list[int], bool, bool]:
-        """Tokens of every DP group this step (the same list on all ranks), whether any group prefills, and
-        whether any rank is shutting down (then every rank leaves its loop at the same step)."""
+    def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False,
+                        eplb: int = 0) -> StepHeader:
+        """Every rank's part of this step's header, the same on all ranks (see StepHeader)."""
         if not self.multi:
-            return [num_tokens], is_extend, stop
-        t = torch.tensor([num_tokens, int(is_extend), int(stop)], dtype=torch.int64)
-        out = torch.zeros(self.state.world_size * 3, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+            return StepHeader([num_tokens], is_extend, stop, [eplb])
+        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb], dtype=torch.int64)
+        out = torch.zeros(self.state.world_size * 4, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
         _all_gather(out, t, group=self.state.world_cpu_group)
-        out = out.view(self.state.world_size, 3)
-        per_group = out[:: self.group_size, 0].tolist()
-        return per_group, bool(out[:, 1].any()), bool(out[:, 2].any())
+        out = out.view(self.state.world_size, 4)
+        return StepHeader(out[:: self.group_size, 0].tolist(), bool(out[:, 1].any()), bool(out[:, 2].any()),
+                          out[:, 3].tolist())
 
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""

@@ -16,6 +16,7 @@ import zmq
 
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
+from moeserve.eplb.recorder import merge_dumps
 from moeserve.rank.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -25,6 +26,7 @@ from moeserve.rank.io_struct import (
     FlushCacheReq,
     GenerateReq,
     GetLoadReq,
+    LoadOut,
     ShutdownReq,
     TokenOut,
     WorkerError,
@@ -130,19 +132,22 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
 
 def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
              stop: bool = False) -> list[TokenOut] | None:
-    """One scheduler step on one rank: schedule, (header), forward, sample, process. Returns the TokenOuts,
-    or None when some rank is shutting down (multi-rank: every rank learns it from the same header)."""
+    """One scheduler step on one rank: schedule, (header), rebalance, forward, sample, process. Returns the
+    TokenOuts, or None when some rank is shutting down (multi-rank: every rank learns it from the same header)."""
+    eplb = runner.rebalancer
     if sync is not None and sync.multi:
         batch = None if stop else scheduler.schedule()
         num_tokens = batch.forward.num_tokens if batch else 0
-        global_tokens, any_extend, any_stop = sync.exchange_header(
-            num_tokens, bool(batch and batch.mode.is_extend), stop)
-        if any_stop:
+        header = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend), stop,
+                                      eplb.status() if eplb is not None else 0)
+        if header.any_stop:
             return None
-        if not any(global_tokens):
+        if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
+            eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
+        if not any(header.global_num_tokens):
             return []
         fb = batch.forward if batch else ForwardBatch.idle()
-        fb.global_num_tokens, fb.any_extend = global_tokens, any_extend
+        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
         if batch is None:
             runner.forward(fb)  # join the MoE collectives with no tokens
             return []
@@ -150,6 +155,8 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
         if stop:
             return None
         batch = scheduler.schedule()
+        if eplb is not None:
+            eplb.begin_pass([eplb.status()], forward=batch is not None)
         if batch is None:
             return []
     logits = runner.forward(batch.forward)
@@ -190,7 +197,7 @@ class WorkerLoop:
                 break
             outs += self.scheduler.drain_pending()
             if outs and self.sync.is_leader:
-                self._reply(BatchTokenOut(outs, self.scheduler.get_load()))
+                self._reply(BatchTokenOut(outs, self._load()))
             self._maybe_log()
 
     def _recv(self, block: bool) -> list:
@@ -220,7 +227,7 @@ class WorkerLoop:
             ok = s.flush_cache()
             self._reply(FlushCacheOut(ok, "" if ok else "requests are in flight"))
         elif isinstance(msg, GetLoadReq):
-            self._reply(s.get_load())
+            self._reply(self._load())
         elif isinstance(msg, ExpertDistributionReq):
             self._reply(self._expert_distribution(msg.action))
         elif isinstance(msg, ShutdownReq):
@@ -228,21 +235,30 @@ class WorkerLoop:
         else:
             logger.warning("unknown message %r", type(msg).__name__)
 
+    def _load(self) -> LoadOut:
+        """This group's load; rank 0 adds the online rebalancer's counters."""
+        load = self.scheduler.get_load()
+        if self.runner.rebalancer is not None and self.sync.state.rank == 0:
+            load.eplb = self.runner.rebalancer.snapshot()
+        return load
+
     def _expert_distribution(self, action: str) -> ExpertDistributionOut:
         """start / stop / dump on every rank of the group (they handle a message together); dump sums the group."""
         rec = self.runner.expert_recorder
         out = ExpertDistributionOut(self.scheduler.dp_rank)
         if rec is None:
-            out.error = "the server records no expert distribution: start it with --expert-distribution-recorder-mode stat"
+            out.error = ("the server records no expert distribution: start it with "
+                         "--expert-distribution-recorder-mode stat (or per_pass, per_token)")
         elif action == "start":
             rec.start()
         elif action == "stop":
             rec.stop()
         elif action == "dump":
-            counts = rec.window()
-            if self.sync.group_size > 1:
-                dist.all_reduce(counts, group=self.sync.state.attn_tp_cpu_group)
-            out.logical_count = counts
+            parts = [rec.dump()]
+            if self.sync.group_size > 1:  # the group's ranks: the one that reports, or each its share of tokens
+                parts = [None] * self.sync.group_size
+                dist.all_gather_object(parts, rec.dump(), group=self.sync.state.attn_tp_cpu_group)
+            out.mode, out.dump = rec.mode, merge_dumps(parts, rec.mode)
         else:
             out.error = f"unknown expert distribution action {action!r}"
         return out

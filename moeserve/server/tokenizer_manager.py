@@ -289,19 +289,22 @@ class TokenizerManager:
         return outs
 
     async def dump_expert_distribution(self, path: str | None = None) -> dict:
-        """Sum the groups' recorded windows into a .pt dump (`logical_count` [1, MoE layers, experts], what
-        `moeserve eplb` and --init-expert-location read); returns its path and totals."""
+        """The groups' recorded windows in one .pt dump (moeserve/eplb/recorder.py: `logical_count` [1 or passes,
+        MoE layers, experts], what `moeserve eplb` and --init-expert-location read, and per mode more); returns its
+        path and totals."""
         import torch
 
-        from moeserve.eplb.recorder import expert_distribution_dir
+        from moeserve.eplb.recorder import expert_distribution_dir, merge_dumps
 
-        total = sum(o.logical_count for o in await self.expert_distribution("dump"))
+        outs = await self.expert_distribution("dump")
+        dump = merge_dumps([o.dump for o in outs], outs[0].mode)
         out = Path(path) if path else (expert_distribution_dir()
                                        / f"expert_distribution_recorder_{time.time_ns() // 1_000_000}.pt")
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"logical_count": total[None]}, out)
-        return {"path": str(out), "num_layers": int(total.shape[0]), "num_experts": int(total.shape[1]),
-                "token_expert_pairs": int(total.sum())}
+        torch.save(dump, out)
+        counts = dump["logical_count"]
+        return {"path": str(out), "mode": outs[0].mode, "num_layers": int(counts.shape[1]),
+                "num_experts": int(counts.shape[2]), "token_expert_pairs": int(counts.sum())}
 
     async def get_load(self) -> list[LoadOut]:
         """Every DP group's load, fresh: each group answers a GetLoadReq with its LoadOut."""

@@ -281,3 +281,17 @@ def test_logical_to_physical_map_inverts() -> None:
     log2phy, logcnt = logical_to_physical_map(phy2log, 4)
     assert logcnt.tolist() == [[2, 1, 3, 0]]
     assert log2phy.tolist() == [[[1, 4, -1], [3, -1, -1], [0, 2, 5], [-1, -1, -1]]]
+
+
+def test_reference_policy_is_the_reference() -> None:
+    """--eplb-algorithm deepseek runs the reference's placement itself: the README's, and the oracle's on random
+    loads (float32 ties aside: integer loads with distinct per-replica values)."""
+    from moeserve.eplb.algorithm import rebalance_experts_reference
+
+    assert rebalance_experts_reference(torch.tensor(README_WEIGHT), 16, 4, 2, 8)[0].tolist() == README_PHY2LOG
+    gen = torch.Generator().manual_seed(11)
+    for R, G, N, P in [(16, 4, 2, 8), (24, 4, 2, 4), (20, 4, 1, 4), (32, 8, 4, 8)]:
+        w = torch.randperm(2 * 16, generator=gen)[:16].view(1, 16).repeat(3, 1) * 7 + torch.arange(3)[:, None]
+        phy2log, log2phy, logcnt = rebalance_experts_reference(w, R, G, N, P)
+        assert_valid(w, R, G, N, P, phy2log, log2phy, logcnt)
+        assert phy2log.tolist() == oracle_reference(w.numpy(), R, G, N, P).tolist(), (R, G, N, P)

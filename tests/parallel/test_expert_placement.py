@@ -77,10 +77,14 @@ def test_placement_for_another_model_is_refused(tiny_checkpoint, tmp_path):
         InProcessEngine(model_path=path, init_expert_location=str(file))
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [(dict(enable_eplb=True), "not implemented yet"),
-                                                (dict(expert_distribution_recorder_mode="per_pass"),
-                                                 "not implemented yet")])
-def test_unimplemented_eplb_flags_say_so(kwargs, match):
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(eplb_rebalance_num_iterations=0), "num-iterations must be >= 1"),
+    (dict(eplb_min_rebalancing_utilization_threshold=1.5), "threshold must be in"),
+    (dict(expert_distribution_recorder_mode="per_layer"), "choose one of"),
+    (dict(expert_distribution_recorder_buffer_size=0), "buffer-size must be >= 1"),
+    (dict(eplb_debug_fail="plan:0"), "prepare:RANK or execute:RANK"),
+])
+def test_bad_eplb_flags_say_so(kwargs, match):
     from moeserve.args import ServerArgs
 
     with pytest.raises(ValueError, match=match):

@@ -26,11 +26,11 @@ def _routed_pairs(prompts: list[list[int]], top_k: int = 4) -> int:
     return sum(len(p) + NEW - 1 for p in prompts) * top_k
 
 
-def _record(path: str, dump: str, **kwargs) -> torch.Tensor:
+def _record(path: str, dump: str, mode: str = "stat", full: bool = False, **kwargs) -> torch.Tensor | dict:
     from moeserve.server.engine import Engine
 
     eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning",
-                 expert_distribution_recorder_mode="stat", **kwargs)
+                 expert_distribution_recorder_mode=mode, **kwargs)
     try:
         eng.generate(input_ids=_prompts(0), sampling_params=PARAMS)  # before the window: not counted
         eng.start_expert_distribution_record()
@@ -40,9 +40,10 @@ def _record(path: str, dump: str, **kwargs) -> torch.Tensor:
         info = eng.dump_expert_distribution_record(dump)
     finally:
         eng.shutdown()
-    counts = torch.load(info["path"])["logical_count"]
-    assert info["path"] == dump and info["token_expert_pairs"] == int(counts.sum())
-    return counts
+    record = torch.load(info["path"])
+    counts = record["logical_count"]
+    assert info["path"] == dump and info["token_expert_pairs"] == int(counts.sum()) and info["mode"] == mode
+    return record if full else counts
 
 
 def test_one_rank_counts_the_window(tiny_checkpoint, tmp_path):
@@ -81,3 +82,26 @@ def test_recording_needs_the_flag(tiny_checkpoint):
             eng.start_expert_distribution_record()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_per_pass_and_per_token_count_exactly_the_routed_tokens(tiny_checkpoint, tmp_path, ranks):
+    """per_pass: each pass's counts, summing to what stat counts over the window; per_token: every routed token's
+    experts, whose histogram is the same counts. The passes of a window are consecutive; one token per routed row."""
+    path = tiny_checkpoint(NAME)
+    parallel = dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_a2a_backend="all2all") if ranks == 2 else {}
+    stat = _record(path, str(tmp_path / "stat.pt"), **parallel)
+    per_pass = _record(path, str(tmp_path / "pass.pt"), "per_pass", full=True, **parallel)
+    per_token = _record(path, str(tmp_path / "token.pt"), "per_token", full=True,
+                        expert_distribution_recorder_buffer_size=4096, **parallel)
+    passes = per_pass["logical_count"]
+    assert passes.dim() == 3 and passes.shape[1:] == (2, 16) and passes.shape[0] >= NEW
+    ids = per_pass["forward_pass_id"].tolist()
+    assert ids == list(range(ids[0], ids[0] + len(ids)))
+    assert torch.equal(passes.sum(0, keepdim=True), stat)
+    topk = per_token["topk_ids"]  # [tokens, layers, k]
+    assert topk.shape == (_routed_pairs(_prompts(1)) // 4, 2, 4)
+    hist = torch.stack([torch.bincount(topk[:, i].reshape(-1), minlength=16) for i in range(2)])
+    assert torch.equal(hist[None], stat) and torch.equal(per_token["logical_count"], stat)
+

@@ -75,13 +75,16 @@ class Experts(nn.Module):
             for w in (self.w13, self.w2):
                 w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
 
+    def expert_keys(self, prefix: str, logical: int) -> tuple[str, str, str]:
+        """Checkpoint keys of one expert's gate, up and down projections."""
+        return tuple(f"{prefix}.{logical}.{n}.weight" for n in self.checkpoint_names)
+
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         """Every expert's three tensors; those of experts this rank does not hold are expected but skipped."""
-        gate, up, down = self.checkpoint_names
         inter, H = self.intermediate_size, self.hidden_size
         held = set(self.expert_ids)
         for logical in range(self.num_experts):
-            keys = [f"{prefix}.{logical}.{n}.weight" for n in (gate, up, down)]
+            keys = self.expert_keys(prefix, logical)
             if logical not in held:
                 yield from (WeightSpec(k, s, None) for k, s in zip(keys, ((inter, H), (inter, H), (H, inter)), strict=True))
                 continue

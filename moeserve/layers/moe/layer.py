@@ -28,7 +28,7 @@ from moeserve.ep.base import Dispatcher
 from moeserve.ep.local import LocalDispatcher
 from moeserve.ep.registry import DispatchOptions, make_dispatcher
 from moeserve.ep.stats import record_local_tokens
-from moeserve.eplb.location import ExpertLocation
+from moeserve.eplb.location import ExpertLocation, pick_replicas
 from moeserve.kernels import cpu_experts
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
@@ -55,6 +55,8 @@ class MoEOptions:
     num_redundant_experts: int = 0  # --ep-num-redundant-experts: physical slots beyond the logical experts
     placement: ExpertLocation | None = None  # --init-expert-location; None: slot e holds expert e
     two_batch_overlap: bool = False  # --enable-two-batch-overlap: micro-batch B needs a dispatcher of its own
+    dynamic_dispatch: bool = False  # --ep-dispatch-algorithm dynamic: each token picks a replica at random
+    rebalance: bool = False  # --enable-eplb: the placement changes while serving (maps kept, updated in place)
 
 
 class MoE(nn.Module):
@@ -72,8 +74,15 @@ class MoE(nn.Module):
         if num_physical % ps.ep_size:
             raise ValueError(f"{num_physical} physical experts do not split over ep_size {ps.ep_size}")
         num_local = num_physical // ps.ep_size
-        slots, self.dispatch_table = layer_placement(options.placement, config.moe_layers.index(layer_id),
-                                                     ps.ep_rank, config.num_experts)
+        self.moe_index, self.ep_rank = config.moe_layers.index(layer_id), ps.ep_rank
+        slots, self.dispatch_table = layer_placement(options.placement, self.moe_index, ps.ep_rank,
+                                                     config.num_experts, keep_table=options.rebalance)
+        self.replicas = self.num_replicas = None  # dynamic dispatch: every replica of each expert
+        if options.dynamic_dispatch:
+            if options.placement is None:
+                raise ValueError("--ep-dispatch-algorithm dynamic needs a placement (models/options.py builds one)")
+            self.replicas = options.placement.logical_to_all_physical_map[self.moe_index].clone()  # [E, X]
+            self.num_replicas = options.placement.logical_to_all_physical_map_num_valid[self.moe_index].clone()
         first = ps.ep_rank * num_local
         self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                slots[first:first + num_local], expert_names, runner_backend=options.runner_backend)
@@ -135,19 +144,49 @@ class MoE(nn.Module):
         topk_ids, topk_weights = self.gate(x)
         if self.recorder is not None:
             self.recorder.on_select_experts(self.layer_id, topk_ids)  # logical ids: the load EPLB plans from
-        if self.dispatch_table is not None:
+        if self.replicas is not None:  # dynamic: each token to one of the expert's replicas, at random
+            topk_ids = pick_replicas(topk_ids, self.replicas, self.num_replicas, torch.rand(topk_ids.shape,
+                                                                                          device=topk_ids.device))
+        elif self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
         return topk_ids, topk_weights
+
+    def recorded_rows(self, num_tokens: int) -> int:
+        """Rows this layer reported to its recorder in a pass of num_tokens tokens (its share of them with the
+        attention-TP token split; none where another rank of the group reports)."""
+        if self.recorder is None:
+            return 0
+        if not self.split_tokens:
+            return num_tokens
+        chunk = -(-num_tokens // self.attn_tp_size)
+        return max(0, min(num_tokens, (self.attn_tp_rank + 1) * chunk) - self.attn_tp_rank * chunk)
 
     def set_recorder(self, recorder: ExpertRecorder | None) -> None:
         """Report the chosen experts to `recorder` (None: stop). Ranks of an attention group that route the same
         tokens (no token split) leave it to the group's first rank, so the server's sum counts each token once."""
         self.recorder = recorder if self.split_tokens or self.attn_tp_rank == 0 else None
 
+    # ------------------------------------------------------------------ what the online rebalancer moves
+    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E_local, 2I, H], w2 [E_local, H, I]): this rank's expert slots."""
+        return self.experts.w13.data, self.experts.w2.data
+
+    def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
+        """Take this layer's row of `location` into the maps, in place (CUDA graphs keep reading them)."""
+        if self.dispatch_table is not None:
+            self.dispatch_table.copy_(location.logical_to_rank_dispatch_physical_map[self.ep_rank, moe_index])
+        if self.replicas is not None:
+            self.replicas.copy_(location.logical_to_all_physical_map[moe_index])
+            self.num_replicas.copy_(location.logical_to_all_physical_map_num_valid[moe_index])
+        first = self.ep_rank * self.experts.num_local_experts
+        self.experts.expert_ids = location.physical_to_logical_map[moe_index, first:
+                                                                   first + self.experts.num_local_experts].tolist()
+
     def process_weights_after_loading(self, device: torch.device) -> None:
         """Build the dispatchers for the activations (the experts' dtype) on `device`, buffers allocated now."""
-        if self.dispatch_table is not None:
-            self.dispatch_table = self.dispatch_table.to(device)
+        for name in ("dispatch_table", "replicas", "num_replicas"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         options, num_physical, num_local, count = self._dispatch
         cfg = self.experts
         self.dispatchers = tuple(

@@ -14,14 +14,15 @@ import torch
 from moeserve.eplb.location import ExpertLocation
 
 
-def layer_placement(location: ExpertLocation | None, moe_index: int, ep_rank: int,
-                    num_experts: int) -> tuple[list[int], torch.Tensor | None]:
+def layer_placement(location: ExpertLocation | None, moe_index: int, ep_rank: int, num_experts: int,
+                    keep_table: bool = False) -> tuple[list[int], torch.Tensor | None]:
     """(logical expert of each physical slot, this rank's dispatch table [E] int64 on the CPU, or None) of the
     `moe_index`-th MoE layer. None: the identity (as many slots as experts, slot e holds expert e), where routed
-    ids are slot ids. `location` None is the trivial placement without redundant slots."""
+    ids are slot ids; keep_table: a table even then (a rebalance updates it in place). `location` None is the
+    trivial placement without redundant slots."""
     if location is None:
-        return list(range(num_experts)), None
+        return list(range(num_experts)), (torch.arange(num_experts) if keep_table else None)
     physical_to_logical = location.physical_to_logical_map[moe_index].tolist()
-    if physical_to_logical == list(range(num_experts)):
+    if physical_to_logical == list(range(num_experts)) and not keep_table:
         return physical_to_logical, None
     return physical_to_logical, location.logical_to_rank_dispatch_physical_map[ep_rank, moe_index].clone()

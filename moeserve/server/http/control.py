@@ -5,7 +5,6 @@ POST /start_expert_distribution_record, /stop_expert_distribution_record, /dump_
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,7 +38,7 @@ async def _control(call: Awaitable[T], refused: tuple[type[Exception], ...] = ()
 @router.get("/get_load")
 async def get_load(ctx: Ctx) -> Any:
     loads = await _control(ctx.client.get_load())
-    return [dataclasses.asdict(x) for x in loads]
+    return [x.to_json() for x in loads]
 
 
 @router.api_route("/flush_cache", methods=["POST", "GET"])

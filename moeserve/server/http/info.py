@@ -78,8 +78,11 @@ async def get_server_info(ctx: Ctx) -> Any:
         "served_model_name": ctx.model_name,
         "context_length": ctx.context_length,
         "max_total_tokens": ctx.kv_capacity,
-        "internal_states": [dataclasses.asdict(x) for x in ctx.client.last_load],
+        "internal_states": [x.to_json() for x in ctx.client.last_load],
     })
+    report = next((x.eplb for x in ctx.client.last_load if x.eplb is not None), None)
+    if report is not None:  # --enable-eplb: rebalances so far and the last window's balancedness
+        info["eplb"] = {"rebalances": report.rebalances, "balancedness": report.balancedness}
     return info
 
 

@@ -54,8 +54,15 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of the KV cache in use (SGLang's name).")
         self.kv_cache_usage = gauge("kv_cache_usage", "Fraction of the KV cache in use (same as token_usage).")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.")
+        self.eplb_rebalances = Counter("moeserve:eplb_rebalances", "Online EPLB rebalances completed.", names,
+                                       registry=r).labels(**self.labels)
+        self.eplb_balancedness = gauge("eplb_balancedness", "Mean over MoE layers of mean / max routed tokens per "
+                                       "GPU, over the last EPLB window, under the placement in force.")
+        self.eplb_stall = histogram("eplb_stall_seconds", "Time a rebalance's execute phase added to a forward "
+                                    "pass (one chunk of MoE layers).", _ITL_BUCKETS)
         self._prompt_total = 0
         self._cached_total = 0
+        self._eplb_seen = (0, 0)  # (rebalances, stalls) already counted
 
     # ------------------------------------------------------------------
     def on_first_token(self, seconds: float) -> None:
@@ -87,6 +94,20 @@ class Metrics:
         self.token_usage.set(used / total if total else 0.0)
         self.kv_cache_usage.set(used / total if total else 0.0)
         self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        report = next((x.eplb for x in loads if getattr(x, "eplb", None) is not None), None)
+        if report is not None:
+            self._update_eplb(report)
+
+    def _update_eplb(self, report: Any) -> None:
+        """From rank 0's cumulative rebalancer report: what happened since the last scrape."""
+        rebalances, stalls = self._eplb_seen
+        self.eplb_rebalances.inc(max(0, report.rebalances - rebalances))
+        new = report.num_stalls - stalls
+        for s in report.stalls_s[len(report.stalls_s) - min(new, len(report.stalls_s)):] if new > 0 else []:
+            self.eplb_stall.observe(s)
+        if report.balancedness is not None:
+            self.eplb_balancedness.set(report.balancedness)
+        self._eplb_seen = (report.rebalances, report.num_stalls)
 
     def render(self, loads: list[Any]) -> bytes:
         self.update_load(loads)
