@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------------
@@ -111,9 +110,8 @@ def rebalance_experts_reference(
     weight: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSeek's reference policy alone (its steps in float32, its tie-breaks, no local search), with the same
-    arguments and returns as rebalance_experts: what --eplb-algorithm deepseek runs."""
-    w = _as_float64(weight)
-    if w.ndim != 2:
+    arguments and returns as rebalance_experts [L, E]: what --eplb-algorithm deepseek runs."""
+    if (w := _as_float64(weight)).ndim != 2:
         raise ValueError(f"weight must be [layers, experts], got shape {tuple(w.shape)}")
     _validate(w[None], num_replicas, num_groups, num_nodes, num_gpus, None)
     if not is_hierarchical(num_groups, num_nodes):
