@@ -217,6 +217,12 @@ class ServerArgs:
         if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:
             raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
                              "does not run with --enable-two-batch-overlap")
+        if self.disaggregation_mode != "null":
+            raise ValueError(f"--disaggregation-mode {self.disaggregation_mode} (prefill/decode disaggregation) is not "
+                             "implemented yet: serve prefill and decode on one server (--disaggregation-mode null)")
+        if (self.disaggregation_bootstrap_port, self.disaggregation_transfer_backend) != (8998, "mooncake"):
+            raise ValueError("--disaggregation-bootstrap-port and --disaggregation-transfer-backend take effect only "
+                             "with --disaggregation-mode prefill or decode, which is not implemented yet")
         if self.eplb_debug_fail is not None:
             phase, _, rank = self.eplb_debug_fail.partition(":")
             if phase not in ("prepare", "execute") or not rank.isdigit():

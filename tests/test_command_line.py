@@ -100,3 +100,12 @@ def test_check_model_fits_names_the_flags():
     with pytest.raises(ValueError, match="16 physical experts .*--ep-size 3"):
         check_model_fits(ServerArgs(**dp), config)
     check_model_fits(ServerArgs(**dp, ep_num_redundant_experts=2), config)
+
+
+@pytest.mark.parametrize("kwargs", [dict(disaggregation_mode="prefill"), dict(disaggregation_mode="decode"),
+                                    dict(disaggregation_bootstrap_port=9000),
+                                    dict(disaggregation_transfer_backend="tcp")])
+def test_disaggregation_flags_are_refused_until_implemented(kwargs):
+    """PD disaggregation does not exist yet: its flags say so instead of being accepted and ignored."""
+    with pytest.raises(ValueError, match="not implemented yet"):
+        ServerArgs(**kwargs)
