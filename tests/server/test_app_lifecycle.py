@@ -16,17 +16,6 @@ from moeserve.server.http.app import build_app
 _wait_until = wait_until
 
 
-@pytest.fixture(scope="module")
-def fake(default_tokenizer):
-    return FakeClient(default_tokenizer, context_length=512)
-
-
-@pytest.fixture(scope="module")
-def base_url(fake):
-    with serve_in_thread(build_app(fake)) as url:
-        yield url
-
-
 @pytest.fixture(autouse=True)
 def _reset(fake):
     fake.token_delay = 0.0
