@@ -1,0 +1,1 @@
+"""KV transfer backends: one interface (base.py), one file per backend."""
