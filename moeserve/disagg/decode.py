@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from moeserve.disagg.bootstrap import BootstrapError, lookup_route
 from moeserve.disagg.control import ControlChannel
-from moeserve.disagg.liveness import Liveness
+from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.stats import TransferStats
 from moeserve.disagg.transfer.base import TransferBackend
 
@@ -61,13 +61,17 @@ class DecodeRoom:
     def addr(self) -> str | None:
         return self.route["addr"] if self.route else None
 
+    @property
+    def hb(self) -> str | None:
+        return self.route["hb"] if self.route else None
+
 
 class DecodeRooms:
     """The decode side's PD requests of one attention group, driven by the scheduler's loop (poll)."""
 
-    def __init__(self, host: DecodeHost, backend: TransferBackend, channel: ControlChannel, identity: dict[str, Any],
-                 api_key: str | None, bootstrap_timeout_s: float, waiting_timeout_s: float,
-                 transfer_timeout_s: float, heartbeat_interval_s: float, dead_after_s: float):
+    def __init__(self, host: DecodeHost, backend: TransferBackend, channel: ControlChannel, heartbeat: Heartbeat,
+                 identity: dict[str, Any], api_key: str | None, bootstrap_timeout_s: float, waiting_timeout_s: float,
+                 transfer_timeout_s: float):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -76,7 +80,7 @@ class DecodeRooms:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.waiting_timeout_s = waiting_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.liveness = Liveness(heartbeat_interval_s, dead_after_s)
+        self.heartbeat = heartbeat
         self.rooms: dict[int, DecodeRoom] = {}
         self.by_req: dict[int, DecodeRoom] = {}  # id(req) -> room
         self.lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-lookup")
@@ -171,7 +175,7 @@ class DecodeRooms:
             rec.window = uuid.uuid4().hex
             self.backend.open_window(rec.window, pages)
             ok = self.channel.send(rec.addr, {
-                "kind": "dest", "room": rec.room, "from": self.channel.addr, "pages": pages,
+                "kind": "dest", "room": rec.room, "from": self.channel.addr, "hb": self.heartbeat.addr, "pages": pages,
                 "peer": {**self.endpoint, "window": rec.window}, "identity": self.identity})
             rec.state, rec.since = "transferring", now
             if not ok:
@@ -179,8 +183,6 @@ class DecodeRooms:
 
     def _on_message(self, msg: dict[str, Any], now: float) -> None:
         addr = msg.get("from")
-        if isinstance(addr, str):
-            self.liveness.heard(addr, now)
         rec = self.rooms.get(msg.get("room")) if "room" in msg else None
         if rec is None or rec.state not in ("transferring", "cancelling") or rec.addr != addr:
             return
@@ -211,17 +213,14 @@ class DecodeRooms:
                 self._end_transfer(rec, None, 0)
 
     def _heartbeat(self, now: float) -> None:
-        live = {r.addr for r in self.rooms.values() if r.state != "bootstrapping" and r.addr}
-        ping, dead = self.liveness.watch(live, now)
-        for addr in ping:
-            self.channel.send(addr, {"kind": "ping", "from": self.channel.addr})
-        for addr in dead:
-            logger.error("the prefill rank at %s sent nothing for %.1f s: failing its requests", addr,
-                         self.liveness.dead_after_s)
-            self.channel.forget(addr)
-            for rec in [r for r in self.rooms.values() if r.addr == addr]:
+        live = {r.hb for r in self.rooms.values() if r.state != "bootstrapping" and r.hb}
+        for hb in self.heartbeat.watch(live):
+            logger.error("the prefill rank with heartbeat %s sent nothing for %.1f s: failing its requests", hb,
+                         self.heartbeat.dead_after_s)
+            for rec in [r for r in self.rooms.values() if r.hb == hb]:
+                self.channel.forget(rec.addr)
                 reason = (f"the prefill server ({rec.bootstrap[0]}:{rec.bootstrap[1]}) stopped answering "
-                          f"(no heartbeat for {self.liveness.dead_after_s:g} s)")
+                          f"(no heartbeat for {self.heartbeat.dead_after_s:g} s)")
                 if rec.state == "waiting":
                     self._fail(rec, reason, 503)
                 else:
@@ -259,3 +258,4 @@ class DecodeRooms:
 
     def close(self) -> None:
         self.lookups.shutdown(wait=False, cancel_futures=True)
+        self.heartbeat.close()

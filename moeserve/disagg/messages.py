@@ -4,11 +4,10 @@ JSON, not pickle: these sockets listen on the network, and unpickling a stranger
 --api-key every message carries an HMAC-SHA256 of its body under the key, so a stranger can neither tell a prefill
 rank where to write KV pages nor tell a decode rank that a transfer is done.
 
-decode -> prefill: `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge),
-`ping` (liveness; the prefill learns decode is alive from it and answers `pong`).
+decode -> prefill: `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge).
 prefill -> decode: `done` (every page written; the first token, its logprobs, cached_tokens), `failed` (the
-transfer stopped: an error, a cancellation or an abort; every write this rank started for the room has returned),
-`pong`.
+transfer stopped: an error, a cancellation or an abort; every write this rank started for the room has returned).
+Both ways, between the ranks' heartbeat threads (liveness.py): `ping`, answered by `pong`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from moeserve.disagg.control import ControlChannel
-from moeserve.disagg.liveness import Liveness
+from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.stats import TransferStats
 from moeserve.disagg.transfer.base import TransferBackend, TransferError, merge_runs
 
@@ -65,13 +65,17 @@ class PrefillRoom:
     def decode_addr(self) -> str | None:
         return self.dest["from"] if self.dest else None
 
+    @property
+    def decode_hb(self) -> str | None:
+        return self.dest.get("hb") if self.dest else None
+
 
 class PrefillRooms:
     """The prefill side's PD requests of one attention group, driven by the scheduler's loop (poll)."""
 
-    def __init__(self, host: PrefillHost, backend: TransferBackend, channel: ControlChannel, identity: dict[str, Any],
-                 page_size: int, bootstrap_timeout_s: float, transfer_timeout_s: float,
-                 heartbeat_interval_s: float, dead_after_s: float, debug_failure_prob: float = 0.0, seed: int = 0):
+    def __init__(self, host: PrefillHost, backend: TransferBackend, channel: ControlChannel, heartbeat: Heartbeat,
+                 identity: dict[str, Any], page_size: int, bootstrap_timeout_s: float, transfer_timeout_s: float,
+                 debug_failure_prob: float = 0.0, seed: int = 0):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -79,12 +83,14 @@ class PrefillRooms:
         self.page_size = page_size
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.liveness = Liveness(heartbeat_interval_s, dead_after_s)
+        self.heartbeat = heartbeat
         self.debug_failure_prob = debug_failure_prob
         self._rng = random.Random(seed)
         self.rooms: dict[int, PrefillRoom] = {}
         self.by_req: dict[int, PrefillRoom] = {}
         self.early: dict[int, tuple[float, dict[str, Any]]] = {}  # room -> (arrival, dest or cancel) before the req
+        # rooms that ended before decode's `dest` came (aborted, timed out): decode hears `failed` when it comes
+        self.ended: dict[int, tuple[float, str]] = {}
         self.pool = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="pd-transfer")
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = TransferStats("prefill", STATES)
@@ -144,9 +150,10 @@ class PrefillRooms:
             rec = room_obj
             rec.inflight -= 1
             rec.bytes += nbytes
-            if error is not None and rec.error is None:
-                rec.error = f"KV transfer to decode failed: {error}"
-            self._maybe_finish(rec)
+            if error is not None:
+                self._stop(rec, f"KV transfer to decode failed: {error}")
+            else:
+                self._maybe_finish(rec)
         for msg in self.channel.recv_all():
             self._on_message(msg, now)
         self._expire(now)
@@ -159,13 +166,13 @@ class PrefillRooms:
         addr = msg.get("from")
         if not isinstance(addr, str):
             return
-        self.liveness.heard(addr, now)
         kind = msg["kind"]
-        if kind == "ping":
-            self.channel.send(addr, {"kind": "pong", "from": self.channel.addr})
-            return
         room = msg.get("room")
         rec = self.rooms.get(room)
+        if rec is None and room in self.ended:
+            self.channel.send(addr, {"kind": "failed", "room": room, "from": self.channel.addr,
+                                     "reason": self.ended[room][1]})
+            return
         if rec is None:
             if kind == "cancel" and room not in self.early:  # nothing here (any more): acknowledge at once
                 self.channel.send(addr, {"kind": "failed", "room": room, "from": self.channel.addr,
@@ -200,24 +207,24 @@ class PrefillRooms:
         self.host.pd_enqueue(rec.req)
 
     def _expire(self, now: float) -> None:
-        for room, (t, _) in list(self.early.items()):
-            if now - t > self.bootstrap_timeout_s:
-                del self.early[room]
+        for table in (self.early, self.ended):
+            for room, (t, _) in list(table.items()):
+                if now - t > self.bootstrap_timeout_s:
+                    del table[room]
         for rec in list(self.rooms.values()):
             if rec.state == "bootstrapping" and rec.error is None and now - rec.since > self.bootstrap_timeout_s:
                 self._stop(rec, f"no decode server asked for room {rec.room} within {self.bootstrap_timeout_s:g} s "
                                 "(--disaggregation-bootstrap-timeout)")
 
     def _heartbeat(self, now: float) -> None:
-        live = {r.decode_addr for r in self.rooms.values() if r.decode_addr and r.error is None}
-        _, dead = self.liveness.watch(live, now)  # decode pings; prefill only listens
-        for addr in dead:
-            logger.error("the decode rank at %s sent nothing for %.1f s: dropping its transfers", addr,
-                         self.liveness.dead_after_s)
-            self.channel.forget(addr)
-            for rec in [r for r in self.rooms.values() if r.decode_addr == addr]:
+        live = {r.decode_hb for r in self.rooms.values() if r.decode_hb and r.error is None}
+        for hb in self.heartbeat.watch(live):
+            logger.error("the decode rank with heartbeat %s sent nothing for %.1f s: dropping its transfers", hb,
+                         self.heartbeat.dead_after_s)
+            for rec in [r for r in self.rooms.values() if r.decode_hb == hb]:
+                self.channel.forget(rec.decode_addr)
                 self._stop(rec, f"the decode server stopped answering (no heartbeat for "
-                                f"{self.liveness.dead_after_s:g} s)", notify=False)
+                                f"{self.heartbeat.dead_after_s:g} s)", notify=False)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, rec: PrefillRoom, runs: list) -> None:
@@ -262,6 +269,7 @@ class PrefillRooms:
         self.rooms.pop(rec.room, None)
         self.by_req.pop(id(rec.req), None)
         ok = rec.error is None
+        self.host.pd_detach(rec.req)
         self.host.pd_release(rec.req, cache=ok)
         msg: dict[str, Any] = {"room": rec.room, "from": self.channel.addr, "bytes": rec.bytes}
         if ok:
@@ -270,8 +278,10 @@ class PrefillRooms:
         else:
             self.stats.failed += 1
             msg.update(kind="failed", reason=rec.error)
-        if rec.decode_addr and getattr(rec, "notify", True):
+        if rec.decode_addr and rec.notify:
             self.channel.send(rec.decode_addr, msg)
+        elif not ok and rec.decode_addr is None:
+            self.ended[rec.room] = (time.monotonic(), rec.error)
         if not rec.answered:
             if not ok:
                 logger.warning("room %d: %s", rec.room, rec.error)
@@ -279,3 +289,4 @@ class PrefillRooms:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.heartbeat.close()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from moeserve.args import ServerArgs
 from moeserve.disagg.control import ControlChannel, advertised_host
 from moeserve.disagg.decode import DecodeRooms
+from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.prefill import PrefillRooms
 from moeserve.disagg.transfer.base import kv_buffers
 from moeserve.disagg.transfer.registry import backend_class
@@ -120,19 +121,19 @@ def make_pd_rooms(args: ServerArgs, runner: ModelRunner, scheduler: PDHost, dp_r
     identity = {"architecture": runner.config.architecture, "num_layers": runner.config.num_hidden_layers,
                 "page_size": args.page_size, "page_bytes": backend.page_bytes,
                 "backend": args.disaggregation_transfer_backend}
-    timeouts = dict(heartbeat_interval_s=args.disaggregation_heartbeat_interval,
-                    dead_after_s=args.disaggregation_heartbeat_timeout)
+    heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,
+                          args.disaggregation_heartbeat_timeout)
     if args.disaggregation_mode == "decode":
-        rooms: DecodeRooms | PrefillRooms = DecodeRooms(scheduler, backend, channel, identity, args.api_key, args.disaggregation_bootstrap_timeout,
-                           args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout, **timeouts)
+        rooms: DecodeRooms | PrefillRooms = DecodeRooms(scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
+                           args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout)
     else:
-        rooms = PrefillRooms(scheduler, backend, channel, identity, args.page_size, args.disaggregation_bootstrap_timeout,
+        rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size, args.disaggregation_bootstrap_timeout,
                              args.disaggregation_transfer_timeout,
                              debug_failure_prob=args.disaggregation_debug_failure_prob,
-                             seed=args.random_seed + dp_rank, **timeouts)
+                             seed=args.random_seed + dp_rank)
         node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
         register_rank(node0, args.disaggregation_bootstrap_port,
-                      {"dp_rank": dp_rank, "addr": channel.addr, "identity": identity}, args.api_key)
+                      {"dp_rank": dp_rank, "addr": channel.addr, "hb": heartbeat.addr, "identity": identity}, args.api_key)
     logger.info("PD %s rank of DP group %d: control %s, %s backend, %d KV buffers", args.disaggregation_mode,
                 dp_rank, channel.addr, backend.name, len(buffers))
     return rooms

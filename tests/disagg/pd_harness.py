@@ -68,7 +68,7 @@ class PDPair:
     def finished(self, side: Side, rid: str) -> bool:
         return any(o.finish_reason is not None for o in side.outs.get(rid, []))
 
-    def step_until(self, done, max_steps: int = 20000) -> None:
+    def step_until(self, done, max_steps: int = 5000) -> None:
         for _ in range(max_steps):
             if done():
                 return
