@@ -176,7 +176,7 @@ class TokenizerManager:
             self._seq += 1
             num_tokens = len(ids) + params.max_new_tokens
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
-                           self.dp.assign(num_tokens, obj.data_parallel_rank), num_tokens, detok, params)
+                           self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
             self._rids[rid] = st
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
@@ -206,9 +206,15 @@ class TokenizerManager:
             if not finished:
                 self._abort_state(st)
 
+    def _pinned_dp_rank(self, obj: GenerateInput) -> int | None:
+        """The DP group a request names, if any. A decode server picks its own group by load: the router sends both
+        sides the same body, and there data_parallel_rank names the prefill side's group (as in SGLang)."""
+        return None if self.server_args.disaggregation_mode == "decode" else obj.data_parallel_rank
+
     def _check_pd_fields(self, obj: GenerateInput) -> None:
         """data_parallel_rank in range; in PD mode the three bootstrap fields (sglang-router adds them)."""
-        if obj.data_parallel_rank is not None and not 0 <= obj.data_parallel_rank < self.num_dp:
+        pinned = self._pinned_dp_rank(obj)
+        if pinned is not None and not 0 <= pinned < self.num_dp:
             raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
                                       f"{self.num_dp} DP group(s)", param="data_parallel_rank")
         mode = self.server_args.disaggregation_mode
