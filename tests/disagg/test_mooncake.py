@@ -1,11 +1,13 @@
 """MooncakeBackend between two processes on 127.0.0.1 (TCP): random page runs written from this process into a
 peer's KV-pool-shaped buffers land exactly there (every buffer, nothing else touched), also from two threads at
-once; a dead peer is a TransferError, not a hang; mismatched layouts are refused at check_peer."""
+once; a stalled or dead peer is a TransferError, not a hang; mismatched layouts are refused at check_peer."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -127,6 +129,10 @@ def test_dead_peer_raises(doomed_peer):
     backend = MooncakeBackend(make_buffers(1, NUM_PAGES), PAGE_SIZE, host="127.0.0.1")
     try:
         backend.write(peer.endpoint, [PageRun(0, 0, 2)], timeout_s=30)  # a live peer first: the session is open
+        # A stalled peer (alive, never answering): the engine gives up after its timeout, the write raises.
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        with pytest.raises(TransferError, match="timed out"):
+            backend.write(peer.endpoint, [PageRun(0, 0, NUM_PAGES)], timeout_s=1)
         peer.proc.kill()
         peer.proc.wait()
         with pytest.raises(TransferError, match="mooncake write of .* to 127.0.0.1:"):
