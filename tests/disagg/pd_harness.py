@@ -42,7 +42,8 @@ class PDPair:
     def __init__(self, prefill_kwargs: dict | None = None, decode_kwargs: dict | None = None, **common):
         self.port = free_port()
         self.bootstrap = BootstrapServer("127.0.0.1", self.port, common.get("api_key"), 1)
-        common = {"disaggregation_transfer_backend": "zmq", "dtype": "float32", **common}
+        common = {"disaggregation_transfer_backend": "zmq", "dtype": "float32",
+                  "disaggregation_heartbeat_timeout": 30.0, **common}  # one thread steps both: no false deaths
         self.prefill = self._side("prefill", {**common, **(prefill_kwargs or {})})
         self.decode = self._side("decode", {**common, **(decode_kwargs or {})})
         self.rng = random.Random(0)

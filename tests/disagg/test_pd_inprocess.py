@@ -25,8 +25,24 @@ def _prompts(seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
-@pytest.mark.parametrize("name", ["v3_q_lora", "v2_lite", "qwen3_moe", "mixtral", "default"])
-def test_pd_tokens_equal_colocated(name, tiny_checkpoint):
+def _mooncake_loads() -> bool:
+    try:
+        from moeserve.disagg.transfer.registry import backend_class
+
+        backend_class("mooncake")
+        return True
+    except ValueError:
+        return False
+
+
+MOONCAKE = pytest.mark.skipif(not _mooncake_loads(), reason="Mooncake is not installed (make install)")
+
+
+@pytest.mark.parametrize("name, backend", [
+    ("v3_q_lora", "zmq"), ("v2_lite", "zmq"), ("qwen3_moe", "zmq"), ("mixtral", "zmq"), ("default", "zmq"),
+    pytest.param("v3_q_lora", "mooncake", marks=MOONCAKE), pytest.param("qwen3_moe", "mooncake", marks=MOONCAKE),
+])
+def test_pd_tokens_equal_colocated(name, backend, tiny_checkpoint):
     from moeserve.models.default_model import default_model_path
 
     path = default_model_path() if name == "default" else tiny_checkpoint(name)
@@ -36,7 +52,7 @@ def test_pd_tokens_equal_colocated(name, tiny_checkpoint):
     ref_second = ref.run(second, GREEDY, return_logprob=True)
     del ref
 
-    pair = PDPair(model_path=path, **FLAGS)
+    pair = PDPair(model_path=path, disaggregation_transfer_backend=backend, **FLAGS)
     try:
         start = (pair.prefill.free_pages(), pair.decode.free_pages())
         got_first = pair.run(first, GREEDY, return_logprob=True)
