@@ -59,7 +59,7 @@ def _pd_states(server) -> dict:
 
 
 def test_kill9_either_side(tmp_path):
-    prompts = _long_prompts(8, 3)
+    prompts = _long_prompts(6, 3)
     ref = _reference(prompts)
     prefill = start("prefill", tmp_path, *PREFILL_FLAGS)
     decode = start("decode", tmp_path, *DECODE_FLAGS)
