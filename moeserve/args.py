@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 A2A_BACKENDS = ("none", "allgather", "all2all")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
-MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel")
+MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 EP_DISPATCH_ALGORITHMS = ("static", "dynamic")
 EPLB_ALGORITHMS = ("auto", "deepseek")
@@ -114,8 +114,8 @@ class ServerArgs:
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     moe_runner_backend: str = _flag(
         "auto", "Routed experts' kernels: grouped_gemm (torch's grouped GEMM), cpu_kernel (moeserve's CPU kernel, "
-        "compiled on first use; few rows per expert), auto (cpu_kernel on the CPU where it builds, else "
-        "grouped_gemm).", MOE_RUNNER_BACKENDS
+        "compiled on first use; few rows per expert), triton (moeserve's Triton kernels, CUDA), auto (cpu_kernel on "
+        "the CPU where it builds, triton on CUDA where Triton imports, else grouped_gemm).", MOE_RUNNER_BACKENDS
     )
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
