@@ -14,25 +14,12 @@ places each pair by a prefix sum; `moe_route_reference` computes the same with a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from moeserve.kernels.route_plan import RoutePlan, num_layout_rows
 from moeserve.kernels.triton_available import use_triton
 
-
-@dataclass
-class RoutePlan:
-    counts: torch.Tensor  # [E] int32
-    offsets: torch.Tensor  # [E + 1] int32
-    dest: torch.Tensor  # [T * k] int32
-    src: torch.Tensor  # [num_rows] int32
-    num_rows: int
-
-
-def num_layout_rows(num_pairs: int, num_experts: int, align: int) -> int:
-    """The static row bound of a layout: every pair plus at most align - 1 padding rows per expert."""
-    return num_pairs + num_experts * (align - 1)
+__all__ = ["RoutePlan", "moe_route", "moe_route_reference", "num_layout_rows"]
 
 
 def moe_route_reference(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutePlan:

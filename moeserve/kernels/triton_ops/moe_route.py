@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.moe_route import RoutePlan, num_layout_rows
+from moeserve.kernels.route_plan import RoutePlan, num_layout_rows
 
 
 @triton.jit
