@@ -16,9 +16,15 @@ import torch
 
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.grouped_gemm import grouped_gemm
+from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_available import use_triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemm_op(silu: bool) -> str:
+    """The op name the tuned tables are filed under (moeserve/kernels/moe_config.py)."""
+    return "moe_gemm_silu" if silu else "moe_gemm"
 
 
 def moe_gemm_reference(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
@@ -39,11 +45,15 @@ def _triton_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
              silu: bool = False) -> torch.Tensor:
-    """Contiguous layout (module docstring). Triton on CUDA, the reference elsewhere."""
+    """Contiguous layout (module docstring). Triton on CUDA, the reference elsewhere, and torch's grouped GEMM
+    where the tuned table says it was faster at this size (bf16 only: {"backend": "torch"})."""
     if _triton_ok(x, w) and not torch.compiler.is_compiling():
-        from moeserve.kernels.triton_ops import moe_gemm as triton_ops
+        E, n_w, K = w.shape
+        cfg = get_config(gemm_op(silu), x.shape[0], E, n_w // 2 if silu else n_w, K, w.dtype, w.device)
+        if cfg.get("backend") != "torch" or x.dtype != torch.bfloat16:
+            from moeserve.kernels.triton_ops import moe_gemm as triton_ops
 
-        return triton_ops.moe_gemm(x.contiguous(), w, expert_offsets, num_tokens_per_expert, silu)
+            return triton_ops.moe_gemm(x.contiguous(), w, expert_offsets, num_tokens_per_expert, silu, cfg)
     return moe_gemm_reference(x, w, expert_offsets, num_tokens_per_expert, silu)
 
 

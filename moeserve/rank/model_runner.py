@@ -120,6 +120,8 @@ class ModelRunner:
             self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
                                                            server_args.max_running_requests))
             self.compiled.warmup(self.kv_pool, self.device)
+        if self.graph_runner is not None:  # last: the graphs capture the model as it will run
+            self.graph_runner.capture_all(progress=get_parallel_state().rank == 0)
         logger.info("%s", self.memory_line())
 
     def memory_line(self) -> str:
