@@ -39,14 +39,15 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
 
 
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                 warmup: bool = True, repeat: int = 1, profile_dir: str | None = None) -> dict:
+                 warmup: bool = True, repeat: int = 1, profile_dir: str | None = None, runner=None) -> dict:
+    """runner: a ModelRunner to reuse (one load and one set of CUDA-graph captures for several batch sizes)."""
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.sampling_params import SamplingParams
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.worker import run_step
 
-    runner = ModelRunner(args)
+    runner = runner or ModelRunner(args)
     gen = torch.Generator().manual_seed(seed)
 
     def one_round(tag: str) -> dict:
@@ -176,10 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
     resolve_model_path(args)
     rows = []
+    shared_runner = None
+    if not ns.compare_transformers:  # one model for every batch size (transformers' needs the memory back)
+        from moeserve.rank.model_runner import ModelRunner
+
+        shared_runner = ModelRunner(args)
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
              "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat,
-                                          profile_dir=ns.profile_dir if ns.profile else None)}
+                                      profile_dir=ns.profile_dir if ns.profile else None, runner=shared_runner)}
         _free_memory()
         if ns.compare_transformers:
             r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat)

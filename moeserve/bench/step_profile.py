@@ -38,8 +38,14 @@ def classify(name: str) -> str:
 
 
 def _kernel_events(prof) -> list[tuple[str, float]]:
-    """(name, device microseconds) of every device kernel in the profile."""
+    """(name, device microseconds) of every device kernel (and copy) in the profile, from kineto's raw events."""
     out = []
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        for ev in raw.events():
+            if ev.device_type() == torch.autograd.DeviceType.CUDA:
+                out.append((ev.name(), ev.duration_ns() / 1e3))
+        return out
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
             out.append((e.name, e.device_time_total))
