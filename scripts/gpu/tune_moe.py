@@ -38,16 +38,20 @@ def candidates(rows_per_expert: float) -> list[dict]:
     """Launch configurations worth timing at this many rows per expert (weight streaming at few rows, tensor-core
     tiles at many)."""
     out = []
-    if rows_per_expert <= 24:
-        for bm, bn, bk, st in itertools.product([16], [32, 64, 128], [128, 256], [3, 4, 5]):
-            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st))
+    if rows_per_expert <= 24:  # weight streaming: thin tiles, deep pipelines
+        for bn, bk in itertools.product([32, 64, 128], [128, 256]):
+            out.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4))
+        out += [dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=st) for st in (3, 5)]
+        out.append(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
     if 8 < rows_per_expert <= 160:
-        for bm, bn, bk, w in itertools.product([32, 64], [64, 128], [64, 128], [4, 8]):
-            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=4))
-    if rows_per_expert > 64:
-        for bm, bn, w, st in itertools.product([64, 128], [128, 256], [4, 8], [3, 4]):
-            if bm * bn <= 128 * 128 or w == 8:
-                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=w, num_stages=st))
+        for bm, bn in itertools.product([32, 64], [64, 128]):
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=4, num_stages=4))
+        out.append(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4))
+    if rows_per_expert > 64:  # tensor-core tiles
+        for bn, st in itertools.product([128, 256], [3, 4]):
+            out.append(dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=st))
+        out.append(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
+        out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3))
     return out
 
 
