@@ -85,7 +85,8 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
 
 def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, gen: torch.Generator,
                    profile_dir: str) -> dict:
-    """One more batch of distinct random prompts: prefill, 4 decode steps to settle, then 5 profiled steps."""
+    """One more batch of distinct random prompts: its prefill profiled, 4 decode steps to settle, then 5 profiled
+    decode steps."""
     from moeserve.bench.step_profile import format_table, profile_steps
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.sampling_params import SamplingParams
@@ -99,15 +100,21 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
         sched.add_request(GenerateReq(f"profile{i}", ids, SamplingParams(max_new_tokens=64, temperature=0.0,
                                                                          ignore_eos=True)))
-    while sched.waiting or sched.chunked:
-        run_step(sched, runner)
+
+    def prefill() -> None:
+        while sched.waiting or sched.chunked:
+            run_step(sched, runner)
+
+    prefill_trace = os.path.join(profile_dir, f"one_batch_prefill_bs{batch_size}.json.gz")
+    prefill_result = profile_steps(prefill, 1, prefill_trace)
+    print(format_table(f"prefill of {batch_size} x {input_len} tokens", prefill_result), flush=True)
     for _ in range(4):
         run_step(sched, runner)
     trace = os.path.join(profile_dir, f"one_batch_bs{batch_size}.json.gz")
     result = profile_steps(lambda: run_step(sched, runner), 5, trace)
-    print(format_table(batch_size, result), flush=True)
-    print(f"trace: {trace}", flush=True)
-    return result
+    print(format_table(f"decode step at batch {batch_size}", result), flush=True)
+    print(f"traces: {prefill_trace} {trace}", flush=True)
+    return {"decode": result, "prefill": prefill_result}
 
 
 def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,

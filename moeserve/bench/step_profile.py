@@ -21,7 +21,7 @@ import torch
 
 # (part, regex over the kernel name), in order. Names: Triton kernels by function name, torch's by their C++ name.
 PARTS: list[tuple[str, str]] = [
-    ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped"),
+    ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
     ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|index_select|indexSelect|index_put|scatter|gather|"
                  r"sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
     ("norms", r"_rms_norm_kernel|rms_norm|RowwiseMoments|norm"),
@@ -84,9 +84,9 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
             "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8])}
 
 
-def format_table(batch_size: int, r: dict) -> str:
-    """The per-part table, one line a part, in the order of PARTS."""
-    lines = [f"decode step at batch {batch_size}: {r['step_ms']:.2f} ms wall, {r['device_ms']:.2f} ms of kernels "
+def format_table(label: str, r: dict) -> str:
+    """The per-part table, one line a part, in the order of PARTS. label: e.g. 'decode step at batch 64'."""
+    lines = [f"{label}: {r['step_ms']:.2f} ms wall, {r['device_ms']:.2f} ms of kernels "
              f"({r['kernels_per_step']:.0f} a step)"]
     for part in [p for p, _ in PARTS] + ["other"]:
         ms = r["parts_ms"].get(part, 0.0)
