@@ -25,7 +25,12 @@ def device_name(device: torch.device | None = None) -> str:
     """The name a table is keyed by, e.g. NVIDIA_H200 ('cpu' without CUDA)."""
     if not torch.cuda.is_available():
         return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return _device_name(torch.device(device).index if device is not None else None)
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 def config_file(op: str, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> Path:
@@ -54,8 +59,13 @@ def default_config(M: int, E: int) -> dict:
 
 def get_config(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype,
                device: torch.device | None = None) -> dict:
-    """The tuned entry nearest M for this op and shape, else `default_config`."""
-    table = _load(str(config_file(op, E, N, K, dtype, device_name(device))))
+    """The tuned entry nearest M for this op and shape, else `default_config` (a fresh dict each call)."""
+    return dict(_lookup(op, M, E, N, K, dtype, device_name(device)))
+
+
+@functools.lru_cache(maxsize=4096)  # once per (op, shape, M): eager prefill steps pay this on every layer's launch
+def _lookup(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> dict:
+    table = _load(str(config_file(op, E, N, K, dtype, device)))
     if not table:
         return default_config(M, E)
-    return dict(table[min(table, key=lambda m: abs(m - M))])
+    return table[min(table, key=lambda m: abs(m - M))]
