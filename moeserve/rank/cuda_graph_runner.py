@@ -71,6 +71,7 @@ class CudaGraphRunner:
             if (bs, n) not in self.graphs:
                 self.graphs[(bs, n)] = self._try_capture(bs, n)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the eager warm-ups' cached blocks: what stays is the graphs' pool
         used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("captured %d CUDA graphs (decode batch sizes %s x lengths %s) in %.1f s, %.2f GiB",
                     sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets,
