@@ -2,8 +2,8 @@
 
     kernels/<op>.py             the public function `<op>(...)` that callers use, and `<op>_reference(...)`, the torch
                                 version with the same signature (what runs on the CPU, and what tests compare with).
-                                `<op>` picks: the Triton kernel for CUDA tensors where Triton imports, else the
-                                reference.
+                                `<op>` picks: the Triton kernel for CUDA tensors where Triton imports (not while
+                                torch.compile traces: the compiled graph takes the reference), else the reference.
     kernels/triton_ops/<op>.py  the @triton.jit kernel(s) and their launcher, again with the same signature. Imported
                                 lazily (Triton is optional on CPU hosts); tests run them on the CPU under
                                 TRITON_INTERPRET=1 (tests/kernels).

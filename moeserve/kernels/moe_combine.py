@@ -28,7 +28,7 @@ def moe_combine_reference(y: torch.Tensor, rows: torch.Tensor, weights: torch.Te
 def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Module docstring. Triton on CUDA, the reference elsewhere."""
-    if use_triton(y) and y.stride(-1) == 1 and rows.shape[0] > 0:
+    if use_triton(y) and y.stride(-1) == 1 and rows.shape[0] > 0 and not torch.compiler.is_compiling():
         from moeserve.kernels.triton_ops.moe_combine import moe_combine as triton_moe_combine
 
         return triton_moe_combine(y, rows, weights, out_dtype)

@@ -51,7 +51,7 @@ def moe_route_reference(topk_ids: torch.Tensor, num_experts: int, align: int = 1
 
 def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutePlan:
     """topk_ids [T, k] int -> RoutePlan (module docstring). Triton on CUDA, the reference elsewhere."""
-    if use_triton(topk_ids) and topk_ids.numel() > 0:
+    if use_triton(topk_ids) and topk_ids.numel() > 0 and not torch.compiler.is_compiling():
         from moeserve.kernels.triton_ops.moe_route import moe_route as triton_moe_route
 
         return triton_moe_route(topk_ids, num_experts, align)
