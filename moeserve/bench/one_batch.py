@@ -93,8 +93,6 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.worker import run_step
 
-    if runner.device.type != "cuda":
-        raise SystemExit("--profile needs a CUDA device (the table is made of device kernels)")
     sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
@@ -182,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dir", default="profiles", help="Where --profile writes its traces.")
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
+    if ns.profile:
+        from moeserve.rank.model_runner import resolve_device
+
+        if resolve_device(args.device).type != "cuda":
+            raise SystemExit("--profile needs a CUDA device (the table is made of device kernels)")
     resolve_model_path(args)
     rows = []
     shared_runner = None

@@ -36,6 +36,17 @@ def test_profile_parts_name_the_decode_kernels():
     assert classify("void cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_sliced1x2_nn_align8") == "attention"
     assert classify("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "dense GEMMs"
     assert classify("vectorized_elementwise_kernel") == "other"
-    table = format_table("decode step at batch 64", {"step_ms": 10.0, "device_ms": 8.0, "host_ms": 2.0, "kernels_per_step": 100,
-                              "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0}})
+    table = format_table("decode step at batch 64", {
+        "step_ms": 10.0, "device_ms": 8.0, "host_ms": 2.0, "kernels_per_step": 100,
+        "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0}})
     assert "experts" in table and "50.0%" in table and "host" in table and "20.0%" in table
+
+
+def test_profile_is_refused_without_cuda(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a CPU-only host")
+    with pytest.raises(SystemExit, match="--profile needs a CUDA device"):
+        main(["--batch-size", "1", "--input-len", "4", "--output-len", "2", "--profile"])
