@@ -110,8 +110,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            # warm up: lazy inits, kernel compiles, allocator (twice for the first graph, once after)
-            for _ in range(1 if self.graphs else 2):
+            for _ in range(2):  # warm up: lazy inits, kernel compiles (a compiled forward's too), allocator
                 logits = self.forward(fb)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.logits_out is None:
