@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
+
 
 @triton.jit
 def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, stride_y, stride_out,
@@ -23,6 +25,9 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, stride_y, stride_out,
     tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+_COMBINE = DirectLauncher(_combine_kernel)
+
+
 def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same signature as moeserve.kernels.moe_combine.moe_combine_reference."""
@@ -32,6 +37,6 @@ def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
     if T == 0:
         return out
     block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](y, rows.contiguous(), weights.contiguous(), out, H, y.stride(0),
-                                                   out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=4)
+    _COMBINE((T, triton.cdiv(H, block_h)), y, rows.contiguous(), weights.contiguous(), out, H, y.stride(0),
+             out.stride(0), TOPK=k, BLOCK_H=block_h, num_warps=4)
     return out

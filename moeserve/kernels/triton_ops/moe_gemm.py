@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.moe_config import default_config, get_config
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 
 @triton.jit
@@ -72,6 +73,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, cap, t
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+_MOE_GEMM = DirectLauncher(_moe_gemm_kernel)
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, counts: torch.Tensor, out: torch.Tensor,
             *, masked: bool, silu: bool, cap: int, rows: int, config: dict | None) -> None:
     E, n_w, K = w.shape
@@ -91,7 +95,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
         return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
-    _moe_gemm_kernel[(grid_m, triton.cdiv(N, bn))](
+    _MOE_GEMM((grid_m, triton.cdiv(N, bn)),
         a, w, out, counts if starts is None else starts, counts, N, K, cap, tiles,
         a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
         E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,

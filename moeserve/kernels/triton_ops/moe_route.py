@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.route_plan import RoutePlan, num_layout_rows
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 
 @triton.jit
@@ -59,6 +60,10 @@ def _place_kernel(ids_ptr, hist_ptr, counts_ptr, offsets_ptr, dest_ptr, src_ptr,
     tl.store(src_ptr + row, offs, mask=in_range & valid)
 
 
+_COUNT = DirectLauncher(_count_kernel)
+_PLACE = DirectLauncher(_place_kernel)
+
+
 def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutePlan:
     """Same signature and outputs as moeserve.kernels.moe_route.moe_route_reference."""
     assert align >= 1
@@ -74,9 +79,9 @@ def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Route
     dest = torch.empty(num_pairs, dtype=torch.int32, device=device)
     src = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=device)  # + the spare row invalid pairs name
     if num_pairs:
-        _count_kernel[(num_blocks,)](flat, hist, num_pairs, E=num_experts, E_P2=e_p2, BLOCK=block)
-        _place_kernel[(num_blocks,)](flat, hist, counts, offsets, dest, src, num_pairs, num_rows, num_blocks,
-                                     E=num_experts, E_P2=e_p2, ALIGN=align, BLOCK=block)
+        _COUNT((num_blocks,), flat, hist, num_pairs, E=num_experts, E_P2=e_p2, BLOCK=block)
+        _PLACE((num_blocks,), flat, hist, counts, offsets, dest, src, num_pairs, num_rows, num_blocks,
+               E=num_experts, E_P2=e_p2, ALIGN=align, BLOCK=block)
     else:
         counts.zero_()
         offsets.zero_()

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, D, eps, stride_x, stride_r, stride_y, stride_h,
@@ -25,6 +27,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, D, eps, stride_x, stri
     tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=ok)
 
 
+_RMS_NORM = DirectLauncher(_rms_norm_kernel)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same signature as moeserve.kernels.rms_norm.rms_norm_reference."""
@@ -37,8 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = residual.reshape(-1, D).contiguous() if residual is not None else x2
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, eps, x2.stride(0), r2.stride(0), y.stride(0),
-                                         h.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                         num_warps=max(1, min(16, block // 256)))
+        _RMS_NORM((x2.shape[0],), x2, r2, weight, y, h, D, eps, x2.stride(0), r2.stride(0), y.stride(0),
+                  h.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+                  num_warps=max(1, min(16, block // 256)))
     y = y.view(x.shape)
     return y if residual is None else (y, h.view(x.shape))
