@@ -57,17 +57,18 @@ def _instrument() -> None:
 def _round(args, runner, bs, input_len, tag) -> None:
     for xs in (gc_pauses, launches, compiles):
         xs.clear()
-    s0 = torch.cuda.memory_stats()
+    stats = torch.cuda.memory_stats if torch.cuda.is_available() else dict
+    s0 = stats()
     r = run_moeserve(args, bs, input_len, 1, seed=7, warmup=False, runner=runner)
-    s1 = torch.cuda.memory_stats()
+    s1 = stats()
     d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
                                                      "num_device_free")}
     g2 = [ms for g, ms in gc_pauses if g == 2]
     slow = sorted(launches)[-3:]
-    print(f"{tag}: prefill {r['prefill_tok_s']:.0f} tok/s in {r['prefill_steps']} steps | GC {len(gc_pauses)} "
+    print(f"{tag}: prefill {r['prefill_tok_s']:.0f} tok/s | GC {len(gc_pauses)} "
           f"collections, {sum(ms for _, ms in gc_pauses):.1f} ms, full ones {[round(x, 1) for x in g2]} | Triton "
           f"compiles {len(compiles)} ({sum(compiles):.0f} ms) | moe_gemm calls {len(launches)}, slowest "
-          f"{[round(x, 2) for x in slow]} ms, median {sorted(launches)[len(launches) // 2]:.3f} ms | allocator {d}",
+          f"{[round(x, 2) for x in slow]} ms, median {sorted(launches)[len(launches) // 2] if launches else 0:.3f} ms | allocator {d}",
           flush=True)
 
 
