@@ -72,14 +72,18 @@ def test_decode_value_inside_key():
 
 
 def _check_extend(ext, seq_lens, hq, hkv, window, D=16, Dv=8, device="cpu", dtype=torch.float64, tol=1e-9):
-    """Batched extend attention against the float64 naive reference, request by request."""
-    q = torch.randn(sum(ext), hq, D, generator=GEN, dtype=torch.float64)
-    k = torch.randn(sum(seq_lens), hkv, D, generator=GEN, dtype=torch.float64)
-    v = torch.randn(sum(seq_lens), hkv, Dv, generator=GEN, dtype=torch.float64)
-    out = extend_attention(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), ext, seq_lens, 0.3, window)
+    """Batched extend attention against the float64 naive reference, request by request (the reference sees the
+    inputs as rounded to `dtype`, so only the kernel's own rounding is measured)."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=GEN, dtype=torch.float64).to(dtype).double()
+
+    q, k, v = rand(sum(ext), hq, D), rand(sum(seq_lens), hkv, D), rand(sum(seq_lens), hkv, Dv)
+    scale = D**-0.5
+    out = extend_attention(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), ext, seq_lens, scale,
+                           window)
     qs = ks = 0
     for s, n in zip(seq_lens, ext, strict=True):
-        ref = _naive(q[qs:qs + n], k[ks:ks + s], v[ks:ks + s], torch.arange(s - n, s), 0.3, window)
+        ref = _naive(q[qs:qs + n], k[ks:ks + s], v[ks:ks + s], torch.arange(s - n, s), scale, window)
         torch.testing.assert_close(out[qs:qs + n].cpu().double(), ref, atol=tol, rtol=tol)
         qs, ks = qs + n, ks + s
 
@@ -118,7 +122,8 @@ def test_extend_all_equal_prefix_and_fresh():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_extend_cuda_mla_shapes(dtype):
-    """On CUDA at MLA's head sizes (q/k 192, v 128: the cuDNN-first path), with and without prefixes."""
+    """On CUDA at MLA's head sizes (q/k 192, v 128: FLASH refuses them), with and without prefixes, and GQA with
+    a sliding window."""
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     _check_extend([128] * 4, [128] * 4, 16, 16, None, D=192, Dv=128, device="cuda", dtype=dtype, tol=tol)
     _check_extend([300, 17, 64, 64, 1], [300, 90, 64, 200, 33], 16, 16, None, D=192, Dv=128, device="cuda",

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.kv_pool import KVPool
@@ -165,14 +164,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         B, Hkv, L = k.shape[:3]
         k = k[:, :, None].expand(B, Hkv, rep, L, k.shape[-1]).reshape(B, Hkv * rep, L, k.shape[-1])
         v = v[:, :, None].expand(B, Hkv, rep, L, v.shape[-1]).reshape(B, Hkv * rep, L, v.shape[-1])
-    kwargs = dict(attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=rep > 1 and q.is_cuda)
-    if q.is_cuda and q.shape[-1] != v.shape[-1]:
-        # MLA's q/k head 192 with v head 128: FLASH refuses, and cuDNN measured 3.7x EFFICIENT's speed on an H200
-        # (shared/research/gpu-facts.md); the priority list still falls through where cuDNN refuses the inputs.
-        with sdpa_kernel(_MLA_PRIORITY, set_priority=True):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
-_MLA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+    # NOTE: no backend is forced. For MLA's q/k head 192 with v head 128 FLASH refuses and EFFICIENT runs; cuDNN
+    # first (3.7x EFFICIENT alone, shared/research/gpu-facts.md) gave no end-to-end gain at 4 x 2048 on an H200
+    # and its bf16 accuracy is not yet checked here (docs/BENCHMARKS.md, 2026-12-01, batched prefill attention).
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=rep > 1 and q.is_cuda)
