@@ -9,6 +9,7 @@ as it is, then with the start-up objects frozen as the serving worker does). Run
 import argparse
 import gc
 import time
+from collections import Counter
 
 import torch
 
@@ -17,6 +18,7 @@ from moeserve.bench.one_batch import run_moeserve
 from moeserve.rank.model_runner import ModelRunner
 
 gc_pauses: list[tuple[int, float]] = []
+gc_young: list[str] = []  # per collection: its generation's size and commonest types (counted before the clock)
 launches: list[float] = []
 compiles: list[float] = []
 _gc_t0 = [0.0]
@@ -24,9 +26,15 @@ _gc_t0 = [0.0]
 
 def _gc_cb(phase: str, info: dict) -> None:
     if phase == "start":
+        objs = gc.get_objects(generation=info["generation"])
+        kinds = Counter(type(o).__name__ for o in objs).most_common(5)
+        gc_young.append(f"gen {info['generation']}: {len(objs)} objects {kinds}")
+        del objs
         _gc_t0[0] = time.perf_counter()
     else:
-        gc_pauses.append((info["generation"], (time.perf_counter() - _gc_t0[0]) * 1e3))
+        ms = (time.perf_counter() - _gc_t0[0]) * 1e3
+        gc_pauses.append((info["generation"], ms))
+        gc_young[-1] += f", {info['collected']} collected, {ms:.1f} ms"
 
 
 def _instrument() -> None:
@@ -55,7 +63,7 @@ def _instrument() -> None:
 
 
 def _round(args, runner, bs, input_len, tag) -> None:
-    for xs in (gc_pauses, launches, compiles):
+    for xs in (gc_pauses, gc_young, launches, compiles):
         xs.clear()
     stats = torch.cuda.memory_stats if torch.cuda.is_available() else dict
     s0 = stats()
@@ -70,6 +78,8 @@ def _round(args, runner, bs, input_len, tag) -> None:
           f"compiles {len(compiles)} ({sum(compiles):.0f} ms) | moe_gemm calls {len(launches)}, slowest "
           f"{[round(x, 2) for x in slow]} ms, median {sorted(launches)[len(launches) // 2] if launches else 0:.3f} ms | allocator {d}",
           flush=True)
+    for line in gc_young:
+        print(f"  GC {line}", flush=True)
 
 
 def main() -> None:
@@ -88,6 +98,7 @@ def main() -> None:
         gc.freeze()
         _round(args, runner, bs, ns.input_len, f"bs {bs} gc frozen")
         gc.unfreeze()
+    gc.callbacks.remove(_gc_cb)
 
 
 if __name__ == "__main__":
