@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.fp8_format import (  # noqa: F401 - the format's names, for the recipe's callers
+    ACT_SCALE_FLOOR,
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    WEIGHT_SCALE_FLOOR,
+    num_blocks,
+)
 from moeserve.kernels.triton_available import use_triton
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-BLOCK = 128  # DeepSeek's weight_block_size [128, 128], and the activations' group size
-WEIGHT_SCALE_FLOOR = 1e-12
-ACT_SCALE_FLOOR = 1e-12
-
-
-def num_blocks(size: int) -> int:
-    """Blocks of 128 covering a dimension of `size` (the last one partial)."""
-    return -(-size // BLOCK)
 
 
 def _pad_to_blocks(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -72,6 +69,12 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     """q [..., K] e4m3, scale [..., ceil(K/128)] -> q * scale [..., K] in `dtype`."""
     k = q.shape[-1]
     return (q.float() * scale.repeat_interleave(BLOCK, dim=-1)[..., :k]).to(dtype)
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through FP8 per token and group of 128, back in x's dtype: what an FP8 GEMM sees of x (for the CPU
+    layers, which multiply by dequantized weights)."""
+    return dequantize_activations(*quantize_activations_reference(x), x.dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

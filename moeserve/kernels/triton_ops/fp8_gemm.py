@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_quant import BLOCK
+from moeserve.kernels.fp8_format import BLOCK
 
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_quant import BLOCK
+from moeserve.kernels.fp8_format import BLOCK
 from moeserve.kernels.triton_ops.fp8_gemm import DEFAULT_CONFIG, block_scaled_tile
 
 

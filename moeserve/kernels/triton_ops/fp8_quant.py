@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_quant import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, num_blocks
+from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, num_blocks
 
 
 @triton.jit
