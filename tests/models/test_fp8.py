@@ -97,7 +97,9 @@ def test_greedy_64_steps_against_the_reference(fp8_checkpoint):
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(4, 24))] for _ in range(20)]
     sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    got = [r["output_ids"] for r in InProcessEngine(model_path=fp8, dtype="float32").run(prompts, sp)]
+    engine = InProcessEngine(model_path=fp8, dtype="float32")
+    assert " fp8 e4m3 128x128 blocks (+ float32) (routed experts " in engine.runner.memory_line()
+    got = [r["output_ids"] for r in engine.run(prompts, sp)]
     want = [r["output_ids"] for r in InProcessEngine(model_path=ref, dtype="float32").run(prompts, sp)]
     same = sum(g == w for g, w in zip(got, want, strict=True))
     first = sum(g[0] == w[0] for g, w in zip(got, want, strict=True))
@@ -209,3 +211,15 @@ def test_fp8_refusals(fp8_checkpoint):
         load_model(ServerArgs(model_path=fp8, enable_eplb=True), "cpu", show_progress=False)
     with pytest.raises(ValueError, match="--moe-runner-backend cpu_kernel takes float32 or bfloat16 experts"):
         load_model(ServerArgs(model_path=fp8, moe_runner_backend="cpu_kernel"), "cpu", show_progress=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "v2_lite"])
+def test_quantize_at_load_other_families(tiny_checkpoint, name):
+    """--quantization fp8 on the other families (GQA projections, Mixtral's w1/w3/w2 experts, V2's softmax gate):
+    FP8 layers everywhere DeepSeek would have them, logits near the unquantized model's."""
+    path = tiny_checkpoint(name)
+    fp8 = Runner(path, quantization="fp8")
+    assert weight_format(fp8.model) == "fp8 e4m3 128x128 blocks (+ float32)"
+    tokens = random_tokens(16, seed=2)
+    got, want = fp8.extend([("a", tokens)]), Runner(path).extend([("a", tokens)])
+    assert float((got - want).norm() / want.norm()) < LOGITS_REL
