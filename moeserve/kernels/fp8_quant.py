@@ -10,7 +10,8 @@ partial block at the end of a dimension (N or K not a multiple of 128) is quanti
 DeepSeek's ceil-shaped scales imply. An all-zero block gets a tiny floor scale (0 stays 0; no division by 0).
 
 `quantize_activations` takes the Triton kernel for CUDA tensors (kernels/triton_ops/fp8_quant.py), else
-`quantize_activations_reference`; both have the same signature and give the same bits.
+`quantize_activations_reference`; both have the same signature and, on the GPU, the same bits (both round to
+nearest even; Triton 3.9's CPU interpreter drops some round-up carries, see tests/kernels/test_fp8_kernels.py).
 """
 
 from __future__ import annotations
