@@ -57,7 +57,10 @@ class ServerArgs:
         "auto", "auto/safetensors read the checkpoint; dummy makes random weights of the real shapes.", LOAD_FORMATS
     )
     context_length: int | None = _flag(None, "Maximum tokens per request (prompt + output); default from config.")
-    quantization: str | None = _flag(None, "Weight quantization (fp8 is later work; None for now).", (None, "fp8"))
+    quantization: str | None = _flag(
+        None, "fp8: quantize an unquantized checkpoint at load to DeepSeek's block FP8 (e4m3, 128x128 weight blocks, "
+        "activations per token in groups of 128). FP8 checkpoints (quantization_config in config.json) load as FP8 "
+        "without it.", (None, "fp8"))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
 

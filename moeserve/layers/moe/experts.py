@@ -28,6 +28,8 @@ from moeserve.layers.weights import WeightSpec
 class Experts(nn.Module):
     """Experts held by this rank. Local slot i holds logical expert `expert_ids[i]` of the checkpoint."""
 
+    takes_fp8 = False  # True: a MaskedLayout may bring x in FP8 with its scales (layers/quantization/fp8_experts.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
                  checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  runner_backend: str = "auto"):
@@ -45,9 +47,15 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the tokens going in and out (the dispatchers' buffers)."""
+        return self.w13.dtype
+
     def forward(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
+            assert layout.x_scale is None, "an FP8 layout reached experts that are not FP8"
             record_local_tokens(layout.masked_m)  # expert utilization, accumulated on the device (ep/stats.py)
             # Rows past masked_m[e] are unspecified and ignored by combine (the torch path computes them too).
             gemm = moe_gemm_masked if self.use_triton else moe_gemm_masked_reference
