@@ -26,7 +26,7 @@ from moeserve.server.http.protocol import (
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.tokenizer_manager import GenerateInput, room_of
 
 router = APIRouter()
 
@@ -98,7 +98,8 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=spj, rid=rid, stream=req.stream,
                                         return_logprob=logprob[i], top_logprobs_num=top_n[i],
                                         bootstrap_host=hosts[i], bootstrap_port=ports[i],
-                                        bootstrap_room=rooms[i]))
+                                        bootstrap_room=room_of(rooms[i], j),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs, many
 
 

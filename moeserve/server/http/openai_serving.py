@@ -28,7 +28,7 @@ from moeserve.server.http.protocol import (
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError, room_of
 from moeserve.server.validation import INLINE_TEXT_CHARS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -78,7 +78,8 @@ def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
                                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                                         bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
-                                        bootstrap_room=req.bootstrap_room))
+                                        bootstrap_room=room_of(req.bootstrap_room, k),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs
 
 

@@ -107,7 +107,7 @@ class GenerateRequest(_SGLangFields):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: int | list[int] | None = None  # accepted for SGLang clients; output logprobs only
-    data_parallel_rank: int | None = None  # accepted for SGLang clients; the server picks the DP group
+    data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
@@ -146,6 +146,7 @@ class _SamplingExtras(_SGLangFields):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    data_parallel_rank: int | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
