@@ -4,8 +4,8 @@ Each side starts one engine with P2P handshake (no metadata server: a peer's eng
 name `host:rpc_port`), over RDMA when `--disaggregation-ib-device` names a device, else TCP, and registers its
 KV buffers. `endpoint()` publishes the session name and each buffer's base address and size; `write()` turns page
 runs into (local address, peer address, length) triples for every buffer and moves them with one
-`batch_transfer_sync_write` call (per 8,192 ranges: BATCH_RANGES), which returns only once every byte is in the
-peer's memory or the engine gave up.
+`batch_transfer_sync_write` call (per 4,096 ranges or 256 MiB: BATCH_RANGES, BATCH_BYTES), which returns only
+once every byte is in the peer's memory or the engine gave up.
 
 Mooncake reports failures by return code, never by exception (a write to a dead peer returns -1 at once): every
 code is checked. Its sync calls release the GIL and may run from several threads at once.
@@ -47,9 +47,12 @@ MIN_ENGINE_TIMEOUT_S = 5
 # Mooncake's TCP transport queues at most 1,024 ranges per peer (plus 1,024 waiting up to 1 s for room) and
 # rejects the rest with -1: a 61-layer write of 60 runs is already 3,660 ranges. The engine is created with room
 # for 65,535 (Mooncake's ceiling) and a write goes in calls of at most BATCH_RANGES ranges, so that several
-# threads writing to one peer at once stay within it.
+# threads writing to one peer at once stay within it. A call also holds at most BATCH_BYTES: the engine's timeout
+# is per call and counts on 1 GiB/s, which a fragmented write over loopback TCP need not reach, so small calls keep
+# a healthy write inside it (and timeout_s is checked between calls).
 TCP_QUEUE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
-BATCH_RANGES = 8192
+BATCH_RANGES = 4096
+BATCH_BYTES = 256 << 20
 _ENV_LOCK = threading.Lock()  # Mooncake reads these process-wide settings only when an engine is created
 
 
@@ -159,7 +162,8 @@ class MooncakeBackend(TransferBackend):
 
         The call returns only when the engine is done with the batch (bytes landed, or it gave up): abandoning it
         earlier could let bytes land after the caller freed the pages. So the bound is the engine's timeout plus
-        one second per GiB; a write that failed after more than timeout_s is reported as timed out.
+        one second per GiB for each engine call; timeout_s is checked between calls, and a write that failed after
+        more than timeout_s is reported as timed out.
         """
         runs = _merge(runs)
         if not runs:
@@ -172,13 +176,15 @@ class MooncakeBackend(TransferBackend):
             self._in_flight += 1
         try:
             start = time.monotonic()
-            rc = 0
-            for i in range(0, len(src), BATCH_RANGES):
-                rc = self._engine.batch_transfer_sync_write(session, src[i:i + BATCH_RANGES],
-                                                            dst[i:i + BATCH_RANGES], lengths[i:i + BATCH_RANGES])
+            rc, elapsed = 0, 0.0
+            for i, j in _calls(lengths):
+                if elapsed > timeout_s:  # the calls before this one are complete: stopping here is safe
+                    rc = -2
+                    break
+                rc = self._engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lengths[i:j])
+                elapsed = time.monotonic() - start
                 if rc != 0:
                     break
-            elapsed = time.monotonic() - start
         finally:
             with self._state:
                 self._in_flight -= 1
@@ -224,6 +230,19 @@ class MooncakeBackend(TransferBackend):
                 logger.warning("mooncake: unregister_memory(%#x) returned %d", addr, rc)
         self._registered = []
         self._engine = None
+
+
+def _calls(lengths: list[int]) -> list[tuple[int, int]]:
+    """[i, j) slices of the ranges, each at most BATCH_RANGES ranges and BATCH_BYTES (or one larger range)."""
+    out, i, nbytes = [], 0, 0
+    for k, n in enumerate(lengths):
+        if k > i and (k - i == BATCH_RANGES or nbytes + n > BATCH_BYTES):
+            out.append((i, k))
+            i, nbytes = k, 0
+        nbytes += n
+    if i < len(lengths):
+        out.append((i, len(lengths)))
+    return out
 
 
 def _merge(runs: Sequence[PageRun]) -> list[PageRun]:
