@@ -153,7 +153,8 @@ class DecodeRooms:
             self._drop(rec)
             return
         mismatch = self._mismatch(rec.route)
-        if mismatch:
+        if mismatch:  # prefill's request learns it at once too
+            self.channel.send(rec.addr, {"kind": "cancel", "room": rec.room, "from": self.channel.addr})
             self._fail(rec, f"prefill and decode cannot pair: {mismatch}", 500)
             return
         rec.state, rec.since = "waiting", now
@@ -163,7 +164,7 @@ class DecodeRooms:
         for key, mine in self.identity.items():
             if theirs.get(key) != mine:
                 return (f"{key} is {theirs.get(key)!r} on the prefill server and {mine!r} here; both sides need the "
-                        "same model, --page-size, --kv-cache-dtype, KV layout and --disaggregation-transfer-backend")
+                        "same model, --page-size, --dtype, KV layout and --disaggregation-transfer-backend")
         return None
 
     def _admit(self, now: float) -> None:

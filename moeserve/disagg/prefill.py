@@ -31,7 +31,7 @@ from moeserve.disagg.transfer.base import TransferBackend, TransferError, merge_
 logger = logging.getLogger(__name__)
 
 STATES = ("bootstrapping", "prefilling", "transferring")
-TRANSFER_THREADS = 4
+TRANSFER_THREADS = 4  # per decode peer: a dead peer's writes block only their own threads until they time out
 
 
 class PrefillHost(Protocol):
@@ -91,7 +91,7 @@ class PrefillRooms:
         self.early: dict[int, tuple[float, dict[str, Any]]] = {}  # room -> (arrival, dest or cancel) before the req
         # rooms that ended before decode's `dest` came (aborted, timed out): decode hears `failed` when it comes
         self.ended: dict[int, tuple[float, str]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="pd-transfer")
+        self.pools: dict[str, ThreadPoolExecutor] = {}  # decode control address -> its transfer threads
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = TransferStats("prefill", STATES)
 
@@ -148,6 +148,8 @@ class PrefillRooms:
             except queue.Empty:
                 break
             rec = room_obj
+            if self.rooms.get(rec.room) is not rec:
+                continue  # abandoned when its decode died: nothing waits for this write any more
             rec.inflight -= 1
             rec.bytes += nbytes
             if error is not None:
@@ -223,6 +225,12 @@ class PrefillRooms:
                          self.heartbeat.dead_after_s)
             for rec in [r for r in self.rooms.values() if r.decode_hb == hb]:
                 self.channel.forget(rec.decode_addr)
+                pool = self.pools.pop(rec.decode_addr, None)
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                # writes to a dead peer block until their timeout: do not wait for them. They only read this
+                # side's pages, so freeing those now can at worst send stale bytes to the dead peer.
+                rec.inflight = 0
                 self._stop(rec, f"the decode server stopped answering (no heartbeat for "
                                 f"{self.heartbeat.dead_after_s:g} s)", notify=False)
 
@@ -230,7 +238,10 @@ class PrefillRooms:
     def _submit(self, rec: PrefillRoom, runs: list) -> None:
         rec.inflight += 1
         self.backend_sync()
-        self.pool.submit(self._write, rec, runs)
+        pool = self.pools.get(rec.decode_addr)
+        if pool is None:
+            pool = self.pools[rec.decode_addr] = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="pd-transfer")
+        pool.submit(self._write, rec, runs)
 
     def backend_sync(self) -> None:
         """The forward's KV writes must be in memory before a transfer thread reads them (CUDA is asynchronous)."""
@@ -288,5 +299,6 @@ class PrefillRooms:
             self.host.pd_finish(rec.req, rec.error)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         self.heartbeat.close()

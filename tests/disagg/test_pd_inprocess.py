@@ -70,3 +70,26 @@ def test_pd_tokens_equal_colocated(name, backend, tiny_checkpoint):
         assert (pair.prefill.free_pages(), pair.decode.free_pages()) == start
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("decode_kwargs, says", [
+    (dict(page_size=8), "page_size is 4 on the prefill server and 8 here"),
+    (dict(dtype="bfloat16"), "page_bytes"),
+])
+def test_mismatched_sides_refuse_at_bootstrap(decode_kwargs, says):
+    """Sides that cannot share KV pages (another page size, another KV dtype) fail the request with a clear error
+    at bootstrap, before any page is reserved; both sides serve on."""
+    from moeserve.models.default_model import default_model_path
+
+    pair = PDPair(model_path=default_model_path(), decode_kwargs=decode_kwargs, page_size=4, max_total_tokens=512)
+    try:
+        start = pair.decode.scheduler.allocator.num_free_pages
+        pair.submit("m", list(range(3, 20)), GREEDY)
+        pair.step_until(lambda: pair.finished(pair.decode, "m") and pair.finished(pair.prefill, "m"))
+        finish = pair.result("m")["finish_reason"]
+        assert finish.type == "abort" and finish.status_code == 500
+        assert "prefill and decode cannot pair" in finish.message and says in finish.message, finish.message
+        pair.step_until(pair.idle)
+        assert pair.decode.scheduler.allocator.num_free_pages == start
+    finally:
+        pair.close()

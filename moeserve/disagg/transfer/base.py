@@ -120,5 +120,5 @@ class TransferBackend(ABC):
             raise ValueError(f"KV layout differs between prefill and decode: page bytes per buffer "
                              f"{self.page_bytes[:4]}... ({len(self.page_bytes)} buffers) here, "
                              f"{theirs[:4]}... ({len(theirs)} buffers) on the peer; "
-                             f"both sides need the same model, --page-size, --kv-cache-dtype and attention TP "
+                             f"both sides need the same model, --page-size, --dtype and attention TP "
                              f"layout")
