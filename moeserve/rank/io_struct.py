@@ -65,10 +65,14 @@ class LoadOut:
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
+    disagg: dict[str, Any] | None = None  # PD mode: requests per state, KV transfers (disagg/stats.py)
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "eplb"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("eplb", "disagg")}
+        if self.disagg is not None:
+            out["disagg"] = self.disagg
+        return out
 
 
 @dataclass

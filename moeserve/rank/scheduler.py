@@ -11,6 +11,7 @@ The scheduler holds no device tensors: it builds host-side batches, the model ru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.page_allocator import PageAllocator
+from moeserve.rank.pd_host import PDHost
 from moeserve.rank.radix_cache import RadixCache
 from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
@@ -42,8 +44,12 @@ class ScheduledBatch:
     finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
 
 
-class Scheduler:
-    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table."""
+class Scheduler(PDHost):
+    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table.
+
+    In PD mode `self.pd` (set by the worker) holds the requests before they reach the queue (decode: until their
+    KV arrived) and after their prefill (prefill: until decode has it); pd_host.py has the hooks it calls.
+    """
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
                  eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0):
@@ -54,7 +60,9 @@ class Scheduler:
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer  # for stop strings only
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.cache = None if server_args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
+        # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
+        no_cache = server_args.disable_radix_cache or server_args.disaggregation_mode == "decode"
+        self.cache = None if no_cache else RadixCache(self.allocator, self.page_size)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -86,8 +94,29 @@ class Scheduler:
             req.finish_reason = FinishReason("length")
             self.pending_out.append(req.take_output())
             return
+        if self.pd is not None:
+            self._add_pd_request(req)
+            return
         self.reqs[req.rid] = req
         self.waiting.append(req)
+
+    def _add_pd_request(self, req: Req) -> None:
+        r = req.asked
+        if r.bootstrap_room is None or r.bootstrap_host is None or r.bootstrap_port is None:
+            self._reject(req, f"this server runs --disaggregation-mode {self.args.disaggregation_mode}: a request "
+                              "needs bootstrap_host, bootstrap_port and bootstrap_room (send it through "
+                              "sglang-router --pd-disaggregation)")
+            return
+        if self.args.disaggregation_mode == "prefill":  # prefill samples the first token only
+            one = dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, max_new_tokens=1))
+            req = Req(asked=one, stop_token_ids=req.stop_token_ids)
+            error = self.pd.add(req, r.bootstrap_room)
+        else:
+            error = self.pd.add(req, r.bootstrap_room, r.bootstrap_host, r.bootstrap_port)
+        if error:
+            self._reject(req, error)
+            return
+        self.reqs[req.rid] = req
 
     def _reject(self, req: Req, message: str) -> None:
         req.finish_reason = FinishReason("abort", message=message, status_code=400)
@@ -97,6 +126,12 @@ class Scheduler:
         """Drop a request wherever it is, freeing its KV; it ends with finish reason 'abort'."""
         req = self.reqs.get(rid)
         if req is None:
+            return
+        if self.pd is not None and self.pd.holds(req):  # its KV is freed once the peer let go of it
+            req.finish_reason = FinishReason("abort", message="aborted by request")
+            self.pending_out.append(req.take_output())
+            del self.reqs[rid]
+            self.pd.abort(req)
             return
         if req in self.waiting:
             self.waiting.remove(req)
@@ -111,7 +146,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are in flight."""
-        if self.running or self.waiting or self.chunked:
+        if self.running or self.waiting or self.chunked or (self.pd is not None and self.pd.busy):
             return False
         if self.cache is not None:
             self.cache.reset()
@@ -127,11 +162,13 @@ class Scheduler:
         waiting_tokens = sum(len(r.fill_ids) - r.kv_len for r in self.waiting)
         if self.chunked:
             waiting_tokens += len(self.chunked.fill_ids) - self.chunked.kv_len
+        pd_waiting = len(self.pd.rooms) if self.pd is not None else 0
         return LoadOut(
             dp_rank=self.dp_rank, num_running=len(self.running) + (self.chunked is not None),
-            num_waiting=len(self.waiting), num_waiting_tokens=waiting_tokens,
+            num_waiting=len(self.waiting) + pd_waiting, num_waiting_tokens=waiting_tokens,
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
             num_cached_tokens=self.cache.total_size if self.cache else 0,
+            disagg=self.pd.stats.to_json() if self.pd is not None else None,
         )
 
     def has_work(self) -> bool:
@@ -321,7 +358,9 @@ class Scheduler:
                 req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
             self.stats.generated += 1
             self._check_finish(req)
-            if req.finished:
+            if req.finished and self.pd is not None and self.pd.holds(req):  # prefill: decode gets it first
+                self.pd.after_extend(req, req.kv_len, self.pd_first(req))
+            elif req.finished:
                 self.running.remove(req)
                 self._release(req, cache=True)
                 del self.reqs[req.rid]
@@ -331,6 +370,10 @@ class Scheduler:
                 outs.append(req.take_output())
         if batch.mode.is_extend:
             self.stats.prefilled += sum(batch.extend_lens)
+            if self.pd is not None and self.args.disaggregation_mode == "prefill":
+                for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                    if not done:  # a chunk: its complete pages can go
+                        self.pd.after_extend(req, req.kv_len, None)
         return outs
 
     def _fail_non_finite(self, req: Req) -> None:
@@ -340,6 +383,10 @@ class Scheduler:
         req.finish_reason = FinishReason(
             "abort", status_code=500, message=f"the model computed non-finite logits (NaN or inf) at output token "
             f"{len(req.output_ids)}; no token could be sampled")
+        if self.pd is not None and self.pd.holds(req):  # prefill: decode hears `failed`, KV freed after writes
+            del self.reqs[req.rid]
+            self.pd.abort(req)
+            return
         self.running.remove(req)
         self._release(req, cache=False)
         del self.reqs[req.rid]

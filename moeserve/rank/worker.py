@@ -121,6 +121,10 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     dp_rank = state.dp_rank
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank)
+    if server_args.disaggregation_mode != "null":
+        from moeserve.rank.pd_host import make_pd_rooms
+
+        scheduler.pd = make_pd_rooms(server_args, runner, scheduler, dp_rank)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)
@@ -190,15 +194,29 @@ class WorkerLoop:
         self.poller = zmq.Poller()
         if req_sock is not None:
             self.poller.register(req_sock, zmq.POLLIN)
+        self.pd = scheduler.pd
+        if self.pd is not None:  # a control message from the peer side wakes the loop too
+            self.poller.register(self.pd.channel.sock, zmq.POLLIN)
         self.running = True
         self.server_pid = os.getppid()
         self.last_log = time.monotonic()
         self.last_counts = (0, 0)
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self.pd is not None:
+                self.pd.close()
+                self.pd.channel.close()
+                self.pd.backend.close()
+
+    def _loop(self) -> None:
         while True:
             for msg in self.sync.share_messages(self._recv(block=not self.scheduler.has_work())):
                 self._handle(msg)
+            if self.pd is not None:
+                self.pd.poll()
             outs = run_step(self.scheduler, self.runner, self.sync, stop=not self.running)
             if outs is None:
                 break
@@ -215,10 +233,14 @@ class WorkerLoop:
             return [ShutdownReq()]
         msgs = []
         timeout = 100 if block else 0
-        while self.poller.poll(timeout):
+        if block and self.pd is not None and self.pd.busy:
+            timeout = 2  # transfer threads and lookups finish without a message to wake us
+        while True:
+            ready = dict(self.poller.poll(timeout))
+            if self.req_sock not in ready:
+                return msgs
             timeout = 0
             msgs.append(pickle.loads(self.req_sock.recv()))
-        return msgs
 
     def _reply(self, msg) -> None:
         if self.sync.is_leader:

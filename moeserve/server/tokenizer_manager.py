@@ -69,6 +69,12 @@ class GenerateInput:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
+
+
+def room_of(room: int | None, k: int) -> int | None:
+    """The PD room of choice k of a request fanned out to several: both sides fan out alike, so they agree."""
+    return None if room is None else (room + k) % (1 << 63)
 
 
 @dataclass
@@ -115,8 +121,19 @@ class TokenizerManager:
         self._seq = 0
         self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)
 
-        self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
-                                on_dead=self._fail_all)
+        self.bootstrap = None  # prefill: where its ranks register and decode finds them (before the ranks start)
+        if server_args.disaggregation_mode == "prefill":
+            from moeserve.disagg.bootstrap import BootstrapServer
+
+            self.bootstrap = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port,
+                                             server_args.api_key, self.num_dp)
+        try:
+            self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
+                                    on_dead=self._fail_all)
+        except BaseException:
+            if self.bootstrap is not None:
+                self.bootstrap.close()
+            raise
         self.context_length = self.ranks.ready.context_length
         self.vocab_size = self.ranks.ready.vocab_size
         self.max_total_tokens = self.ranks.ready.num_kv_tokens
@@ -148,6 +165,7 @@ class TokenizerManager:
         ids = await self.validator.prompt_ids(obj.text, obj.input_ids)
         params = self.validator.params(obj.sampling_params, len(ids), obj.top_logprobs_num)
         rid = obj.rid or uuid.uuid4().hex
+        self._check_pd_fields(obj)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -159,12 +177,14 @@ class TokenizerManager:
             self._seq += 1
             num_tokens = len(ids) + params.max_new_tokens
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
-                           self.dp.assign(num_tokens), num_tokens, detok, params)
+                           self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
             self._rids[rid] = st
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
                           obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
         finished = False
+        if self.bootstrap is not None:
+            self.bootstrap.assign_room(obj.bootstrap_room, st.dp_rank)
         try:
             self.ranks.send(st.dp_rank, req)
             while True:
@@ -182,8 +202,31 @@ class TokenizerManager:
                 if finished:
                     return
         finally:
+            if self.bootstrap is not None:
+                self.bootstrap.release_room(obj.bootstrap_room)
             if not finished:
                 self._abort_state(st)
+
+    def _pinned_dp_rank(self, obj: GenerateInput) -> int | None:
+        """The DP group a request names, if any. A decode server picks its own group by load: the router sends both
+        sides the same body, and there data_parallel_rank names the prefill side's group (as in SGLang)."""
+        return None if self.server_args.disaggregation_mode == "decode" else obj.data_parallel_rank
+
+    def _check_pd_fields(self, obj: GenerateInput) -> None:
+        """data_parallel_rank in range; in PD mode the three bootstrap fields (sglang-router adds them)."""
+        pinned = self._pinned_dp_rank(obj)
+        if pinned is not None and not 0 <= pinned < self.num_dp:
+            raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
+                                      f"{self.num_dp} DP group(s)", param="data_parallel_rank")
+        mode = self.server_args.disaggregation_mode
+        if mode == "null":
+            return
+        if obj.bootstrap_room is None or obj.bootstrap_host is None or obj.bootstrap_port is None:
+            raise InvalidRequestError(f"this server runs --disaggregation-mode {mode}: a request needs "
+                                      "bootstrap_host, bootstrap_port and bootstrap_room (send it through sglang-router "
+                                      "--pd-disaggregation)", param="bootstrap_room")
+        if not 0 <= obj.bootstrap_room < 1 << 63:
+            raise InvalidRequestError("bootstrap_room must be in [0, 2^63)", param="bootstrap_room")
 
     def _deliver(self, outs: list[TokenOut]) -> None:
         """Hand each output to its request's loop (receiver thread); a final one ends the request's state."""
@@ -316,6 +359,9 @@ class TokenizerManager:
     def shutdown(self) -> None:
         """Stop the workers and free the sockets; safe to call twice."""
         self.ranks.shutdown()
+        if getattr(self, "bootstrap", None) is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
         if hasattr(self, "validator"):
             self.validator.shutdown()
 

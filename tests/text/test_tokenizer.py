@@ -153,3 +153,16 @@ def test_token_bytes(tok):
     assert tok.token_bytes(tok.bos_token_id) == "<｜begin▁of▁sentence｜>".encode()
     assert all(tok.token_bytes(i) == tok.decode([i]).encode() for i in range(5, tok.vocab_size)
                if "\ufffd" not in tok.decode([i]))
+
+
+@pytest.mark.parametrize("last", ["The answer is", "  padded reply \n", "<｜User｜> repeated"])
+def test_continue_final_message_matches_transformers(tok, hf, last):
+    # The last message's text also occurs earlier in the conversation: the cut is after its last occurrence.
+    messages = [{"role": "user", "content": last.strip()}, {"role": "assistant", "content": last}]
+    ours = tok.apply_chat_template(messages, continue_final_message=True)
+    theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert ours == theirs
+    assert not ours.endswith("<｜end▁of▁sentence｜>")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template([{"role": "assistant", "content": " "}], continue_final_message=True)

@@ -17,10 +17,16 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.protocol import MAX_CHOICES, MAX_N, MAX_PROMPTS, GenerateRequest
+from moeserve.server.http.protocol import (
+    MAX_CHOICES,
+    MAX_N,
+    MAX_PROMPTS,
+    GenerateRequest,
+    unsupported_sglang_field,
+)
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.tokenizer_manager import GenerateInput, room_of
 
 router = APIRouter()
 
@@ -38,6 +44,9 @@ def _per_item(value: Any, name: str, batch: int | None) -> list:
 
 def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     """GenerateInputs of a /generate body (n expanded), and whether the answer is a list."""
+    refused = unsupported_sglang_field(req)
+    if refused is not None:
+        raise APIError(refused[1], 400, param=refused[0], code="unsupported_parameter")
     if req.text is not None and req.input_ids is not None:
         raise APIError("give either text or input_ids, not both", 400, param="input_ids")
     if req.text is None and req.input_ids is None:
@@ -89,7 +98,8 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=spj, rid=rid, stream=req.stream,
                                         return_logprob=logprob[i], top_logprobs_num=top_n[i],
                                         bootstrap_host=hosts[i], bootstrap_port=ports[i],
-                                        bootstrap_room=rooms[i]))
+                                        bootstrap_room=room_of(rooms[i], j),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs, many
 
 

@@ -24,10 +24,11 @@ from moeserve.server.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    unsupported_sglang_field,
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError, room_of
 from moeserve.server.validation import INLINE_TEXT_CHARS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -37,6 +38,9 @@ router = APIRouter()
 # ----------------------------------------------------------------------
 # request -> engine inputs
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    refused = unsupported_sglang_field(req)
+    if refused is not None:
+        raise APIError(refused[1], 400, param=refused[0], code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream: true", 400, param="stream_options")
     if req.logit_bias:
@@ -74,7 +78,8 @@ def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
                                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                                         bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
-                                        bootstrap_room=req.bootstrap_room))
+                                        bootstrap_room=room_of(req.bootstrap_room, k),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs
 
 
@@ -144,11 +149,14 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
     if ctx.tokenizer is None:
         raise APIError("chat completions need a tokenizer; the server runs with --skip-tokenizer-init", 400)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    # SGLang continues the last message only when it is the assistant's; otherwise a new turn starts as usual.
+    continued = req.continue_final_message and messages[-1]["role"] == "assistant"
     validator = ctx.client.validator
     try:
         # A conversation whose text alone could not fit the context is refused before it is rendered.
         validator.check_text_len(sum(len(m["content"]) for m in messages), "the conversation")
-        render = functools.partial(ctx.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+        render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=not continued, continue_final_message=continued,
                                    **(req.chat_template_kwargs or {}))
         long = sum(len(m["content"]) for m in messages) > INLINE_TEXT_CHARS
         prompt = await validator.off_loop(render) if long else render()
