@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 A2A_BACKENDS = ("none", "allgather", "all2all")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
-MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel")
+MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 EP_DISPATCH_ALGORITHMS = ("static", "dynamic")
 EPLB_ALGORITHMS = ("auto", "deepseek")
@@ -67,7 +67,10 @@ class ServerArgs:
         "auto", "auto/safetensors read the checkpoint; dummy makes random weights of the real shapes.", LOAD_FORMATS
     )
     context_length: int | None = _flag(None, "Maximum tokens per request (prompt + output); default from config.")
-    quantization: str | None = _flag(None, "Weight quantization (fp8 is later work; None for now).", (None, "fp8"))
+    quantization: str | None = _flag(
+        None, "fp8: quantize an unquantized checkpoint at load to DeepSeek's block FP8 (e4m3, 128x128 weight blocks, "
+        "activations per token in groups of 128). FP8 checkpoints (quantization_config in config.json) load as FP8 "
+        "without it.", (None, "fp8"))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
 
@@ -124,8 +127,8 @@ class ServerArgs:
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     moe_runner_backend: str = _flag(
         "auto", "Routed experts' kernels: grouped_gemm (torch's grouped GEMM), cpu_kernel (moeserve's CPU kernel, "
-        "compiled on first use; few rows per expert), auto (cpu_kernel on the CPU where it builds, else "
-        "grouped_gemm).", MOE_RUNNER_BACKENDS
+        "compiled on first use; few rows per expert), triton (moeserve's Triton kernels, CUDA), auto (cpu_kernel on "
+        "the CPU where it builds, triton on CUDA where Triton imports, else grouped_gemm).", MOE_RUNNER_BACKENDS
     )
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import build_checkpoint, build_fp8_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
         return built[name, sharded]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(FP8 checkpoint in DeepSeek's layout, the same model with the dequantized weights in float32) of v3_fp8."""
+    return build_fp8_checkpoint("v3_fp8", tmp_path_factory.mktemp("v3_fp8"))
 
 
 @pytest.fixture(scope="session")

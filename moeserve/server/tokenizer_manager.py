@@ -137,6 +137,7 @@ class TokenizerManager:
         self.context_length = self.ranks.ready.context_length
         self.vocab_size = self.ranks.ready.vocab_size
         self.max_total_tokens = self.ranks.ready.num_kv_tokens
+        self.weight_format = self.ranks.ready.weight_format
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens)
 
     @property

@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from moeserve.disagg.transfer.registry import backend_class
+
 PAGE_SIZE = 4
 
 
@@ -25,20 +27,10 @@ def make_buffers(seed: int, num_pages: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g).to(dtype) for shape, dtype in shapes]
 
 
-def backend_type(name: str) -> type:
-    import importlib
-
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
-
-BACKENDS = {"mooncake": "moeserve.disagg.transfer.mooncake:MooncakeBackend"}
-
-
 def main() -> None:
     name, seed, num_pages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     buffers = make_buffers(seed, num_pages)
-    backend = backend_type(name)(buffers, PAGE_SIZE, host="127.0.0.1")
+    backend = backend_class(name)(buffers, PAGE_SIZE, host="127.0.0.1")
     print(json.dumps(backend.endpoint()), flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()

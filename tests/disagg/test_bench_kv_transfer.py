@@ -14,8 +14,8 @@ def test_kv_transfer_bench_small(tmp_path):
 
     out = tmp_path / "r.jsonl"
     assert main(["--mib", "1", "--iters", "1", "--warmup", "0", "--layers", "3", "--run-tokens", "4",
-                 "--kinds", "mooncake", "raw-mooncake", "--result-file", str(out)]) == 0
+                 "--kinds", "mooncake", "raw-mooncake", "zmq", "--result-file", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["mooncake", "raw-mooncake"]
+    assert [r["kind"] for r in rows] == ["mooncake", "raw-mooncake", "zmq"]
     assert all(r["verified"] and r["gb_s"] > 0 for r in rows)
-    assert rows[0]["ranges"] == 3 * round(2**20 / (4 * 3 * 1152))  # runs x layers address ranges in one write
+    assert rows[0]["ranges"] == rows[2]["ranges"] == 3 * round(2**20 / (4 * 3 * 1152))  # runs x layers, one write

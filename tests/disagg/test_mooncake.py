@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,13 @@ from moeserve.disagg.transfer.base import PageRun, TransferError, merge_runs
 from tests.disagg.kv_peer import PAGE_SIZE, make_buffers
 
 try:
-    from moeserve.disagg.transfer.mooncake import MooncakeBackend
+    from moeserve.disagg.transfer.mooncake import BATCH_RANGES, MooncakeBackend
 except ImportError as e:
     pytest.skip(f"Mooncake cannot load: {e}", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(120)
 
-NUM_PAGES = 64
+NUM_PAGES = 2400  # a write of every page, shuffled, is ~9,600 address ranges: more than one engine call
 REPO = Path(__file__).parents[2]
 
 
@@ -106,22 +107,42 @@ def test_random_page_runs_land_exactly(peer, tmp_path):
         for got, want in zip(after, expected(before, source, runs), strict=True):
             assert torch.equal(got, want)
 
-        # Two threads writing disjoint destination pages at once, from other source data.
-        source2 = make_buffers(rng.randrange(1 << 30), NUM_PAGES)
-        for s, s2 in zip(source, source2, strict=True):
-            s.copy_(s2)  # the registered memory itself changes: the engine reads it at write time
-        halves = [[PageRun(i, 2 * i + k, 1) for i in range(k, 30, 2)] for k in (0, 1)]
-        threads = [threading.Thread(target=backend.write, args=(peer.endpoint, h, 30)) for h in halves]
+        # Every page, shuffled (thousands of one-page runs: more ranges than Mooncake's TCP queue holds by
+        # default, and than one engine call takes), from changed source data: the engine reads at write time.
+        for s in source:
+            s.copy_(torch.randn(s.shape).to(s.dtype))
+        perm = merge_runs(list(range(NUM_PAGES)), rng.sample(range(NUM_PAGES), NUM_PAGES))
+        assert len(perm) * len(source) > BATCH_RANGES
+        backend.write(peer.endpoint, perm, timeout_s=60)
+        after2 = peer.dump(tmp_path / "b.pt")
+        for got, want in zip(after2, expected(after, source, perm), strict=True):
+            assert torch.equal(got, want)
+
+        # Two threads writing disjoint destination pages at once, from other source data again.
+        for s in source:
+            s.copy_(torch.randn(s.shape).to(s.dtype))
+        halves = [perm[k::2] for k in (0, 1)]
+        errors = []
+        threads = [threading.Thread(target=_write_or_record, args=(backend, peer.endpoint, h, errors))
+                   for h in halves]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        after2 = peer.dump(tmp_path / "b.pt")
-        for got, want in zip(after2, expected(after, source, halves[0] + halves[1]), strict=True):
+        assert not errors
+        after3 = peer.dump(tmp_path / "c.pt")
+        for got, want in zip(after3, expected(after2, source, perm), strict=True):
             assert torch.equal(got, want)
     finally:
         backend.close()
         backend.close()  # idempotent
+
+
+def _write_or_record(backend, peer, runs, errors) -> None:
+    try:
+        backend.write(peer, runs, timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - the test thread reports it
+        errors.append(e)
 
 
 def test_dead_peer_raises(doomed_peer):
@@ -131,6 +152,8 @@ def test_dead_peer_raises(doomed_peer):
         backend.write(peer.endpoint, [PageRun(0, 0, 2)], timeout_s=30)  # a live peer first: the session is open
         # A stalled peer (alive, never answering): the engine gives up after its timeout, the write raises.
         os.kill(peer.proc.pid, signal.SIGSTOP)
+        while Path(f"/proc/{peer.proc.pid}/stat").read_text().split(")")[-1].split()[0] != "T":
+            time.sleep(0.01)  # stopped: every thread of it, its receiving threads too
         with pytest.raises(TransferError, match="timed out"):
             backend.write(peer.endpoint, [PageRun(0, 0, NUM_PAGES)], timeout_s=1)
         peer.proc.kill()

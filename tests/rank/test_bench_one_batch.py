@@ -22,3 +22,31 @@ def test_one_batch_with_transformers(tmp_path, capsys):
             assert m["decode_tok_s"] > 0 and m["prefill_tok_s"] > 0
             assert min(m["decode_tok_s_all"]) <= m["decode_tok_s"] <= max(m["decode_tok_s_all"])
         assert r["decode_speedup"] == r["moeserve"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
+
+
+def test_profile_parts_name_the_decode_kernels():
+    """The per-part table of `bench one-batch --profile` sorts kernel names into the parts (first rule wins)."""
+    from moeserve.bench.step_profile import classify, format_table
+
+    assert classify("_moe_gemm_kernel") == "experts"
+    assert classify("_place_kernel") == "dispatch"
+    assert classify("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Gemm"
+                    "UniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS") == "experts"  # torch._grouped_mm
+    assert classify("_rms_norm_kernel") == "norms"
+    assert classify("void cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_sliced1x2_nn_align8") == "attention"
+    assert classify("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "dense GEMMs"
+    assert classify("vectorized_elementwise_kernel") == "other"
+    table = format_table("decode step at batch 64", {
+        "step_ms": 10.0, "device_ms": 8.0, "host_ms": 2.0, "kernels_per_step": 100,
+        "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0}})
+    assert "experts" in table and "50.0%" in table and "host" in table and "20.0%" in table
+
+
+def test_profile_is_refused_without_cuda(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a CPU-only host")
+    with pytest.raises(SystemExit, match="--profile needs a CUDA device"):
+        main(["--batch-size", "1", "--input-len", "4", "--output-len", "2", "--profile"])

@@ -4,7 +4,8 @@ Each side starts one engine with P2P handshake (no metadata server: a peer's eng
 name `host:rpc_port`), over RDMA when `--disaggregation-ib-device` names a device, else TCP, and registers its
 KV buffers. `endpoint()` publishes the session name and each buffer's base address and size; `write()` turns page
 runs into (local address, peer address, length) triples for every buffer and moves them with one
-`batch_transfer_sync_write` call, which returns only once every byte is in the peer's memory or the engine gave up.
+`batch_transfer_sync_write` call (per 4,096 ranges or 256 MiB: BATCH_RANGES, BATCH_BYTES), which returns only
+once every byte is in the peer's memory or the engine gave up.
 
 Mooncake reports failures by return code, never by exception (a write to a dead peer returns -1 at once): every
 code is checked. Its sync calls release the GIL and may run from several threads at once.
@@ -43,7 +44,16 @@ except ImportError as e:  # the package, or a system library it links against (l
 # Mooncake's sync calls give up after MC_TRANSFER_TIMEOUT seconds (at least 5; read when an engine is created)
 # plus one second per GiB. The default here is Mooncake's floor, not its 30 s: a stalled peer fails fast.
 MIN_ENGINE_TIMEOUT_S = 5
-_ENV_LOCK = threading.Lock()  # MC_TRANSFER_TIMEOUT is process-wide: set it only around one engine's creation
+# Mooncake's TCP transport queues at most 1,024 ranges per peer (plus 1,024 waiting up to 1 s for room) and
+# rejects the rest with -1: a 61-layer write of 60 runs is already 3,660 ranges. The engine is created with room
+# for 65,535 (Mooncake's ceiling) and a write goes in calls of at most BATCH_RANGES ranges, so that several
+# threads writing to one peer at once stay within it. A call also holds at most BATCH_BYTES: the engine's timeout
+# is per call and counts on 1 GiB/s, which a fragmented write over loopback TCP need not reach, so small calls keep
+# a healthy write inside it (and timeout_s is checked between calls).
+TCP_QUEUE_ENV = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+BATCH_RANGES = 4096
+BATCH_BYTES = 256 << 20
+_ENV_LOCK = threading.Lock()  # Mooncake reads these process-wide settings only when an engine is created
 
 
 def _cuda_build() -> bool:
@@ -100,16 +110,18 @@ class MooncakeBackend(TransferBackend):
                     self.protocol, len(self.buffers), sum(self.buffer_bytes) / 2**20)
 
     def _start_engine(self, host: str, ib_device: str, engine_timeout_s: float) -> Any:
+        # Settings already in the environment (an operator's) win over these defaults.
+        settings = {"MC_TRANSFER_TIMEOUT": str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(engine_timeout_s))),
+                    **TCP_QUEUE_ENV}
         with _ENV_LOCK:
-            saved = os.environ.get("MC_TRANSFER_TIMEOUT")
-            if saved is None:
-                os.environ["MC_TRANSFER_TIMEOUT"] = str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(engine_timeout_s)))
+            added = [k for k in settings if k not in os.environ]
+            os.environ.update({k: settings[k] for k in added})
             try:
                 engine = TransferEngine()
+                rc = engine.initialize(host, "P2PHANDSHAKE", self.protocol, ib_device)  # creates the transports
             finally:
-                if saved is None:
-                    del os.environ["MC_TRANSFER_TIMEOUT"]
-        rc = engine.initialize(host, "P2PHANDSHAKE", self.protocol, ib_device)
+                for k in added:
+                    del os.environ[k]
         if rc != 0:
             raise RuntimeError(f"Mooncake's transfer engine did not start on {host} over {self.protocol} "
                                f"(initialize returned {rc}; its log above says why)")
@@ -150,7 +162,8 @@ class MooncakeBackend(TransferBackend):
 
         The call returns only when the engine is done with the batch (bytes landed, or it gave up): abandoning it
         earlier could let bytes land after the caller freed the pages. So the bound is the engine's timeout plus
-        one second per GiB; a write that failed after more than timeout_s is reported as timed out.
+        one second per GiB for each engine call; timeout_s is checked between calls, and a write that failed after
+        more than timeout_s is reported as timed out.
         """
         runs = _merge(runs)
         if not runs:
@@ -163,8 +176,15 @@ class MooncakeBackend(TransferBackend):
             self._in_flight += 1
         try:
             start = time.monotonic()
-            rc = self._engine.batch_transfer_sync_write(session, src, dst, lengths)
-            elapsed = time.monotonic() - start
+            rc, elapsed = 0, 0.0
+            for i, j in _calls(lengths):
+                if elapsed > timeout_s:  # the calls before this one are complete: stopping here is safe
+                    rc = -2
+                    break
+                rc = self._engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lengths[i:j])
+                elapsed = time.monotonic() - start
+                if rc != 0:
+                    break
         finally:
             with self._state:
                 self._in_flight -= 1
@@ -210,6 +230,19 @@ class MooncakeBackend(TransferBackend):
                 logger.warning("mooncake: unregister_memory(%#x) returned %d", addr, rc)
         self._registered = []
         self._engine = None
+
+
+def _calls(lengths: list[int]) -> list[tuple[int, int]]:
+    """[i, j) slices of the ranges, each at most BATCH_RANGES ranges and BATCH_BYTES (or one larger range)."""
+    out, i, nbytes = [], 0, 0
+    for k, n in enumerate(lengths):
+        if k > i and (k - i == BATCH_RANGES or nbytes + n > BATCH_BYTES):
+            out.append((i, k))
+            i, nbytes = k, 0
+        nbytes += n
+    if i < len(lengths):
+        out.append((i, len(lengths)))
+    return out
 
 
 def _merge(runs: Sequence[PageRun]) -> list[PageRun]:
