@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,17 +159,23 @@ def build_default_model(out_dir: str) -> None:
 # tokenizer
 def build_tokenizer():
     """A byte-level BPE tokenizer (DeepSeek-V3's special tokens) trained on the embedded corpus."""
+    corpus = (Path(__file__).parent / "default_corpus.txt").read_text(encoding="utf-8")
+    return train_tokenizer(corpus.splitlines(keepends=True), TOKENIZER_VOCAB_SIZE)
+
+
+def train_tokenizer(lines: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer with DeepSeek-V3's special tokens (ids 0..4) and a BOS post-processor, trained
+    on `lines` (deterministic for the same lines)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    corpus = (Path(__file__).parent / "default_corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     bos_id = tok.token_to_id(BOS_TOKEN)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
