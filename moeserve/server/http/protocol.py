@@ -78,7 +78,7 @@ class GenerateRequest(_Body):
     return_logprob: bool | list[bool] = False
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    logprob_start_len: int | list[int] | None = None  # accepted for SGLang clients; output logprobs only
+    logprob_start_len: int | list[int] | None = None  # with return_logprob: input_token_logprobs from here
     data_parallel_rank: int | None = None  # accepted for SGLang clients; the server picks the DP group
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
