@@ -85,10 +85,10 @@ def read_corpus(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]
     return train, heldout
 
 
-def heldout_sample(heldout: list[tuple[str, str]]) -> str:
-    """The beginning of every held-out file, up to HELDOUT_CHARS in all (so every file is represented)."""
-    share = max(1, HELDOUT_CHARS // len(heldout))
-    return "".join(text[:share] for _, text in heldout)[:HELDOUT_CHARS]
+def heldout_sample(heldout: list[tuple[str, str]], chars: int = HELDOUT_CHARS) -> str:
+    """The beginning of every held-out file, up to `chars` in all (so every file is represented)."""
+    share = max(1, chars // len(heldout))
+    return "".join(text[:share] for _, text in heldout)[:chars]
 
 
 def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -239,7 +239,7 @@ def train(args: argparse.Namespace) -> dict:
                                 args.vocab_size)
     config = default_config(vocab_size=(tokenizer.get_vocab_size() + 63) // 64 * 64) | {"torch_dtype": "bfloat16"}
     train_ids = token_stream(tokenizer, [t for _, t in train_docs])
-    sample = heldout_sample(heldout_docs)
+    sample = heldout_sample(heldout_docs, args.heldout_chars)
     held_ids = tokenizer.encode(sample, add_special_tokens=False).ids
     windows = torch.tensor(heldout_windows(held_ids, tokenizer.token_to_id(BOS_TOKEN), min(WINDOW, args.seq_len)))
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens in {time.time() - t0:.1f}s; {len(train_ids):,} training "
@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--bias-gamma", type=float, default=1e-4, help="step of the routing-bias balancing")
     p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--heldout-chars", type=int, default=HELDOUT_CHARS, help="size of the shipped held-out sample")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=250)
     args = p.parse_args(argv)

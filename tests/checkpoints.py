@@ -76,6 +76,7 @@ SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 NAMES = tuple(SPECS)
+SHIPPED = "shipped"  # tiny_checkpoint(SHIPPED): the trained default model (moeserve/models/default/)
 
 
 def make_hf_model(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

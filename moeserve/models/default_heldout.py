@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
+
+from moeserve.models.default_model import BOS_TOKEN, SHIPPED_DIR
 
 WINDOW = 256  # tokens per scored window, BOS included
 
@@ -26,3 +29,12 @@ def perplexity(token_logprobs: Sequence[Sequence[float]]) -> float:
     if not flat:
         raise ValueError("no token log-probabilities to score")
     return math.exp(-sum(flat) / len(flat))
+
+
+def shipped_windows(model_dir: Path = SHIPPED_DIR) -> list[list[int]]:
+    """The windows of the shipped heldout.txt, tokenized with the shipped tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = tok.encode((model_dir / "heldout.txt").read_text(encoding="utf-8"), add_special_tokens=False).ids
+    return heldout_windows(ids, tok.token_to_id(BOS_TOKEN))

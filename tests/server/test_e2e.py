@@ -93,7 +93,7 @@ def test_greedy_matches_transformers(http, server):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(server["model_path"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(server["model_path"], dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(server["model_path"])
     for prompt in ("The Tortoise and the Hare",):
         ids = tok(prompt, return_tensors="pt").input_ids
