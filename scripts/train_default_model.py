@@ -17,8 +17,8 @@ routed experts plus one shared expert, one dense layer first). The correction bi
 it is moved after every step the way DeepSeek-V3's auxiliary-loss-free balancing does,
 bias_e += gamma * sign(mean load - load_e), with a small gamma (default 1e-4, DeepSeek-V3 used 1e-3): over a
 short run it pulls the worst experts in but leaves the skew that routing on real text has, which is what
-`moeserve eplb analyze` is for. Everything is seeded: on CPU two runs give the same weights; on a GPU the
-atomics in index_add make the last bits differ.
+`moeserve eplb analyze` is for. Everything is seeded and the deterministic kernels are asked for: on CPU two runs
+give byte-identical files; on a GPU the atomics in index_add make the last bits of the weights differ.
 
 It writes into --out: config.json, generation_config.json, model.safetensors (bf16; the router's weight and
 bias fp32), tokenizer.json, tokenizer_config.json, heldout.txt and training.json (the command, the data, the
@@ -229,6 +229,9 @@ def balancedness(load: torch.Tensor) -> list[float]:
 
 def train(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
+    # NOTE: the threads of CPU scatter-adds (index_add_ in the experts and in embedding backward) sum in any
+    # order; the deterministic kernels make two runs of the same command give the same weights.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     root = Path(args.corpus_dir or sysconfig.get_paths()["stdlib"])
     train_docs, heldout_docs = read_corpus(root)
     print(f"corpus {root}: {len(train_docs)} training files ({sum(len(t) for _, t in train_docs):,} chars), "

@@ -94,15 +94,21 @@ def test_training_script_runs_on_cpu(tmp_path):
 
     for mod in (bisect, colorsys, glob):
         (corpus / Path(mod.__file__).name).write_text(Path(mod.__file__).read_text())
-    out = tmp_path / "model"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_default_model.py"), "--device", "cpu", "--steps", "3",
-           "--batch-size", "2", "--seq-len", "32", "--vocab-size", "320", "--corpus-dir", str(corpus),
-           "--eval-every", "3", "--log-every", "1", "--heldout-chars", "1500", "--out", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
+    def train(out: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "scripts" / "train_default_model.py"), "--device", "cpu", "--steps", "3",
+               "--batch-size", "2", "--seq-len", "32", "--vocab-size", "320", "--corpus-dir", str(corpus),
+               "--eval-every", "3", "--log-every", "1", "--heldout-chars", "1500", "--out", str(out)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    out, again = tmp_path / "model", tmp_path / "again"
+    for directory in (out, again):
+        run = train(directory)
+        assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((out / "training.json").read_text())
     assert record["steps_run"] == 3 and len(record["loss"]) == 3
     assert record["corpus"]["heldout_files"] == ["bisect.py", "glob.py"]
     assert record["shipped_heldout_perplexity"] == pytest.approx(record["heldout_perplexity"], rel=0.05)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg == default_config(cfg["vocab_size"]) | {"torch_dtype": "bfloat16"}
+    for name in ("model.safetensors", "tokenizer.json"):  # deterministic given the seed
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name
