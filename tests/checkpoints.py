@@ -86,6 +86,7 @@ INIT_STD = {"v3_fp8": 0.02}  # checkpoints initialized like a fresh model (see r
 NAMES = tuple(n for n in SPECS if n != "v3_fp8")  # the parity matrix; v3_fp8 is for the FP8 tests
 FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                            "weight_block_size": [128, 128]}
+SHIPPED = "shipped"  # tiny_checkpoint(SHIPPED): the trained default model (moeserve/models/default/)
 
 
 def make_hf_model(name: str, seed: int = 0, init_std: float | None = None, **overrides: Any) -> torch.nn.Module:

@@ -25,6 +25,8 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    # With return_logprob: the first prompt position to report logprobs for (-1: none; see prompt_logprobs.py)
+    logprob_start_len: int = -1
     # PD disaggregation (sglang-router fields); None outside PD mode.
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -133,6 +135,10 @@ class TokenOut:
     # With return_logprob: one entry per new token.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With logprob_start_len >= 0: the prompt's, positions logprob_start_len .. len - 1 (None at position 0),
+    # once, in the first output after the prompt is scored.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

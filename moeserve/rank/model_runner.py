@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +16,12 @@ from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import make_rebalancer, make_recorder
+from moeserve.rank.prompt_logprobs import score
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
+
+if TYPE_CHECKING:
+    from moeserve.rank.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -212,3 +217,11 @@ class ModelRunner:
         )
         top_n = [r.asked.top_logprobs_num if r.asked.return_logprob else 0 for r in reqs]
         return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs))
+
+    @torch.inference_mode()
+    def score_prompt(self, logits: torch.Tensor, batch: ScheduledBatch
+                     ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Log-probabilities of the prompt tokens that logits [batch.num_prompt_rows, V] predict."""
+        top_ns = [r.asked.top_logprobs_num for r, n in zip(batch.prompt_reqs, batch.prompt_counts, strict=True)
+                  for _ in range(n)]
+        return score(logits, batch.prompt_targets, top_ns)

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.page_allocator import PageAllocator
 from moeserve.rank.pd_host import PDHost
+from moeserve.rank.prompt_logprobs import scored_positions
 from moeserve.rank.radix_cache import RadixCache
 from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
@@ -42,6 +43,15 @@ class ScheduledBatch:
     extend_lens: list[int]
     forward: ForwardBatch
     finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
+    # prompt logprobs: the first len(prompt_targets) rows of the logits score these prompt tokens, requests in
+    # order, prompt_counts[i] rows for prompt_reqs[i] (prompt_logprobs.py)
+    prompt_reqs: list[Req] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return len(self.prompt_targets)
 
 
 class Scheduler(PDHost):
@@ -86,11 +96,15 @@ class Scheduler(PDHost):
             self._reject(req, f"the prompt has {len(req.input_ids)} tokens; the context length is "
                               f"{self.context_length}")
             return
+        if r.return_logprob and r.logprob_start_len >= len(req.input_ids):
+            self._reject(req, f"logprob_start_len {r.logprob_start_len} must be less than the prompt's "
+                              f"{len(req.input_ids)} tokens")
+            return
         if self._pages_for(total) > self.allocator.num_pages:
             self._reject(req, f"prompt + max_new_tokens = {total} tokens does not fit the KV cache "
                               f"({self.allocator.num_pages * self.page_size} tokens)")
             return
-        if req.params.max_new_tokens == 0:  # nothing to generate: done, with no output token
+        if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:  # done, with no output token
             req.finish_reason = FinishReason("length")
             self.pending_out.append(req.take_output())
             return
@@ -260,7 +274,10 @@ class Scheduler(PDHost):
         fill = req.fill_ids
         if self.cache is not None:
             # Keep at least one token to compute: the last prompt token's logits pick the next token.
-            usable = (len(fill) - 1) // self.page_size * self.page_size
+            usable = len(fill) - 1
+            if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
+                usable = min(usable, req.next_scored_position)
+            usable = usable // self.page_size * self.page_size
             slots, node = self.cache.match_prefix(fill[:usable])
             self.cache.lock(node)
             req.last_node = node
@@ -315,8 +332,19 @@ class Scheduler(PDHost):
         seq_lens, rows = [], []
         out_loc_parts = []
         finishes = []
+        prompt_reqs, prompt_counts, prompt_targets, prompt_rows = [], [], [], []  # rows that score prompt tokens
+        offset = 0
         for req, n in zip(reqs, extend_lens, strict=True):
             fill = req.fill_ids
+            if mode.is_extend and req.wants_prompt_logprobs:
+                scored = scored_positions(req.next_scored_position, len(req.input_ids), req.kv_len, n)
+                if len(scored):
+                    prompt_rows.extend(offset + p - req.kv_len for p in scored)
+                    prompt_reqs.append(req)
+                    prompt_counts.append(len(scored))
+                    prompt_targets.extend(fill[scored.start + 1 : scored.stop + 1])
+                    req.next_scored_position = scored.stop
+            offset += n
             input_ids.extend(fill[req.kv_len : req.kv_len + n])
             out_loc_parts.append(self.req_table.table[req.row, req.kv_len : req.kv_len + n])
             req.kv_len += n
@@ -326,27 +354,46 @@ class Scheduler(PDHost):
         kv_indices = self.req_table.gather(rows, seq_lens)
         fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
                                 np.concatenate(out_loc_parts), kv_indices)
-        fb.logits_indices = fb.logits_indices[torch.tensor(finishes, dtype=torch.bool)]
+        samples = [f and r.samples for r, f in zip(reqs, finishes, strict=True)]
+        fb.logits_indices = fb.logits_indices[torch.tensor(samples, dtype=torch.bool)]
+        if prompt_rows:
+            fb.logits_indices = torch.cat([torch.tensor(prompt_rows, dtype=torch.int64), fb.logits_indices])
         if mode.is_decode:
             fb.decode_slots = torch.from_numpy(self.req_table.table[rows, : max(seq_lens)])
-        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes)
+        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets)
 
     # ------------------------------------------------------------------ results
     def sampling_inputs(self, batch: ScheduledBatch) -> list[Req]:
         """The requests of the batch that sample a token this step (full prefill or decode)."""
-        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f]
+        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f and r.samples]
+
+    def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: list[float],
+                            top_logprobs: list[list[tuple[int, float]]]) -> None:
+        """Store the scores of the batch's prompt rows (the first batch.num_prompt_rows rows of its logits)."""
+        assert len(logprobs) == len(top_logprobs) == batch.num_prompt_rows
+        start = 0
+        for req, n in zip(batch.prompt_reqs, batch.prompt_counts, strict=True):
+            req.input_logprobs.extend(logprobs[start:start + n])
+            req.input_top_logprobs.extend(top_logprobs[start:start + n])
+            start += n
 
     def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
                        top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
         """Append sampled tokens (one per sampling request, in order), finish requests, return outputs."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
-        if batch.mode.is_extend:
-            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
-                if done and req not in self.running:
-                    self.running.append(req)
         outs = self.pending_out
         self.pending_out = []
+        if batch.mode.is_extend:
+            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                if done and not req.samples:  # a prompt scored with max_new_tokens = 0: done, no token
+                    req.finish_reason = FinishReason("length")
+                    self._release(req, cache=True)
+                    del self.reqs[req.rid]
+                    outs.append(req.take_output())
+                    self.stats.finished += 1
+                elif done and req not in self.running:
+                    self.running.append(req)
         for i, req in enumerate(sampled):
             if next_ids[i] == NO_TOKEN:
                 self._fail_non_finite(req)

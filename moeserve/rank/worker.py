@@ -171,6 +171,9 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
         if batch is None:
             return []
     logits = runner.forward(batch.forward)
+    if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
+        scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
+        logits = logits[batch.num_prompt_rows:]
     sampling_reqs = scheduler.sampling_inputs(batch)
     if sampling_reqs:
         out = runner.sample(logits, sampling_reqs)

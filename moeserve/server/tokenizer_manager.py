@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moeserve.args import ServerArgs
-from moeserve.models.default_model import CACHE_NAME, resolve_model_path
-from moeserve.paths import cache_root
+from moeserve.models.default_model import SHIPPED_DIR, resolve_model_path
 from moeserve.rank.io_struct import (
     AbortReq,
     ExpertDistributionOut,
@@ -50,7 +49,7 @@ INLINE_DETOKENIZE_IDS = 2048  # more new tokens than this in one output are deto
 def default_served_name(model_path: str) -> str:
     """The name the API reports when --served-model-name is not given: the model directory's name, 'default' for
     the embedded model (not its cache path)."""
-    if os.path.realpath(model_path) == os.path.realpath(cache_root() / CACHE_NAME):
+    if os.path.realpath(model_path) == os.path.realpath(SHIPPED_DIR):
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model_path)) or model_path
 
@@ -66,6 +65,7 @@ class GenerateInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: report the prompt's logprobs from this position on
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -92,6 +92,9 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, int, None]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int, None]]] = field(default_factory=list)
+    scored_prompt_ids: list[int] = field(default_factory=list)  # the prompt tokens input logprobs are for
+    input_logprobs: list[tuple[float | None, int, None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, None]]] | None = None
     sent_text_len: int = 0
 
 
@@ -164,6 +167,10 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
         ids = await self.validator.prompt_ids(obj.text, obj.input_ids)
         params = self.validator.params(obj.sampling_params, len(ids), obj.top_logprobs_num)
+        start = obj.logprob_start_len if obj.return_logprob else -1
+        if type(start) is not int or not -1 <= start < len(ids):
+            raise InvalidRequestError(f"logprob_start_len must be -1 (output logprobs only) or a prompt position in "
+                                      f"[0, {len(ids)}), got {start!r}", param="logprob_start_len")
         rid = obj.rid or uuid.uuid4().hex
         self._check_pd_fields(obj)
         detok = None
@@ -178,10 +185,12 @@ class TokenizerManager:
             num_tokens = len(ids) + params.max_new_tokens
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
                            self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
+            st.scored_prompt_ids = ids[start:] if start >= 0 else []
             self._rids[rid] = st
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
-                          obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
+                          logprob_start_len=start, bootstrap_host=obj.bootstrap_host,
+                          bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room)
         finished = False
         if self.bootstrap is not None:
             self.bootstrap.assign_room(obj.bootstrap_room, st.dp_rank)
@@ -259,6 +268,11 @@ class TokenizerManager:
             st.logprobs.extend((lp, t, None) for lp, t in zip(out.logprobs, out.new_token_ids, strict=False))
         if out.top_logprobs is not None:
             st.top_logprobs.extend([(lp, t, None) for t, lp in alts] for alts in out.top_logprobs)
+        if out.input_logprobs is not None:
+            st.input_logprobs = [(lp, t, None) for lp, t in zip(out.input_logprobs, st.scored_prompt_ids,
+                                                                 strict=True)]
+            if out.input_top_logprobs is not None:
+                st.input_top_logprobs = [[(lp, t, None) for t, lp in alts] for alts in out.input_top_logprobs]
         finish = out.finish_reason
         text = self._text(st, out.new_token_ids, finish) if st.detok is not None else ""
         delta = text[st.sent_text_len :]
@@ -275,6 +289,10 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(st.logprobs)
             if out.top_logprobs is not None:
                 meta["output_top_logprobs"] = list(st.top_logprobs)
+        if st.input_logprobs is not None:  # SGLang's fields, in every output once the prompt is scored
+            meta["input_token_logprobs"] = list(st.input_logprobs)
+            if st.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = list(st.input_top_logprobs)
         new_ids = out.new_token_ids
         return {"text": text, "output_ids": list(st.output_ids), "delta_text": delta, "delta_ids": new_ids,
                 "meta_info": meta}

@@ -57,7 +57,7 @@ def hf(model_dir):
 def test_attributes(tok, hf):
     assert tok.bos_token_id == hf.bos_token_id == 0
     assert tok.eos_token_ids == [hf.eos_token_id] == [1]
-    assert tok.vocab_size == len(hf) == 1024
+    assert tok.vocab_size == len(hf) == 3072
     assert set(hf.all_special_ids) <= set(tok.all_special_ids)
     assert {tok.backend.token_to_id("<｜User｜>"), tok.backend.token_to_id("<｜Assistant｜>")} <= set(tok.all_special_ids)
 

@@ -3,7 +3,7 @@
 Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as OpenAI's API does: a misspelt
 `max_token` is an error that names it, not a silently ignored option. OpenAI fields that moeserve accepts but
 does not act on (user, store, metadata, ...) are listed so that standard clients work; fields that would ask for
-something moeserve cannot do (tools, logit_bias, echo, suffix, JSON mode) are checked in openai_serving.py and
+something moeserve cannot do (tools, logit_bias, suffix, JSON mode, echo with stream) are checked in openai_serving.py and
 refused with a message saying so. Sampling extras of SGLang and vLLM (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...) are top-level fields of the OpenAI bodies (the openai client's `extra_body`).
 """
@@ -106,7 +106,7 @@ class GenerateRequest(_SGLangFields):
     return_logprob: bool | list[bool] = False
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    logprob_start_len: int | list[int] | None = None  # accepted for SGLang clients; output logprobs only
+    logprob_start_len: int | list[int] | None = None  # with return_logprob: input_token_logprobs from here
     data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
@@ -172,6 +172,7 @@ class CompletionRequest(_OpenAICommon):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | TokenIdBatch
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
