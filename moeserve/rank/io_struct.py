@@ -8,7 +8,7 @@ control request: LoadOut (to GetLoadReq), FlushCacheOut, ExpertDistributionOut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any
 
 from moeserve.eplb.rebalancer import RebalanceReport
@@ -25,6 +25,7 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    _: KW_ONLY  # the fields below are named at every call: new ones may come in any order
     # With return_logprob: the first prompt position to report logprobs for (-1: none; see prompt_logprobs.py)
     logprob_start_len: int = -1
     # PD disaggregation (sglang-router fields); None outside PD mode.

@@ -58,7 +58,8 @@ class PDPair:
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
                top_logprobs_num: int = 0, to_prefill: bool = True, to_decode: bool = True) -> int:
         room = self.rng.getrandbits(63)
-        req = GenerateReq(rid, ids, params, return_logprob, top_logprobs_num, False, "127.0.0.1", self.port, room)
+        req = GenerateReq(rid, ids, params, return_logprob, top_logprobs_num, False, bootstrap_host="127.0.0.1",
+                          bootstrap_port=self.port, bootstrap_room=room)
         if to_prefill:
             self.bootstrap.assign_room(room, 0)
             self.prefill.scheduler.add_request(req)
