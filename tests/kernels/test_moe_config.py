@@ -14,7 +14,7 @@ def test_nearest_entry_and_default(tmp_path, monkeypatch):
     moe_config._lookup.cache_clear()
     moe_config._load.cache_clear()
     small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    path = moe_config.config_file("moe_gemm", 8, 64, 32, torch.bfloat16, "cpu")
+    path = moe_config.config_file("moe_gemm", 8, 64, 32, torch.bfloat16, moe_config.device_name())
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"6": small, "4096": {"backend": "torch"}}))
     assert moe_config.get_config("moe_gemm", 100, 8, 64, 32, torch.bfloat16) == small
