@@ -17,7 +17,8 @@ from moeserve.rank.io_struct import FinishReason
 from moeserve.rank.request import Req
 
 if TYPE_CHECKING:
-    from moeserve.rank.model_runner import ModelRunner
+    from moeserve.core.kv_pool import KVPool
+    from moeserve.core.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,18 +108,19 @@ class PDHost:
                 "top_logprobs": req.top_logprobs[0] if req.top_logprobs else None}
 
 
-def make_pd_rooms(args: ServerArgs, runner: ModelRunner, scheduler: PDHost, dp_rank: int) -> DecodeRooms | PrefillRooms:
+def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, scheduler: PDHost,
+                  dp_rank: int) -> DecodeRooms | PrefillRooms:
     """The PD state machine of one attention group's leader rank, with its transfer backend and control socket;
     a prefill rank registers with its server's bootstrap server."""
     from moeserve.disagg.bootstrap import register_rank
 
     peer_host = args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None
     host = advertised_host(args.host, peer_host)
-    buffers = kv_buffers(runner.kv_pool)
+    buffers = kv_buffers(kv_pool)
     backend = backend_class(args.disaggregation_transfer_backend)(
         buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disaggregation_ib_device)
     channel = ControlChannel(args.host, host, args.api_key)
-    identity = {"architecture": runner.config.architecture, "num_layers": runner.config.num_hidden_layers,
+    identity = {"architecture": config.architecture, "num_layers": config.num_hidden_layers,
                 "page_size": args.page_size, "page_bytes": backend.page_bytes,
                 "backend": args.disaggregation_transfer_backend}
     heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,

@@ -124,7 +124,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     if server_args.disaggregation_mode != "null":
         from moeserve.rank.pd_host import make_pd_rooms
 
-        scheduler.pd = make_pd_rooms(server_args, runner, scheduler, dp_rank)
+        scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)

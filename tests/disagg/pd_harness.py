@@ -52,7 +52,7 @@ class PDPair:
         args = ServerArgs.from_kwargs(disaggregation_mode=mode, disaggregation_bootstrap_port=self.port, **kwargs)
         runner = ModelRunner(args)
         sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids)
-        sched.pd = make_pd_rooms(args, runner, sched, 0)
+        sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0)
         return Side(args, runner, sched)
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
