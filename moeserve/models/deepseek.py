@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
+from moeserve.kernels import cpu_mla_decode
 from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
@@ -118,9 +119,13 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._kv_b()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
-        cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: the key, one head
-        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
-                                    self.scale)  # [B, h, r]: value = the c_kv part of the latent
+        cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
+        if cache.is_cpu and cpu_mla_decode.available(cache.dtype):  # over the cache rows in place
+            o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
+                                                 self.scale)  # [B, h, r]
+        else:
+            o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
+                                        self.scale)
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
 
 
