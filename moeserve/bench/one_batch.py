@@ -45,7 +45,9 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
 
 
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                 warmup: bool = True, repeat: int = 1) -> dict:
+                 warmup: bool = True, repeat: int = 1, dummy_weights: bool = False) -> dict:
+    """The timed rounds; the first's prompts and tokens under "prompts" and "tokens", and with dummy_weights
+    (and --load-format dummy) every checkpoint tensor under "checkpoint", for the comparison with transformers."""
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.sampling_params import SamplingParams
@@ -87,7 +89,7 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     r["device"] = str(runner.device)
     r["dtype"] = str(runner.dtype)
     r["prompts"], r["tokens"] = rounds[0]["prompts"], rounds[0]["tokens"]  # for the token check, not the report
-    if args.load_format == "dummy":
+    if dummy_weights and args.load_format == "dummy":
         r["checkpoint"] = {s.key: dummy_tensor(s.key, s.shape, runner.dtype, torch.device("cpu"), args.random_seed)
                            for s in model_weight_specs(runner.model)}
     return r
@@ -219,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
-             "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat)}
+             "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat,
+                                         dummy_weights=ns.compare_transformers)}
         _free_memory()
         if ns.compare_transformers:
             r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat,
