@@ -54,6 +54,9 @@ inline float hsum(f32x8 v) {
   return s;
 }
 
+template <typename C>
+constexpr int64_t kLineElemsOf = 64 / sizeof(C);
+
 // s[j * lds + t] = scale * q_j · row_t for NH heads (q rows ldq apart), D wide; NT rows at a time, so that
 // each vector of q loaded serves NT rows and each vector of a row NH heads.
 template <int NH, int NT, typename C>
@@ -64,11 +67,16 @@ void scores(const float* q, int64_t ldq, const C* cache, const int64_t* idx, int
   for (; t + NT <= L; t += NT) {
     const C* row[NT];
     for (int i = 0; i < NT; ++i) row[i] = cache + idx[t + i] * D;
-    for (int i = 0; i < NT && t + NT + i < L; ++i) __builtin_prefetch(cache + idx[t + NT + i] * D);
+    // The next rows, whole: a request's rows lie apart in the pool (one slot per request and step), each too short
+    // for the hardware prefetcher to get going.
+    const C* next[NT];
+    for (int i = 0; i < NT; ++i) next[i] = cache + idx[t + NT + i < L ? t + NT + i : L - 1] * D;
     f32x8 acc[NH][NT];
     for (int j = 0; j < NH; ++j)
       for (int i = 0; i < NT; ++i) acc[j][i] = f32x8{};
     for (int64_t d = 0; d < Dvec; d += kLanes) {
+      if (d % kLineElemsOf<C> == 0)
+        for (int i = 0; i < NT; ++i) __builtin_prefetch(next[i] + d);
       f32x8 r[NT];
       for (int i = 0; i < NT; ++i) r[i] = load8(row[i] + d);
       for (int j = 0; j < NH; ++j) {
