@@ -77,6 +77,12 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
+        self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
+
+    def process_weights_after_loading(self, device: torch.device) -> None:
+        # Decided once (the KV pool has the weights' dtype): a check per call would hold a lock, which
+        # torch.compile cannot trace.
+        self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(self.kv_b_proj.weight.dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
@@ -120,7 +126,7 @@ class MLAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
-        if cache.is_cpu and cpu_mla_decode.available(cache.dtype):  # over the cache rows in place
+        if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
             o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
                                                  self.scale)  # [B, h, r]
         else:
