@@ -169,11 +169,19 @@ NEAR_TIE = 1e-4  # transformers' top-2 logit gap under which a different greedy 
 def _compare_tokens(model, check: dict, output_len: int, device: torch.device) -> dict:
     """transformers' greedy tokens on moeserve's prompts against moeserve's: requests equal, and for the others
     the first differing position and transformers' top-2 logit gap there."""
+    import copy
+
     prompts = torch.tensor(check["prompts"], device=device)
-    with torch.inference_mode():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True, output_logits=True)
+    # moeserve's ignore_eos may choose the EOS token and go on, where min_new_tokens would forbid it and an EOS
+    # would end (pad) the sequence: transformers is told of no EOS token for this call.
+    saved = copy.deepcopy(model.generation_config), model.config.eos_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    finally:
+        model.generation_config, model.config.eos_token_id = saved
     theirs = out.sequences[:, prompts.shape[1]:].tolist()
     differ = []
     for b, (ours, ref) in enumerate(zip(check["tokens"], theirs, strict=True)):
