@@ -14,8 +14,13 @@ $(BIN)/moeserve: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install serve test lint
-install: $(BIN)/moeserve
+.PHONY: install system-deps serve test lint
+install: system-deps $(BIN)/moeserve
+
+# System libraries that pip cannot bring (Mooncake's KV transfer needs libibverbs & co.): installed with apt-get
+# as root on Debian/Ubuntu, otherwise listed; a no-op when present. PD still works without them (zmq backend).
+system-deps:
+	@bash scripts/install_system_deps.sh
 
 serve: install
 	$(BIN)/moeserve serve $(ARGS)

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 A2A_BACKENDS = ("none", "allgather", "all2all")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
-MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel")
+MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 EP_DISPATCH_ALGORITHMS = ("static", "dynamic")
 EPLB_ALGORITHMS = ("auto", "deepseek")
@@ -33,7 +33,17 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 # Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
                     "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "disaggregation_bootstrap_port",
-                    "disaggregation_transfer_backend")
+                    "disaggregation_transfer_backend", "disaggregation_ib_device", "disaggregation_bootstrap_timeout",
+                    "disaggregation_waiting_timeout", "disaggregation_transfer_timeout",
+                    "disaggregation_heartbeat_interval", "disaggregation_heartbeat_timeout",
+                    "disaggregation_debug_failure_prob")
+TRANSFER_BACKENDS = ("mooncake", "zmq")
+# PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
+PD_ONLY_DEFAULTS = {"disaggregation_bootstrap_port": 8998, "disaggregation_transfer_backend": "mooncake",
+                    "disaggregation_ib_device": None, "disaggregation_bootstrap_timeout": 30.0,
+                    "disaggregation_waiting_timeout": 60.0, "disaggregation_transfer_timeout": 30.0,
+                    "disaggregation_heartbeat_interval": 1.0, "disaggregation_heartbeat_timeout": 3.0,
+                    "disaggregation_debug_failure_prob": 0.0}
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, **kw: Any) -> Any:
@@ -57,7 +67,10 @@ class ServerArgs:
         "auto", "auto/safetensors read the checkpoint; dummy makes random weights of the real shapes.", LOAD_FORMATS
     )
     context_length: int | None = _flag(None, "Maximum tokens per request (prompt + output); default from config.")
-    quantization: str | None = _flag(None, "Weight quantization (fp8 is later work; None for now).", (None, "fp8"))
+    quantization: str | None = _flag(
+        None, "fp8: quantize an unquantized checkpoint at load to DeepSeek's block FP8 (e4m3, 128x128 weight blocks, "
+        "activations per token in groups of 128). FP8 checkpoints (quantization_config in config.json) load as FP8 "
+        "without it.", (None, "fp8"))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
 
@@ -114,8 +127,8 @@ class ServerArgs:
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     moe_runner_backend: str = _flag(
         "auto", "Routed experts' kernels: grouped_gemm (torch's grouped GEMM), cpu_kernel (moeserve's CPU kernel, "
-        "compiled on first use; few rows per expert), auto (cpu_kernel on the CPU where it builds, else "
-        "grouped_gemm).", MOE_RUNNER_BACKENDS
+        "compiled on first use; few rows per expert), triton (moeserve's Triton kernels, CUDA), auto (cpu_kernel on "
+        "the CPU where it builds, triton on CUDA where Triton imports, else grouped_gemm).", MOE_RUNNER_BACKENDS
     )
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
@@ -161,9 +174,32 @@ class ServerArgs:
     torch_compile_max_bs: int = _flag(32, "Largest decode batch that runs the compiled forward.")
 
     # --- PD disaggregation ---
-    disaggregation_mode: str = _flag("null", "null, prefill or decode.", DISAGG_MODES)
-    disaggregation_bootstrap_port: int = _flag(8998, "Prefill: port of the bootstrap server.")
-    disaggregation_transfer_backend: str = _flag("mooncake", "KV transfer backend.", ("mooncake", "tcp"))
+    disaggregation_mode: str = _flag(
+        "null", "null (one server does both), prefill or decode: one side of a PD pair behind sglang-router "
+        "(docs/disaggregation.md).", DISAGG_MODES)
+    disaggregation_bootstrap_port: int = _flag(
+        8998, "Prefill: port of the bootstrap server where the prefill ranks register and decode asks for them (the "
+        "number after the prefill URL in sglang-router's --prefill).")
+    disaggregation_transfer_backend: str = _flag(
+        "mooncake", "KV transfer backend, the same on both sides: mooncake (Mooncake's Transfer Engine, RDMA or TCP) "
+        "or zmq (built in, TCP).", TRANSFER_BACKENDS)
+    disaggregation_ib_device: str | None = _flag(
+        None, "mooncake: the RDMA device(s) to use, e.g. mlx5_0 (default: Mooncake's choice, TCP without RDMA).")
+    disaggregation_bootstrap_timeout: float = _flag(
+        30.0, "Seconds a request waits for its peer to appear: decode for the prefill server to know the room, "
+        "prefill for decode to say where to write.")
+    disaggregation_waiting_timeout: float = _flag(
+        60.0, "Decode: seconds a request waits for KV cache space before it fails with 503.")
+    disaggregation_transfer_timeout: float = _flag(
+        30.0, "Seconds one KV write may take, and decode's wait from reserving pages to the prefill's report (and "
+        "again for a cancellation's acknowledgement).")
+    disaggregation_heartbeat_interval: float = _flag(
+        1.0, "Seconds between decode's pings to the prefill ranks it waits on.")
+    disaggregation_heartbeat_timeout: float = _flag(
+        3.0, "A peer silent this many seconds is dead: decode fails its requests (503), prefill drops its "
+        "transfers.")
+    disaggregation_debug_failure_prob: float = _flag(
+        0.0, "For tests: each KV write on the prefill side fails with this probability.")
 
     # ------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -217,12 +253,7 @@ class ServerArgs:
         if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:
             raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
                              "does not run with --enable-two-batch-overlap")
-        if self.disaggregation_mode != "null":
-            raise ValueError(f"--disaggregation-mode {self.disaggregation_mode} (prefill/decode disaggregation) is not "
-                             "implemented yet: serve prefill and decode on one server (--disaggregation-mode null)")
-        if (self.disaggregation_bootstrap_port, self.disaggregation_transfer_backend) != (8998, "mooncake"):
-            raise ValueError("--disaggregation-bootstrap-port and --disaggregation-transfer-backend take effect only "
-                             "with --disaggregation-mode prefill or decode, which is not implemented yet")
+        self._check_disaggregation()
         if self.eplb_debug_fail is not None:
             phase, _, rank = self.eplb_debug_fail.partition(":")
             if phase not in ("prepare", "execute") or not rank.isdigit():
@@ -230,6 +261,29 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode == "null":
+            changed = [k for k, v in PD_ONLY_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"--{_dash(changed[0])} takes effect only with --disaggregation-mode prefill or "
+                                 "decode")
+            return
+        if self.attn_tp_size != 1:
+            raise ValueError(
+                f"--disaggregation-mode {self.disaggregation_mode} runs one rank per attention group for now: use "
+                "--tp-size 1, or --enable-dp-attention with --dp-size equal to --tp-size (attention TP inside a PD "
+                "side is not implemented)")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                     "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{_dash(name)} must be > 0 seconds, got {getattr(self, name)}")
+        if self.disaggregation_heartbeat_timeout <= self.disaggregation_heartbeat_interval:
+            raise ValueError("--disaggregation-heartbeat-timeout must exceed --disaggregation-heartbeat-interval")
+        if not 0.0 <= self.disaggregation_debug_failure_prob <= 1.0:
+            raise ValueError("--disaggregation-debug-failure-prob must be in [0, 1]")
+        if self.disaggregation_ib_device and self.disaggregation_transfer_backend != "mooncake":
+            raise ValueError("--disaggregation-ib-device applies to --disaggregation-transfer-backend mooncake only")
 
     # ------------------------------------------------------------------
     @property

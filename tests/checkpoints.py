@@ -73,25 +73,38 @@ SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                          max_position_embeddings=MAX_POS, sliding_window=5, tie_word_embeddings=False,
                          bos_token_id=0, eos_token_id=1)),
+    # DeepSeek-V3 sized for FP8 blocks of 128: hidden 256 (2 blocks), partial blocks everywhere else (q_lora 160,
+    # kv_a 128 + 32, dense MLP 320, experts 192: fused gate/up padded to whole blocks); the sharded attention
+    # projections split into whole blocks over 2 ranks (8 heads: q_b and kv_b 512 rows, o_proj 256 columns)
+    "v3_fp8": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+               dict(_DEEPSEEK, hidden_size=256, intermediate_size=320, moe_intermediate_size=192, q_lora_rank=160,
+                    kv_lora_rank=128, num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=32,
+                    qk_rope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, routed_scaling_factor=2.5)),
 }
 
-NAMES = tuple(SPECS)
+INIT_STD = {"v3_fp8": 0.02}  # checkpoints initialized like a fresh model (see randomize)
+NAMES = tuple(n for n in SPECS if n != "v3_fp8")  # the parity matrix; v3_fp8 is for the FP8 tests
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [128, 128]}
+SHIPPED = "shipped"  # tiny_checkpoint(SHIPPED): the trained default model (moeserve/models/default/)
 
 
-def make_hf_model(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """The transformers model of checkpoint `name`, float32, randomized (not saved)."""
+def make_hf_model(name: str, seed: int = 0, init_std: float | None = None, **overrides: Any) -> torch.nn.Module:
+    """The transformers model of checkpoint `name`, float32, randomized (not saved); init_std: see randomize."""
     import transformers
 
     config_cls, model_cls, kwargs = SPECS[name]
     config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
-    randomize(model, seed)
+    randomize(model, seed, init_std)
     return model
 
 
 @torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+def randomize(model: torch.nn.Module, seed: int = 0, init_std: float | None = None) -> None:
+    """init_std: every matrix normal(0, init_std) as a freshly initialized model (initializer_range), instead of
+    fan_in^-0.5: the residual stream stays near the embeddings, so the layers perturb well-separated logits."""
     gen = torch.Generator().manual_seed(seed)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("inv_freq"):
@@ -101,7 +114,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
         elif name.endswith("norm.weight"):
             t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=gen))
         elif t.dim() >= 2:
-            std = 1.0 if "embed_tokens" in name else t.shape[-1] ** -0.5
+            std = init_std or (1.0 if "embed_tokens" in name else t.shape[-1] ** -0.5)
             t.copy_(std * torch.randn(t.shape, generator=gen))
         elif t.is_floating_point():
             t.copy_(0.02 * torch.randn(t.shape, generator=gen))
@@ -112,7 +125,7 @@ def build_checkpoint(name: str, out_dir: str | Path, sharded: bool = False, seed
     """Write checkpoint `name` (a key of SPECS) into out_dir; sharded: several files + index.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_hf_model(name, seed, **overrides)
+    model = make_hf_model(name, seed, INIT_STD.get(name), **overrides)
     kwargs = {"max_shard_size": "100KB"} if sharded else {}
     model.save_pretrained(str(out), **kwargs)
     return str(out)
@@ -162,3 +175,45 @@ def write_config_only(name: str, out_dir: str | Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(REAL_CONFIGS[name], indent=2))
     return str(out)
+
+
+def deepseek_quantized(key: str, tensor: torch.Tensor) -> bool:
+    """Whether DeepSeek's FP8 checkpoints store `key` in FP8: the 2-D projection weights of the decoder layers
+    (attention, dense MLP, shared and routed experts), not the embeddings, norms, the gate or lm_head."""
+    return (key.startswith("model.layers.") and key.endswith(".weight") and tensor.dim() == 2
+            and not key.endswith(".mlp.gate.weight"))
+
+
+def build_fp8_checkpoint(name: str, out_dir: str | Path, seed: int = 0) -> tuple[str, str]:
+    """Checkpoint `name` quantized with DeepSeek's recipe, in DeepSeek's key layout (`X.weight` e4m3 beside
+    `X.weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], quantization_config in config.json) under out/fp8,
+    and the same model holding the dequantized weights in float32 (no quantization_config) under out/dequantized.
+    Returns (fp8 dir, dequantized dir)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moeserve.kernels.fp8_quant import dequantize_weight, quantize_weight
+
+    out = Path(out_dir)
+    ref = Path(build_checkpoint(name, out / "dequantized", seed=seed))
+    fp8 = out / "fp8"
+    fp8.mkdir(parents=True, exist_ok=True)
+    plain = load_file(str(ref / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for key, t in plain.items():
+        if deepseek_quantized(key, t):
+            q, scale_inv = quantize_weight(t)
+            quantized[key], quantized[key + "_scale_inv"] = q, scale_inv
+            dequantized[key] = dequantize_weight(q, scale_inv)
+        else:
+            quantized[key] = dequantized[key] = t
+    save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ref / "config.json").read_text())
+    config["quantization_config"] = FP8_QUANTIZATION_CONFIG
+    (fp8 / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (ref / extra).is_file():
+            (fp8 / extra).write_text((ref / extra).read_text())
+    return str(fp8), str(ref)

@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import SHIPPED, build_checkpoint, build_fp8_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """tiny_checkpoint(name, sharded=False) -> directory of checkpoint `name` (see tests/checkpoints.py SPECS).
+    """tiny_checkpoint(name, sharded=False) -> directory of checkpoint `name` (see tests/checkpoints.py SPECS), or
+    of the shipped default model for name "shipped".
 
     With MOESERVE_TEST_CHECKPOINTS=DIR, DIR/NAME is used where it exists (prebuilt checkpoints for a machine
     whose transformers differs, e.g. the GPU machine).
@@ -21,6 +22,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
     prebuilt = os.environ.get("MOESERVE_TEST_CHECKPOINTS")
 
     def get(name: str, sharded: bool = False) -> str:
+        if name == SHIPPED:  # the trained default model, as it ships
+            from moeserve.models.default_model import default_model_path
+
+            return default_model_path()
         if prebuilt and not sharded and os.path.isdir(os.path.join(prebuilt, name)):
             return os.path.join(prebuilt, name)
         if (name, sharded) not in built:
@@ -29,6 +34,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
         return built[name, sharded]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(FP8 checkpoint in DeepSeek's layout, the same model with the dequantized weights in float32) of v3_fp8."""
+    return build_fp8_checkpoint("v3_fp8", tmp_path_factory.mktemp("v3_fp8"))
 
 
 @pytest.fixture(scope="session")

@@ -102,10 +102,46 @@ def test_check_model_fits_names_the_flags():
     check_model_fits(ServerArgs(**dp, ep_num_redundant_experts=2), config)
 
 
-@pytest.mark.parametrize("kwargs", [dict(disaggregation_mode="prefill"), dict(disaggregation_mode="decode"),
-                                    dict(disaggregation_bootstrap_port=9000),
-                                    dict(disaggregation_transfer_backend="tcp")])
-def test_disaggregation_flags_are_refused_until_implemented(kwargs):
-    """PD disaggregation does not exist yet: its flags say so instead of being accepted and ignored."""
-    with pytest.raises(ValueError, match="not implemented yet"):
+@pytest.mark.parametrize("kwargs", [dict(disaggregation_bootstrap_port=9000),
+                                    dict(disaggregation_transfer_backend="zmq"),
+                                    dict(disaggregation_heartbeat_interval=2.0)])
+def test_pd_flags_need_a_pd_mode(kwargs):
+    """A PD flag on a colocated server would do nothing: it is refused, naming the flag."""
+    flag = "--" + next(iter(kwargs)).replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} takes effect only with --disaggregation-mode"):
         ServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tp_size=2), "one rank per attention group"),
+    (dict(disaggregation_transfer_backend="tcp"), "choose one of mooncake, zmq"),
+    (dict(disaggregation_heartbeat_timeout=0.5), "must exceed --disaggregation-heartbeat-interval"),
+    (dict(disaggregation_transfer_timeout=0), "must be > 0 seconds"),
+    (dict(disaggregation_debug_failure_prob=1.5), r"must be in \[0, 1\]"),
+    (dict(disaggregation_transfer_backend="zmq", disaggregation_ib_device="mlx5_0"), "mooncake only"),
+])
+def test_pd_flags_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(disaggregation_mode="prefill", **kwargs)
+    assert ServerArgs(disaggregation_mode="decode", tp_size=2, dp_size=2, enable_dp_attention=True)
+
+
+def test_mooncake_missing_names_the_zmq_backend(monkeypatch):
+    """Asked for Mooncake where it cannot load, a server fails at start saying what to install and which flag to use
+    instead."""
+    import builtins
+
+    from moeserve.disagg.transfer import registry
+
+    real_import = builtins.__import__
+
+    def no_mooncake(name, *args, **kwargs):
+        if "mooncake" in name:
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mooncake)
+    monkeypatch.delitem(__import__("sys").modules, "moeserve.disagg.transfer.mooncake", raising=False)
+    with pytest.raises(ValueError, match="--disaggregation-transfer-backend zmq"):
+        registry.backend_class("mooncake")
+    assert registry.backend_class("zmq").name == "zmq"

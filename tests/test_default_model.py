@@ -1,4 +1,4 @@
-"""The embedded default model: deterministic, and a checkpoint transformers reads as DeepSeek-V3."""
+"""The random-weight default model: deterministic, and a checkpoint transformers reads as DeepSeek-V3."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.models.default_model import build_default_model, default_config, default_model_path
+from moeserve.models.default_model import build_default_model, default_config, random_model_path
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
@@ -32,19 +32,19 @@ def test_two_builds_are_byte_identical(tmp_path):
     assert _digests(a) == _digests(b)
 
 
-def test_default_model_path_builds_once_into_cache(tmp_path, monkeypatch):
+def test_random_model_path_builds_once_into_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path))
-    path = Path(default_model_path())
-    assert path == tmp_path / "default-model-v1"
+    path = Path(random_model_path())
+    assert path == tmp_path / "random-model-v1"
     assert sorted(os.listdir(path)) == sorted(FILES)
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_model_path() == str(path)
+    assert random_model_path() == str(path)
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
-    assert os.listdir(tmp_path) == ["default-model-v1"]  # no temporary directory left behind
+    assert os.listdir(tmp_path) == ["random-model-v1"]  # no temporary directory left behind
 
 
 def test_config_is_deepseek_v3():
-    cfg = json.loads((Path(default_model_path()) / "config.json").read_text())
+    cfg = json.loads((Path(random_model_path()) / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert cfg["model_type"] == "deepseek_v3"
     assert cfg == default_config(cfg["vocab_size"])
@@ -55,7 +55,7 @@ def test_transformers_loads_it_without_missing_or_unexpected_keys():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    path = default_model_path()
+    path = random_model_path()
     model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert not info["missing_keys"], info["missing_keys"]

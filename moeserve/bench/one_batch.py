@@ -15,6 +15,7 @@ between its two best logits there (a near tie, under 1e-4, is a rounding differe
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -45,16 +46,18 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
 
 
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                 warmup: bool = True, repeat: int = 1, dummy_weights: bool = False) -> dict:
+                 warmup: bool = True, repeat: int = 1, profile_dir: str | None = None, runner=None,
+                 dummy_weights: bool = False) -> dict:
     """The timed rounds; the first's prompts and tokens under "prompts" and "tokens", and with dummy_weights
-    (and --load-format dummy) every checkpoint tensor under "checkpoint", for the comparison with transformers."""
+    (and --load-format dummy) every checkpoint tensor under "checkpoint", for the comparison with transformers.
+    runner: a ModelRunner to reuse (one load and one set of CUDA-graph captures for several batch sizes)."""
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.sampling_params import SamplingParams
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.worker import run_step
 
-    runner = ModelRunner(args)
+    runner = runner or ModelRunner(args)
     gen = torch.Generator().manual_seed(seed)
 
     def one_round(tag: str) -> dict:
@@ -86,6 +89,8 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
         one_round("warmup")
     rounds = [one_round(f"run{i}-") for i in range(repeat)]
     r = _median_round(rounds, batch_size, input_len, output_len)
+    if profile_dir is not None:
+        r["profile"] = _profile_round(args, runner, batch_size, input_len, gen, profile_dir)
     r["device"] = str(runner.device)
     r["dtype"] = str(runner.dtype)
     r["prompts"], r["tokens"] = rounds[0]["prompts"], rounds[0]["tokens"]  # for the token check, not the report
@@ -98,6 +103,38 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
 def _collect(tokens: dict[str, list[int]], outs) -> None:
     for o in outs or []:
         tokens[o.rid].extend(o.new_token_ids)
+
+
+def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, gen: torch.Generator,
+                   profile_dir: str) -> dict:
+    """One more batch of distinct random prompts: its prefill profiled, 4 decode steps to settle, then 5 profiled
+    decode steps."""
+    from moeserve.bench.step_profile import format_table, profile_steps
+    from moeserve.rank.io_struct import GenerateReq
+    from moeserve.rank.sampling_params import SamplingParams
+    from moeserve.rank.scheduler import Scheduler
+    from moeserve.rank.worker import run_step
+
+    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
+    for i in range(batch_size):
+        ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
+        sched.add_request(GenerateReq(f"profile{i}", ids, SamplingParams(max_new_tokens=64, temperature=0.0,
+                                                                         ignore_eos=True)))
+
+    def prefill() -> None:
+        while sched.waiting or sched.chunked:
+            run_step(sched, runner)
+
+    prefill_trace = os.path.join(profile_dir, f"one_batch_prefill_bs{batch_size}.json.gz")
+    prefill_result = profile_steps(prefill, 1, prefill_trace)
+    print(format_table(f"prefill of {batch_size} x {input_len} tokens", prefill_result), flush=True)
+    for _ in range(4):
+        run_step(sched, runner)
+    trace = os.path.join(profile_dir, f"one_batch_bs{batch_size}.json.gz")
+    result = profile_steps(lambda: run_step(sched, runner), 5, trace)
+    print(format_table(f"decode step at batch {batch_size}", result), flush=True)
+    print(f"traces: {prefill_trace} {trace}", flush=True)
+    return {"decode": result, "prefill": prefill_result}
 
 
 def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
@@ -223,14 +260,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="Measured rounds per system (after one warm-up round); the median time is reported.")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
+    p.add_argument("--profile", action="store_true",
+                   help="After the measured rounds, profile 5 decode steps of a fresh batch (distinct random "
+                        "prompts): a torch-profiler trace per batch size and the per-part table (CUDA only).")
+    p.add_argument("--profile-dir", default="profiles", help="Where --profile writes its traces.")
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)  # takes the ServerArgs fields, leaves the benchmark's own flags
+    if ns.profile:
+        from moeserve.rank.model_runner import resolve_device
+
+        if resolve_device(args.device).type != "cuda":
+            raise SystemExit("--profile needs a CUDA device (the table is made of device kernels)")
     resolve_model_path(args)
     rows = []
+    shared_runner = None
+    if not ns.compare_transformers:  # one model for every batch size (transformers' needs the memory back)
+        from moeserve.rank.model_runner import ModelRunner
+
+        shared_runner = ModelRunner(args)
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
              "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat,
-                                         dummy_weights=ns.compare_transformers)}
+                                      profile_dir=ns.profile_dir if ns.profile else None, runner=shared_runner,
+                                      dummy_weights=ns.compare_transformers)}
         _free_memory()
         if ns.compare_transformers:
             r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat,
@@ -250,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                      f" | speedup prefill {r['prefill_speedup']:.2f}x decode {r['decode_speedup']:.2f}x")
         print(line, flush=True)
         if ns.compare_transformers:
-            print(_tokens_line(r["transformers"]["tokens"]), flush=True)
+            low = "" if m["dtype"] == "torch.float32" else f" ({m['dtype']}: roundings differ, tokens may too)"
+            print(_tokens_line(r["transformers"]["tokens"]) + low, flush=True)
         append_results(ns.result_file, [r])
     return 0
 

@@ -20,5 +20,8 @@ class ContiguousLayout:
 class MaskedLayout:
     """Low-latency mode: static shapes, graph-capturable."""
 
-    x: torch.Tensor  # [E_local, cap, H]
+    x: torch.Tensor  # [E_local, cap, H], the activations' dtype, or e4m3 when x_scale is given
     masked_m: torch.Tensor  # [E_local] int32, valid rows per expert
+    # FP8 dispatch (low-latency mode with FP8 experts): x's scales [E_local, cap, ceil(H/128)] float32, one per token
+    # and group of 128 (moeserve/kernels/fp8_quant.py); None: x is in the activations' dtype.
+    x_scale: torch.Tensor | None = None

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from moeserve.core.quant_config import Fp8Config, parse_quantization_config
+
 # architecture name in config.json -> model family (moeserve/models/<family>.py builds it)
 ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek",
@@ -112,6 +114,7 @@ class ModelConfig:
 
     num_mtp_layers: int = 0  # DeepSeek next-token-prediction layers stored after the main ones (not run)
     quantization: str | None = None  # quantization_config.quant_method of the checkpoint, if any
+    fp8: Fp8Config | None = None  # the checkpoint's block FP8 format (core/quant_config.py); None: unquantized
     path: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -165,6 +168,7 @@ class ModelConfig:
                 num_attention_heads=heads,
                 attention_bias=bool(raw.get("attention_bias", False)),
                 quantization=(raw.get("quantization_config") or {}).get("quant_method"),
+                fp8=None if shapes_only else parse_quantization_config(raw.get("quantization_config")),
                 raw=raw,
             )
             act = raw.get("hidden_act", "silu")

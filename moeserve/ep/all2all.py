@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
-from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
+from moeserve.ep.all2all_low_latency import FP8Quantize, LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.base import Dispatcher
 
@@ -37,15 +37,18 @@ class All2AllDispatcher(Dispatcher):
 
     name = "all2all"
 
-    def __init__(self, *, topk: int, deepep_mode: str = "auto", max_tokens_per_rank: int = 128, **common) -> None:
+    def __init__(self, *, topk: int, deepep_mode: str = "auto", max_tokens_per_rank: int = 128,
+                 fp8_quantize: FP8Quantize | None = None, **common) -> None:
         """`common`: the Dispatcher arguments (num_experts, hidden_size, dtype, device, ep_group, ep_rank,
-        ep_size, align); align applies to normal mode's layout."""
+        ep_size, align); align applies to normal mode's layout. fp8_quantize: low-latency mode sends FP8 (FP8
+        experts; see all2all_low_latency.py); normal mode sends x's dtype."""
         resolve_deepep_mode(deepep_mode, None)  # validates the name
         super().__init__(**common)
         self.deepep_mode = deepep_mode
         align = common.pop("align", 1)
         self.normal = NormalDispatcher(**common, align=align) if deepep_mode != "low_latency" else None
-        self.low_latency = (LowLatencyDispatcher(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank)
+        self.low_latency = (LowLatencyDispatcher(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                                                 fp8_quantize=fp8_quantize)
                             if deepep_mode != "normal" else None)
         self.last_mode: str | None = None  # the mode the last dispatch_a resolved to
 

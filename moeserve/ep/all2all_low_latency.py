@@ -16,12 +16,19 @@ rank) exceeds `cap` runs ceil(max / cap) rounds through the same buffers, token 
 rank runs the same number of rounds, so nothing is dropped or truncated. The layout then holds all rounds (C grows
 with them); a captured graph has a static T <= cap and one round.
 
+FP8 dispatch (`fp8_quantize`, given when the experts are FP8, as DeepEP's low-latency mode does): dispatch_a
+quantizes x with it (per token in groups of 128: kernels/fp8_quant.py, handed in by the MoE layer) and each slot row
+carries [scales fp32 | x e4m3] in bytes, a little over half of bf16's; the layout hands the experts x in e4m3 with x_scale. Per-token quantization commutes
+with moving tokens, so the experts see exactly what they would have quantized themselves. Combine stays in x's
+dtype. The byte rows live in the same buffers as combine's rows (dispatch_b has consumed them before combine).
+
 What is captured: every shape depends on T (static per graph), cap, R, E_local and k only; no `.item()`,
 `.tolist()`, `nonzero` or boolean indexing runs on the device path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +51,9 @@ if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
 
 
+FP8Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class LowLatencyDispatcher(Dispatcher):
     """Dispatcher by fixed-slot equal-split all_to_all_single (see the module doc). The buffers are per instance,
     so two-batch overlap needs one per micro-batch."""
@@ -51,9 +61,12 @@ class LowLatencyDispatcher(Dispatcher):
     name = "all2all"
     graph_safe = True
 
-    def __init__(self, *, topk: int, max_tokens_per_rank: int, **common) -> None:
-        """topk: experts per token; max_tokens_per_rank: the slot size `cap` (--ep-max-tokens-per-rank). `common`:
-        the Dispatcher arguments (num_experts, hidden_size, dtype, device, ep_group, ep_rank, ep_size)."""
+    def __init__(self, *, topk: int, max_tokens_per_rank: int, fp8_quantize: FP8Quantize | None = None,
+                 **common) -> None:
+        """topk: experts per token; max_tokens_per_rank: the slot size `cap` (--ep-max-tokens-per-rank);
+        fp8_quantize: x [T, H] -> (e4m3 [T, H], float32 scales [T, G]); given, tokens travel in FP8 with their
+        scales (FP8 experts). `common`: the Dispatcher arguments (num_experts, hidden_size, dtype, device, ep_group,
+        ep_rank, ep_size)."""
         if max_tokens_per_rank < 1:
             raise ValueError(f"--ep-max-tokens-per-rank must be >= 1, got {max_tokens_per_rank}")
         assert topk >= 1
@@ -66,9 +79,22 @@ class LowLatencyDispatcher(Dispatcher):
         self._recv_x = torch.empty_like(self._send_x)
         self._send_meta = torch.empty(rows, 2 * topk, dtype=torch.int32, device=self.device)
         self._recv_meta = torch.empty_like(self._send_meta)
+        self.fp8, self._quantize = fp8_quantize is not None, fp8_quantize
+        if self.fp8:  # a row: [scales float32 (4 bytes x groups) | x e4m3 | pad to 4 bytes]
+            probe = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device)
+            self._scale_bytes = fp8_quantize(probe)[1][0].nbytes
+            self._row_bytes = self._scale_bytes + -(-self.hidden_size // 4) * 4
+            assert self._row_bytes <= self._send_x[0].nbytes, "FP8 rows must fit in combine's rows"
+            self._send_bytes, self._recv_bytes = (self._byte_rows(b) for b in (self._send_x, self._recv_x))
+
+    def _byte_rows(self, buf: torch.Tensor) -> torch.Tensor:
+        """[rows, row_bytes] uint8 over the start of `buf`'s memory."""
+        rows = buf.shape[0]
+        return buf.view(-1).view(torch.uint8)[: rows * self._row_bytes].view(rows, self._row_bytes)
 
     def describe(self) -> str:
-        return f"all2all low_latency, slots of {self.cap} tokens x {self.size} ranks"
+        fp8 = ", FP8 dispatch" if self.fp8 else ""
+        return f"all2all low_latency, slots of {self.cap} tokens x {self.size} ranks{fp8}"
 
     def buffer_bytes(self) -> int:
         """Bytes of the fixed communication buffers of this instance (for the memory log line)."""
@@ -77,11 +103,13 @@ class LowLatencyDispatcher(Dispatcher):
     def layout_bytes(self, rounds: int = 1) -> int:
         """Bytes of the MaskedLayout x one step allocates (E_local x rounds*R*cap x H); the experts' output is as
         large again. Not part of buffer_bytes: it comes from the allocator (the graph pool under CUDA graphs)."""
-        return self.num_local_experts * rounds * self.size * self.cap * self.hidden_size * self.dtype.itemsize
+        row = self._row_bytes if self.fp8 else self.hidden_size * self.dtype.itemsize
+        return self.num_local_experts * rounds * self.size * self.cap * row
 
     def _reset(self) -> None:
         super()._reset()
         self._x = self._topk_ids = self._topk_weights = None
+        self._xq = self._xs = None  # FP8 dispatch: x quantized, [T, H] e4m3 and [T, ceil(H/128)] fp32
         self._rounds = 0
         self._plans: list[MaskedPlan] = []
         self._out_flat: torch.Tensor | None = None
@@ -102,8 +130,11 @@ class LowLatencyDispatcher(Dispatcher):
         self._rounds = max(1, -(-bound // self.cap))
         assert t <= self._rounds * self.cap, (t, self._rounds, self.cap)
         self._x, self._topk_ids, self._topk_weights = x, topk_ids, topk_weights
+        if self.fp8:
+            self._xq, self._xs = self._quantize(x)
         slots = self._rounds * (self.size - 1) * self.cap  # fixed slots, whatever the routing
-        self.comm_bytes = {"dispatch": slots * (self._send_x[0].nbytes + self._send_meta[0].nbytes),
+        row = self._row_bytes if self.fp8 else self._send_x[0].nbytes
+        self.comm_bytes = {"dispatch": slots * (row + self._send_meta[0].nbytes),
                            "combine": slots * self._send_x[0].nbytes}
         self._send_dispatch(0)
 
@@ -114,7 +145,12 @@ class LowLatencyDispatcher(Dispatcher):
     def _send_dispatch(self, i: int) -> None:
         lo, hi = self._chunk(i)
         n, k, r = hi - lo, self.topk, self.size
-        self._send_x.view(r, self.cap, -1)[:, :n] = self._x[lo:hi]  # every rank gets the slot; ids say what counts
+        if self.fp8:
+            send = self._send_bytes.view(r, self.cap, -1)
+            send[:, :n, : self._scale_bytes] = self._xs[lo:hi].view(torch.uint8)
+            send[:, :n, self._scale_bytes : self._scale_bytes + self.hidden_size] = self._xq[lo:hi].view(torch.uint8)
+        else:
+            self._send_x.view(r, self.cap, -1)[:, :n] = self._x[lo:hi]  # every rank gets the slot; ids say what counts
         ranks = torch.arange(r, device=self.device).view(r, 1, 1)
         local_ids, weights = local_topk(self._topk_ids[lo:hi].unsqueeze(0), self._topk_weights[lo:hi].unsqueeze(0),
                                         ranks, self.num_local_experts)  # [R, n, k]
@@ -122,8 +158,9 @@ class LowLatencyDispatcher(Dispatcher):
         meta[:, :n] = pack_meta(local_ids, weights)
         meta[:, n:, :k] = -1  # padding rows: no expert
         meta[:, n:, k:] = 0
+        send_x, recv_x = (self._send_bytes, self._recv_bytes) if self.fp8 else (self._send_x, self._recv_x)
         self._works = [
-            dist.all_to_all_single(self._recv_x, self._send_x, group=self.group, async_op=True),
+            dist.all_to_all_single(recv_x, send_x, group=self.group, async_op=True),
             dist.all_to_all_single(self._recv_meta, self._send_meta, group=self.group, async_op=True),
         ]
 
@@ -134,18 +171,29 @@ class LowLatencyDispatcher(Dispatcher):
         # Not zeroed (a memset of the whole layout would cost more than the dispatch): rows past masked_m hold
         # garbage, which grouped GEMMs skip and combine never reads. The last row is a spare for invalid pairs.
         x_flat = self._recv_x.new_empty(e_local * cap_total + 1, self.hidden_size)
+        if self.fp8:  # bytes: e4m3 rows and their scales (index_copy has no float8 kernel on every device)
+            x_flat = self._recv_bytes.new_empty(e_local * cap_total + 1, self.hidden_size)
+            s_flat = self._recv_bytes.new_empty(e_local * cap_total + 1, self._scale_bytes)
         filled = torch.zeros(e_local, dtype=torch.int64, device=self.device)
         self._plans = []
         for i in range(self._rounds):
             self._wait()
             local_ids, weights = unpack_meta(self._recv_meta)
             plan = plan_masked(local_ids, weights, e_local, cap_total, filled)
-            scatter_masked(self._recv_x, plan, x_flat)
+            if self.fp8:
+                sb = self._scale_bytes
+                scatter_masked(self._recv_bytes[:, sb : sb + self.hidden_size], plan, x_flat)
+                scatter_masked(self._recv_bytes[:, :sb], plan, s_flat)
+            else:
+                scatter_masked(self._recv_x, plan, x_flat)
             self._plans.append(plan)
             if i + 1 < self._rounds:
                 self._send_dispatch(i + 1)
         x = x_flat[: e_local * cap_total].view(e_local, cap_total, self.hidden_size)
-        return MaskedLayout(x=x, masked_m=filled.to(torch.int32))
+        if not self.fp8:
+            return MaskedLayout(x=x, masked_m=filled.to(torch.int32))
+        scale = s_flat[: e_local * cap_total].view(torch.float32).view(e_local, cap_total, -1)
+        return MaskedLayout(x=x.view(torch.float8_e4m3fn), masked_m=filled.to(torch.int32), x_scale=scale)
 
     # ------------------------------------------------------------------------------------------------------------
     # combine

@@ -1,7 +1,8 @@
 """LocalDispatcher: the single-rank case, every expert is local and nothing moves between ranks.
 
-dispatch sorts the (token, expert) pairs by expert into a ContiguousLayout; combine gathers each pair's expert
-output back and sums a token's k outputs weighted by its top-k weights (applied here, exactly once).
+dispatch groups the (token, expert) pairs by expert into a ContiguousLayout (moeserve/kernels/moe_route.py: one
+counting pass, no sort, on CUDA); combine gathers each pair's expert output back and sums a token's k outputs
+weighted by its top-k weights (applied here, exactly once; moeserve/kernels/moe_combine.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 
 from moeserve.core.layouts import ContiguousLayout
 from moeserve.ep.base import Dispatcher
+from moeserve.kernels.moe_combine import moe_combine
+from moeserve.kernels.moe_route import moe_route
 
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
@@ -42,42 +45,21 @@ class LocalDispatcher(Dispatcher):
     def dispatch_b(self) -> ContiguousLayout:
         x, ids = self._x, self._ids
         T, k = ids.shape
-        E, align = self.num_experts, self.align
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept inside a group
-        # scatter_add, not bincount: bincount reads the max id back to the host (a sync; breaks CUDA graphs)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        if align == 1:  # no padding: the sorted pairs are the rows, and the fewest ops per layer
-            offsets = torch.cat((counts.new_zeros(1), torch.cumsum(counts, 0)))
-            self._rows = torch.argsort(order).view(T, k)  # the inverse permutation: row of each pair
-            return ContiguousLayout(x=x.index_select(0, order // k), expert_offsets=offsets.to(torch.int32),
-                                    num_tokens_per_expert=counts.to(torch.int32))
-        padded = (counts + align - 1) // align * align
-        offsets = torch.zeros(E + 1, dtype=torch.int64, device=x.device)
-        offsets[1:] = torch.cumsum(padded, 0)
-        starts = torch.zeros_like(offsets)
-        starts[1:] = torch.cumsum(counts, 0)
-        sorted_ids = flat[order]
-        # row of the j-th sorted pair: its segment start + its rank inside the expert's pairs
-        rows_sorted = offsets[sorted_ids] + torch.arange(T * k, device=x.device) - starts[sorted_ids]
-        rows = torch.empty_like(rows_sorted)
-        rows[order] = rows_sorted
-        self._rows = rows.view(T, k)
-        # NOTE: sized without reading counts back to the host: T*k pairs plus at most align-1 pad rows per expert.
-        num_rows = T * k + E * (align - 1)
-        buf = x.new_zeros(num_rows, x.shape[1])
-        buf[rows_sorted] = x[order // k]
-        return ContiguousLayout(x=buf, expert_offsets=offsets.to(torch.int32),
-                                num_tokens_per_expert=counts.to(torch.int32))
+        # counts, offsets and each pair's row in one routing pass (Triton on CUDA: no sort; torch elsewhere)
+        plan = moe_route(ids, self.num_experts, self.align)
+        self._rows = plan.dest.view(T, k)
+        src = plan.src.long()
+        if self.align == 1:  # no padding: every layout row holds a pair
+            layout_x = x.index_select(0, src // k)
+        else:  # padding rows (src -1) zero
+            layout_x = x.index_select(0, src.clamp(min=0) // k).masked_fill_((src < 0)[:, None], 0)
+        return ContiguousLayout(x=layout_x, expert_offsets=plan.offsets, num_tokens_per_expert=plan.counts)
 
     def combine_a(self, expert_out: torch.Tensor) -> None:
         self._out = expert_out
 
     def combine_b(self) -> torch.Tensor:
         """[T, H] = sum_k w[t, k] * expert_out[row(t, k)], summed in float32, returned in x's dtype."""
-        out, rows, w, x = self._out, self._rows, self._weights, self._x
-        T, k = rows.shape
-        picked = out.index_select(0, rows.reshape(-1)).view(T, k, out.shape[-1]).float()
-        y = torch.bmm(w[:, None, :].float(), picked)[:, 0].to(x.dtype)  # [T, 1, k] x [T, k, H]: the weighted sum
+        y = moe_combine(self._out, self._rows, self._weights, self._x.dtype)
         self._reset()
         return y

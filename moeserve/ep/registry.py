@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from moeserve.ep.all2all import DEEPEP_MODES, All2AllDispatcher
+from moeserve.ep.all2all_low_latency import FP8Quantize
 from moeserve.ep.allgather import AllGatherDispatcher
 from moeserve.ep.base import Dispatcher
 from moeserve.ep.local import LocalDispatcher
@@ -59,12 +60,14 @@ class DispatchOptions:
 def make_dispatcher(options: DispatchOptions, num_experts: int, num_local_experts: int, *,
                     dtype: torch.dtype, device: torch.device | str, hidden_size: int | None = None,
                     top_k: int | None = None, align: int = 1, ep_group: Any = None, ep_rank: int | None = None,
-                    ep_size: int | None = None) -> Dispatcher:
+                    ep_size: int | None = None, fp8_quantize: FP8Quantize | None = None) -> Dispatcher:
     """A dispatcher for one MoE layer call site.
 
     num_experts: physical experts over all EP ranks; num_local_experts: those on this rank. dtype and device: the
     activations' (the EP backends' buffers). hidden_size and top_k size the EP backends' buffers. align: segment
-    padding of a ContiguousLayout. The EP group, rank and size default to moeserve.parallel.state."""
+    padding of a ContiguousLayout. The EP group, rank and size default to moeserve.parallel.state. fp8_quantize: the
+    experts take FP8 layouts, and the low-latency mode dispatches x quantized by it (the other backends send x's
+    dtype)."""
     if ep_size is None:
         from moeserve.parallel.state import get_parallel_state
 
@@ -85,5 +88,5 @@ def make_dispatcher(options: DispatchOptions, num_experts: int, num_local_expert
                   ep_rank=ep_rank, ep_size=ep_size, align=align)
     if kind == "all2all":
         return All2AllDispatcher(**common, topk=top_k, deepep_mode=options.deepep_mode,
-                                 max_tokens_per_rank=options.max_tokens_per_rank)
+                                 max_tokens_per_rank=options.max_tokens_per_rank, fp8_quantize=fp8_quantize)
     return BACKENDS[kind](**common)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.core.layouts import ContiguousLayout
+from moeserve.kernels.moe_combine import moe_combine
 
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
@@ -235,11 +236,6 @@ def scatter_masked(rows: torch.Tensor, plan: MaskedPlan, x_flat: torch.Tensor) -
 
 def combine_masked(out_flat: torch.Tensor, plan: MaskedPlan) -> torch.Tensor:
     """[N, H] fp32: per row, sum of merged weight * expert output over its valid pairs. `out_flat [E_local * C, H]`;
-    rows past masked_m may hold anything (NaN included): they are never read into the sum."""
-    n, k = plan.dest.shape
-    out = torch.zeros(n, out_flat.shape[1], dtype=torch.float32, device=out_flat.device)
-    for j in range(k):
-        idx = torch.where(plan.valid[:, j], plan.dest[:, j], 0)
-        picked = out_flat.index_select(0, idx).float().mul_(plan.weight[:, j, None])
-        out += picked.masked_fill_(~plan.valid[:, j, None], 0.0)  # NaN * 0 would be NaN: fill, not multiply
-    return out
+    rows past masked_m may hold anything (NaN included): they are never read into the sum. One gather-and-sum
+    pass (moeserve/kernels/moe_combine.py; Triton on CUDA)."""
+    return moe_combine(out_flat, torch.where(plan.valid, plan.dest, -1), plan.weight, torch.float32)

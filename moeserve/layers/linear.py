@@ -28,7 +28,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self._matmul(x)
+        return y + self.bias if self.bias is not None else y
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias: the one place a weight format (FP8, layers/quantization/) changes."""
+        return F.linear(x, self.weight)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [out, in] as a plain matrix in `dtype` (for code that multiplies by parts of it directly)."""
+        return self.weight.detach().to(dtype)  # a plain tensor, sharing the memory if dtype is its own
 
 
 class ColumnParallelLinear(Linear):
@@ -62,7 +71,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.group)
+        y = all_reduce(self._matmul(x), self.group)
         return y + self.bias if self.bias is not None else y
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:

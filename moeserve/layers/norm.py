@@ -1,10 +1,11 @@
-"""RMSNorm."""
+"""RMSNorm (moeserve/kernels/rms_norm.py: Triton on CUDA, with the residual add fused)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moeserve.kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,8 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        # one fused op instead of five: at decode sizes the per-op cost, not the arithmetic, is what counts
-        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused into the norm's pass."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -3,6 +3,9 @@
 Each layer that holds parameters can say, for each checkpoint tensor it needs, which part of the tensor this rank
 reads (`src`) and where it goes in which parameter (`dst`). Layers without a `weight_specs(prefix)` method get the
 default: the checkpoint key equals the parameter name and the whole tensor is copied.
+
+A layer may hold parameter elements that no checkpoint tensor fills (FP8 weights padded to whole blocks): it lists
+them in `padding_numel` (local parameter name -> element count), and the loader zero-fills those parameters first.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def shard(size: int, tp_size: int, tp_rank: int) -> slice:
     assert size % tp_size == 0, f"{size} does not split over {tp_size} ranks"
     n = size // tp_size
     return slice(tp_rank * n, (tp_rank + 1) * n)
+
+
+def block_slice(part: slice, size: int, block: int) -> slice:
+    """The blocks of `block` elements that cover `part` of a dimension of `size` (a rank's share of a block-scaled
+    weight -> its share of the scales). Raises ValueError unless the part starts on a block boundary and ends on one
+    or at the end of the dimension: a block's scale cannot be split between ranks."""
+    start, stop = part.start or 0, size if part.stop is None else part.stop
+    if start % block or (stop % block and stop != size):
+        raise ValueError(f"rows/columns {start}:{stop} of {size} do not fall on {block}-element block boundaries")
+    return slice(start // block, -(-stop // block))
 
 
 def model_weight_specs(model: nn.Module) -> Iterator[WeightSpec]:

@@ -50,9 +50,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta)
+        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), meta), residual=h)
         ffn = getattr(self, self.ffn_name)
-        x = self.post_attention_layernorm(h)
         return h + (ffn(x, batch) if self.is_moe else ffn(x))
 
     def stages(self, mb: MicroBatchState, index: int) -> Generator[None, None, None]:
@@ -64,9 +63,8 @@ class DecoderLayer(nn.Module):
             MoE.compute                          | yield   (combine in flight)
             MoE.combine -> residual
         """
-        h = mb.h + self.self_attn(self.input_layernorm(mb.h), mb.meta)
+        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(mb.h), mb.meta), residual=mb.h)
         ffn = getattr(self, self.ffn_name)
-        x = self.post_attention_layernorm(h)
         if not self.is_moe:
             mb.h = h + ffn(x)
             return

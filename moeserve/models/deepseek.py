@@ -79,11 +79,6 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
         self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
 
-    def process_weights_after_loading(self, device: torch.device) -> None:
-        # Decided once (the KV pool has the weights' dtype): a check per call would hold a lock, which
-        # torch.compile cannot trace.
-        self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(self.kv_b_proj.weight.dtype)
-
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
         T = x.shape[0]
@@ -106,9 +101,17 @@ class MLAttention(nn.Module):
             o = self._expanded(q_nope, q_rope, meta)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
 
+    def process_weights_after_loading(self, device: torch.device) -> None:
+        """The absorbed decode multiplies by W_UK and W_UV directly: kv_b_proj's weight as a plain matrix (the
+        parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc)."""
+        dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
+        self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
+        # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
+        self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
+
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w = self._kv_b_dense.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -119,7 +122,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope[:, None, :].expand(S, self.num_heads, self.rope_dim)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
-        return extend_attention(q, k, v, meta.extend_lens, meta.seq_lens, self.scale)  # [T, h, v]
+        return extend_attention(q, k, v, meta.extend_lens, meta.seq_lens, self.scale,
+                                plan=meta.extend_plan)  # [T, h, v]
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()

@@ -1,10 +1,14 @@
-"""The embedded default model: a tiny DeepSeek-V3 checkpoint that moeserve builds for itself.
+"""The embedded default model: a tiny DeepSeek-V3 that ships inside the package, and its random-weight twin.
 
-`default_model_path()` returns a directory in Hugging Face format (config.json, generation_config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json) so that `moeserve serve` works with no download and
-tests have a real MLA + noaux_tc-routed MoE model to run. Everything is deterministic: the weights are drawn
-from a fixed seed and the byte-level BPE tokenizer is trained on default_corpus.txt (public-domain English),
-so two builds give byte-identical files. It needs torch, safetensors and tokenizers, not transformers.
+`default_model_path()` is the trained model in moeserve/models/default/ (config.json, generation_config.json,
+model.safetensors in bf16, tokenizer.json, tokenizer_config.json, and training.json, the record of the run of
+scripts/train_default_model.py that made it): `moeserve serve` with no model serves it, with no build step and
+no download. Its architecture is `default_config` (MLA + noaux_tc-routed MoE) with a 3,072-token vocabulary.
+
+`random_model_path()` builds the same architecture with random weights drawn from a fixed seed and a byte-level
+BPE tokenizer trained on default_corpus.txt (public-domain English), cached under $MOESERVE_CACHE, for tests
+that want a model whose numbers do not move when the shipped one is retrained. Two builds give byte-identical
+files. It needs torch, safetensors and tokenizers, not transformers.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +28,10 @@ from moeserve.paths import cache_root
 if TYPE_CHECKING:
     from moeserve.args import ServerArgs
 
-CACHE_NAME = "default-model-v1"  # bump when any file below changes
+SHIPPED_DIR = Path(__file__).parent / "default"
+SHIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json")
+CACHE_NAME = "random-model-v1"  # bump when any file the random builder writes changes
 SEED = 20250101
 INIT_STD = 0.02
 
@@ -107,15 +115,24 @@ def default_config(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict:
 
 
 def resolve_model_path(server_args: ServerArgs) -> str:
-    """server_args.model_path, set to the embedded default model (built and cached on first use) when none was
-    given."""
+    """server_args.model_path, set to the shipped default model when none was given."""
     if server_args.model_path is None:
         server_args.model_path = default_model_path()
     return server_args.model_path
 
 
 def default_model_path() -> str:
-    """Directory of the default model, built on first use under $MOESERVE_CACHE (or ~/.cache/moeserve)."""
+    """Directory of the trained default model that ships inside the package."""
+    missing = [name for name in SHIPPED_FILES if not (SHIPPED_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the default model's files {missing} are missing from {SHIPPED_DIR}: the package "
+                                "was installed without its package data; reinstall moeserve or pass --model-path")
+    return str(SHIPPED_DIR)
+
+
+def random_model_path() -> str:
+    """Directory of the random-weight default model, built on first use under $MOESERVE_CACHE (or
+    ~/.cache/moeserve)."""
     root = cache_root()
     final = root / CACHE_NAME
     if (final / "config.json").is_file():
@@ -138,7 +155,7 @@ def default_model_path() -> str:
 
 
 def build_default_model(out_dir: str) -> None:
-    """Write every file of the default model into `out_dir` (which must exist)."""
+    """Write every file of the random-weight default model into `out_dir` (which must exist)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -158,17 +175,23 @@ def build_default_model(out_dir: str) -> None:
 # tokenizer
 def build_tokenizer():
     """A byte-level BPE tokenizer (DeepSeek-V3's special tokens) trained on the embedded corpus."""
+    corpus = (Path(__file__).parent / "default_corpus.txt").read_text(encoding="utf-8")
+    return train_tokenizer(corpus.splitlines(keepends=True), TOKENIZER_VOCAB_SIZE)
+
+
+def train_tokenizer(lines: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer with DeepSeek-V3's special tokens (ids 0..4) and a BOS post-processor, trained
+    on `lines` (deterministic for the same lines)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    corpus = (Path(__file__).parent / "default_corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     bos_id = tok.token_to_id(BOS_TOKEN)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",

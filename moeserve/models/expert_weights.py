@@ -65,7 +65,7 @@ class _CheckpointReader:
     """Tensors of a safetensors checkpoint by key, each file opened (memory-mapped) once."""
 
     def __init__(self, path: Path):
-        self.files = {key: file for key, (file, _) in read_headers(checkpoint_files(path)).items()}
+        self.files = {key: file for key, (file, _, _) in read_headers(checkpoint_files(path)).items()}
         self._open: dict[Path, object] = {}
 
     def get(self, key: str) -> torch.Tensor:

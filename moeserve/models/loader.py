@@ -9,8 +9,13 @@
   heads), so the whole checkpoint is never in memory.
 - Before anything is read, every tensor's name and shape is checked against what the model expects (from the
   file headers): a missing, unexpected or mis-shaped tensor raises ValueError naming it and both shapes.
-  Skipped silently: rotary inv_freq buffers, MTP layers (model.layers.{num_hidden_layers}+), lm_head when the
-  embeddings are tied.
+  Skipped: rotary inv_freq buffers and lm_head when the embeddings are tied (silently), MTP layers
+  (model.layers.{num_hidden_layers}+, one log line).
+- FP8 (DeepSeek's block FP8, core/quant_config.py): a checkpoint whose config.json says so, or any checkpoint with
+  --quantization fp8, builds the model with FP8 layers (layers/quantization/fp8.py). An FP8 checkpoint's
+  `weight_scale_inv` tensors load beside their weights (dtypes and values checked: models/fp8_loading.py); an
+  unquantized one is quantized at load with the same recipe, on the device. Dummy weights of an FP8 model are drawn
+  in float32 and quantized the same way.
 - dtype: float32 / bfloat16 / float16, or auto = the checkpoint's dtype on CUDA and float32 on CPU (CPU bf16
   matmuls are slow and the CPU runs are for development and tests).
 - load_format 'dummy': random weights of the real shapes, needing only config.json. Every checkpoint tensor is
@@ -35,7 +40,11 @@ from tqdm import tqdm
 
 from moeserve.args import ServerArgs
 from moeserve.core.model_config import ModelConfig
+from moeserve.core.quant_config import Fp8Config
+from moeserve.kernels.fp8_quant import FP8_DTYPE
+from moeserve.layers.quantization.fp8 import to_fp8
 from moeserve.layers.weights import WeightSpec, model_weight_specs
+from moeserve.models import fp8_loading
 from moeserve.models.default_model import resolve_model_path
 from moeserve.models.options import ModelOptions, model_options
 from moeserve.models.registry import get_model_class
@@ -58,25 +67,42 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
     dtype = resolve_dtype(server_args.dtype, config.dtype, device)
     if show_progress is None:
         show_progress = get_parallel_state().rank == 0
-    quant = server_args.quantization or config.quantization
-    if quant and server_args.load_format != "dummy":
-        raise ValueError(f"{path}: {quant} quantized checkpoints are not supported yet; use a bf16 checkpoint "
-                         "(or --load-format dummy to run with random weights of the real shapes)")
+    fp8 = weight_quantization(server_args, config)
 
     start = time.perf_counter()
-    model = build_model(config, model_options(server_args, config), device, dtype)
+    model = build_model(config, model_options(server_args, config), device, dtype, fp8=fp8 is not None)
     specs = list(model_weight_specs(model))
     if server_args.load_format == "dummy":
         fill_dummy(model, specs, server_args.random_seed, show_progress)
     else:
-        load_safetensors(model, specs, Path(path), config, show_progress)
+        load_safetensors(model, specs, Path(path), config, show_progress,
+                         quantize_at_load=fp8 is not None and config.fp8 is None)
     finish_loading(model, device)
     n = sum(p.numel() for p in model.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("Loaded %s (%s): %.3fB params, %.2f GiB %s on %s in %.1f s", config.architecture,
+    logger.info("Loaded %s (%s): %.3fB params, %.2f GiB, weights %s on %s in %.1f s", config.architecture,
                 "dummy" if server_args.load_format == "dummy" else path, n / 1e9, nbytes / 2**30,
-                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+                weight_format(model), device, time.perf_counter() - start)
     return model, config
+
+
+def weight_quantization(server_args: ServerArgs, config: ModelConfig) -> Fp8Config | None:
+    """The FP8 format the model runs in (the checkpoint's, or --quantization fp8's), or None."""
+    fp8 = config.fp8 or (Fp8Config() if server_args.quantization == "fp8" else None)
+    if fp8 is not None and server_args.enable_eplb:
+        raise ValueError("--enable-eplb with FP8 weights is not supported yet: the online rebalancer moves expert "
+                         "weights without their block scales; serve FP8 without --enable-eplb, or a bf16 model")
+    return fp8
+
+
+def weight_format(model: nn.Module) -> str:
+    """What the weights are, for the log lines and /get_server_info: 'bfloat16', or 'fp8 e4m3 128x128 blocks
+    (+ bfloat16)' where FP8 layers hold the linear and expert weights and the rest stays in the model's dtype."""
+    dtypes = {p.dtype for p in model.parameters()}
+    plain = sorted(str(d).removeprefix("torch.") for d in dtypes - {FP8_DTYPE, torch.float32}) or ["float32"]
+    if FP8_DTYPE not in dtypes:
+        return " + ".join(plain)
+    return "fp8 e4m3 128x128 blocks (+ " + " + ".join(plain) + ")"
 
 
 def resolve_dtype(name: str, config_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -89,20 +115,23 @@ def resolve_dtype(name: str, config_dtype: torch.dtype, device: torch.device) ->
 
 
 def build_model(config: ModelConfig, options: ModelOptions | None, device: torch.device,
-                dtype: torch.dtype) -> nn.Module:
-    """Construct on 'meta', then allocate every parameter on `device` (uninitialized: the caller fills them, then
-    calls finish_loading)."""
+                dtype: torch.dtype, fp8: bool = False) -> nn.Module:
+    """Construct on 'meta' (with FP8 layers if `fp8`), then allocate every parameter on `device` (uninitialized but
+    for FP8 block padding, zeroed: the caller fills them, then calls finish_loading). FP8 weights stay e4m3."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config, options)
+        if fp8:
+            to_fp8(model, dtype)
     for module in model.modules():
         keep_fp32 = getattr(module, "fp32_params", ())
+        padded = getattr(module, "padding_numel", {})
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
-            dt = torch.float32 if name in keep_fp32 else dtype
-            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
-                                                    requires_grad=False)
+            dt = torch.float32 if name in keep_fp32 else p.dtype if p.dtype == FP8_DTYPE else dtype
+            alloc = torch.zeros if padded.get(name) else torch.empty
+            module._parameters[name] = nn.Parameter(alloc(p.shape, dtype=dt, device=device), requires_grad=False)
     return model
 
 
@@ -138,15 +167,16 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def read_headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """key -> (file, shape) from the safetensors headers (no tensor data is read)."""
+def read_headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """key -> (file, shape, safetensors dtype such as 'BF16' or 'F8_E4M3') from the headers (no tensor data)."""
     from safetensors import safe_open
 
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                found[key] = (file, tuple(f.get_slice(key).get_shape()))
+                part = f.get_slice(key)
+                found[key] = (file, tuple(part.get_shape()), part.get_dtype())
     return found
 
 
@@ -154,13 +184,17 @@ def _skipped(key: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we knowingly do not use."""
     if key.endswith("rotary_emb.inv_freq") or key.endswith(".inv_freq"):
         return True
-    m = _LAYER_KEY.match(key)
-    if m and int(m.group(1)) >= config.num_hidden_layers:  # MTP layers
+    if _is_mtp(key, config):
         return True
     return config.tie_word_embeddings and key == "lm_head.weight"
 
 
-def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple[int, ...]]],
+def _is_mtp(key: str, config: ModelConfig) -> bool:
+    m = _LAYER_KEY.match(key)
+    return m is not None and int(m.group(1)) >= config.num_hidden_layers
+
+
+def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple[int, ...], str]],
                      config: ModelConfig, where: str) -> None:
     """Raise ValueError listing every missing, unexpected and mis-shaped tensor."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -172,9 +206,12 @@ def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple
             problems.append(f"missing tensor {key!r} (expected shape {shape})")
         elif found[key][1] != shape:
             problems.append(f"tensor {key!r} has shape {found[key][1]} in the checkpoint, expected {shape}")
-    for key, (_, shape) in found.items():
+    for key, (_, shape, _) in found.items():
         if key not in expected and not _skipped(key, config):
-            hint = " (FP8 scale: quantized checkpoints are not supported yet)" if "scale" in key else ""
+            hint = ""
+            if fp8_loading.is_scale_key(key):
+                hint = (" (an FP8 scale of a layer this model does not quantize)" if config.fp8 else
+                        " (an FP8 scale, but config.json has no FP8 quantization_config)")
             problems.append(f"unexpected tensor {key!r} (shape {shape}){hint}")
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -183,30 +220,58 @@ def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple
 
 
 def load_safetensors(model: nn.Module, specs: list[WeightSpec], path: Path, config: ModelConfig,
-                     show_progress: bool = True) -> None:
-    """Check the checkpoint against `specs`, then copy each rank-local part into its parameter."""
+                     show_progress: bool = True, quantize_at_load: bool = False) -> None:
+    """Check the checkpoint against `specs`, then copy each rank-local part into its parameter. quantize_at_load:
+    the checkpoint is unquantized and the model's FP8 layers quantize their weights as they load."""
     from safetensors import safe_open
 
     found = read_headers(checkpoint_files(path))
-    check_checkpoint(specs, found, config, str(path))
     params = dict(model.named_parameters())
+    quantized = fp8_loading.quantized_keys(specs, params)
+    check_checkpoint(fp8_loading.scale_specs_absent(specs) if quantize_at_load else specs, found, config, str(path))
+    if quantized and not quantize_at_load:
+        fp8_loading.check_fp8_dtypes(specs, {k: v[2] for k, v in found.items()}, quantized, str(path))
+    _log_mtp_skipped(found, config)
     by_file: dict[Path, list[WeightSpec]] = defaultdict(list)
     for s in specs:
         if s.param is not None:
-            by_file[found[s.key][0]].append(s)
+            by_file[found[fp8_loading.weight_key(s.key) if quantize_at_load else s.key][0]].append(s)
     written: dict[str, int] = defaultdict(int)
     with tqdm(total=sum(map(len, by_file.values())), desc="Loading safetensors", unit="tensor",
               disable=not show_progress) as bar:
         for file, file_specs in sorted(by_file.items()):
             with safe_open(str(file), framework="pt") as f:
+                reader = fp8_loading.QuantizingReader(lambda key, f=f: f.get_tensor(key).to(_device(params)))
                 for s in file_specs:
-                    t = f.get_slice(s.key)[s.src] if s.src else f.get_tensor(s.key)
-                    dst = params[s.param].data[s.dst] if s.dst else params[s.param].data
-                    assert dst.shape == t.shape, f"{s.key}: slice {tuple(t.shape)} does not fit {tuple(dst.shape)}"
-                    dst.copy_(t)
-                    written[s.param] += t.numel()
+                    if quantize_at_load and s.key in quantized:
+                        full = reader.get(s.key)
+                        t = full[s.src] if s.src else full
+                    else:
+                        t = f.get_slice(s.key)[s.src] if s.src else f.get_tensor(s.key)
+                        if fp8_loading.is_scale_key(s.key):
+                            fp8_loading.check_scale_values(s.key, t)
+                    _copy_part(params, s, t, written)
                     bar.update(1)
-    _check_written(params, written)
+    _check_written(model, params, written)
+
+
+def _device(params: dict[str, nn.Parameter]) -> torch.device:
+    return next(iter(params.values())).device
+
+
+def _copy_part(params: dict[str, nn.Parameter], s: WeightSpec, t: torch.Tensor, written: dict[str, int]) -> None:
+    dst = params[s.param].data[s.dst] if s.dst else params[s.param].data
+    assert dst.shape == t.shape, f"{s.key}: slice {tuple(t.shape)} does not fit {tuple(dst.shape)}"
+    dst.copy_(t)
+    written[s.param] += t.numel()
+
+
+def _log_mtp_skipped(found: dict[str, tuple[Path, tuple[int, ...], str]], config: ModelConfig) -> None:
+    mtp = [k for k in found if _is_mtp(k, config)]
+    if mtp:
+        layers = sorted({int(_LAYER_KEY.match(k).group(1)) for k in mtp})
+        logger.info("Skipping %d tensors of the multi-token-prediction layer(s) %s (not run)", len(mtp),
+                    ", ".join(f"model.layers.{i}" for i in layers))
 
 
 # ----------------------------------------------------------------------
@@ -214,17 +279,20 @@ def load_safetensors(model: nn.Module, specs: list[WeightSpec], path: Path, conf
 
 
 def fill_dummy(model: nn.Module, specs: list[WeightSpec], seed: int, show_progress: bool = True) -> None:
-    """Random weights of the real shapes, identical on every rank for the parts they share."""
+    """Random weights of the real shapes, identical on every rank for the parts they share. FP8 layers' weights are
+    drawn in float32 and quantized with the recipe (their scales come from that)."""
     params = dict(model.named_parameters())
+    quantized = fp8_loading.quantized_keys(specs, params)
+    shapes = {s.key: s.shape for s in specs}
+    device = _device(params)
+    reader = fp8_loading.QuantizingReader(lambda key: dummy_tensor(key, shapes[key], torch.float32, device, seed))
     written: dict[str, int] = defaultdict(int)
     needed = [s for s in specs if s.param is not None]
     for s in tqdm(needed, desc="Dummy weights", unit="tensor", disable=not show_progress):
         p = params[s.param]
-        full = dummy_tensor(s.key, s.shape, p.dtype, p.device, seed)
-        part = full[s.src] if s.src else full
-        (p.data[s.dst] if s.dst else p.data).copy_(part)
-        written[s.param] += part.numel()
-    _check_written(params, written)
+        full = reader.get(s.key) if s.key in quantized else dummy_tensor(s.key, s.shape, p.dtype, p.device, seed)
+        _copy_part(params, s, full[s.src] if s.src else full, written)
+    _check_written(model, params, written)
 
 
 def dummy_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -240,6 +308,8 @@ def dummy_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: t
     return full.normal_(0.0, std, generator=gen)
 
 
-def _check_written(params: dict[str, nn.Parameter], written: dict[str, int]) -> None:
-    unfilled = [n for n, p in params.items() if written.get(n, 0) != p.numel()]
+def _check_written(model: nn.Module, params: dict[str, nn.Parameter], written: dict[str, int]) -> None:
+    padding = {f"{prefix}.{name}" if prefix else name: count for prefix, m in model.named_modules()
+               for name, count in getattr(m, "padding_numel", {}).items()}
+    unfilled = [n for n, p in params.items() if written.get(n, 0) + padding.get(n, 0) != p.numel()]
     assert not unfilled, f"parameters not (exactly) filled by the checkpoint: {unfilled[:10]}"

@@ -1,15 +1,18 @@
 """CudaGraphRunner: decode steps replayed from CUDA graphs, so the host issues one launch instead of thousands.
 
 A decode step's shapes depend on two numbers only: the batch size B and the longest sequence L (the padded
-[B, L] block of cache slots attention reads). Graphs are captured lazily, one per (batch bucket, length bucket),
-into one shared memory pool, and replayed with the step's inputs copied into static buffers. Padding rows
-decode token 0 at position 0 and write their KV to the scratch slot 0, which no request owns.
+[B, L] block of cache slots attention reads). `capture_all` captures one graph per (batch bucket, length bucket) at
+start-up (a progress bar, then the count, time and memory in the log), into one shared memory pool; each writes
+its logits into one shared output buffer, so the graphs' own intermediates can reuse the pool. A step replays its
+bucket's graph with the inputs copied into static buffers. Padding rows decode token 0 at position 0 and write
+their KV to the scratch slot 0, which no request owns. A shape whose capture failed runs eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -53,6 +56,34 @@ class CudaGraphRunner:
         self.arange = torch.arange(self.max_bs + 1, **i64)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.logits_out: torch.Tensor | None = None  # [max_bs, V] float32, written by every graph (first capture)
+
+    @torch.inference_mode()  # as `run` captures and replays
+    def capture_all(self, progress: bool = True) -> None:
+        """Capture every (batch bucket, length bucket) now, largest batch first (its pool blocks then serve the
+        smaller ones), so no request pays a capture."""
+        from tqdm import tqdm
+
+        keys = [(bs, n) for bs in reversed(self.bs_buckets) for n in reversed(self.len_buckets)]
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        for bs, n in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, mininterval=1.0):
+            if (bs, n) not in self.graphs:
+                self.graphs[(bs, n)] = self._try_capture(bs, n)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the eager warm-ups' cached blocks: what stays is the graphs' pool
+        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        logger.info("captured %d CUDA graphs (decode batch sizes %s x lengths %s) in %.1f s, %.2f GiB",
+                    sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets,
+                    time.perf_counter() - start, used)
+
+    def _try_capture(self, bs: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        try:
+            return self._capture(bs, length)
+        except RuntimeError as e:  # some op cannot be captured: run this shape eagerly from now on
+            logger.warning("CUDA graph capture failed for batch %d, length %d; running it eagerly: %s",
+                           bs, length, e)
+            return None
 
     def can_run(self, batch: ForwardBatch) -> bool:
         # NOTE: with several DP groups, ranks would need to agree on one padded batch size (and an idle rank on
@@ -79,14 +110,17 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: lazy inits, autotuning, allocator
-                self.forward(fb)
+            for _ in range(2):  # warm up: lazy inits, kernel compiles (a compiled forward's too), allocator
+                logits = self.forward(fb)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.logits_out is None:
+            self.logits_out = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        del logits
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            logits = self.forward(fb)
-        logger.info("captured a CUDA graph for decode batch %d, length %d", bs, length)
-        return graph, logits
+            self.logits_out[:bs].copy_(self.forward(fb))
+        logger.debug("captured a CUDA graph for decode batch %d, length %d", bs, length)
+        return graph, self.logits_out[:bs]
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -107,13 +141,8 @@ class CudaGraphRunner:
             self.out_cache_loc[b:bs].zero_()
             self.decode_slots[b:bs].zero_()
         key = (bs, length)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(bs, length)
-            except RuntimeError as e:  # some op cannot be captured: run this shape eagerly from now on
-                logger.warning("CUDA graph capture failed for batch %d, length %d; running it eagerly: %s",
-                               bs, length, e)
-                self.graphs[key] = None
+        if key not in self.graphs:  # capture_all was not called (tests): capture now
+            self.graphs[key] = self._try_capture(bs, length)
         entry = self.graphs[key]
         if entry is None:
             return self.forward(batch)

@@ -8,7 +8,7 @@ control request: LoadOut (to GetLoadReq), FlushCacheOut, ExpertDistributionOut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any
 
 from moeserve.eplb.rebalancer import RebalanceReport
@@ -25,6 +25,9 @@ class GenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    _: KW_ONLY  # the fields below are named at every call: new ones may come in any order
+    # With return_logprob: the first prompt position to report logprobs for (-1: none; see prompt_logprobs.py)
+    logprob_start_len: int = -1
     # PD disaggregation (sglang-router fields); None outside PD mode.
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -65,10 +68,14 @@ class LoadOut:
     kv_total_tokens: int
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
+    disagg: dict[str, Any] | None = None  # PD mode: requests per state, KV transfers (disagg/stats.py)
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "eplb"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("eplb", "disagg")}
+        if self.disagg is not None:
+            out["disagg"] = self.disagg
+        return out
 
 
 @dataclass
@@ -129,6 +136,10 @@ class TokenOut:
     # With return_logprob: one entry per new token.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With logprob_start_len >= 0: the prompt's, positions logprob_start_len .. len - 1 (None at position 0),
+    # once, in the first output after the prompt is scored.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,8 +16,12 @@ from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import make_rebalancer, make_recorder
+from moeserve.rank.prompt_logprobs import score
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
+
+if TYPE_CHECKING:
+    from moeserve.rank.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class ModelRunner:
     """Loads the model on this rank's device, sizes the KV pool from the memory budget, runs steps."""
 
     def __init__(self, server_args: ServerArgs, local_rank: int = 0):
-        from moeserve.models.loader import load_model
+        from moeserve.models.loader import load_model, weight_format
 
         self.args = server_args
         self.device = resolve_device(server_args.device)
@@ -89,6 +94,7 @@ class ModelRunner:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self.model, self.config = load_model(server_args, self.device)
+        self.weight_format = weight_format(self.model)
         self.dtype = next(self.model.parameters()).dtype
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.ep = _EPInfo.collect(self.model)
@@ -120,6 +126,8 @@ class ModelRunner:
             self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
                                                            server_args.max_running_requests))
             self.compiled.warmup(self.kv_pool, self.device)
+        if self.graph_runner is not None:  # last: the graphs capture the model as it will run
+            self.graph_runner.capture_all(progress=get_parallel_state().rank == 0)
         logger.info("%s", self.memory_line())
 
     def memory_line(self) -> str:
@@ -133,7 +141,7 @@ class ModelRunner:
         if ep.backend not in ("none", None):
             buffers = f", EP dispatch buffers {_fmt_bytes(ep.dispatch_buffer_bytes)} ({ep.backend_desc})"
         return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
-                f"{_fmt_bytes(self.weight_bytes)}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
+                f"{_fmt_bytes(self.weight_bytes)} {self.weight_format}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
                 f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "
                 f"{str(self.dtype).removeprefix('torch.')}, device {self.device}")
 
@@ -209,3 +217,11 @@ class ModelRunner:
         )
         top_n = [r.asked.top_logprobs_num if r.asked.return_logprob else 0 for r in reqs]
         return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs))
+
+    @torch.inference_mode()
+    def score_prompt(self, logits: torch.Tensor, batch: ScheduledBatch
+                     ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Log-probabilities of the prompt tokens that logits [batch.num_prompt_rows, V] predict."""
+        top_ns = [r.asked.top_logprobs_num for r, n in zip(batch.prompt_reqs, batch.prompt_counts, strict=True)
+                  for _ in range(n)]
+        return score(logits, batch.prompt_targets, top_ns)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeserve.rank.io_struct import FinishReason, GenerateReq, TokenOut
+from moeserve.rank.prompt_logprobs import first_scored_position
 from moeserve.rank.radix_cache import TreeNode
 from moeserve.rank.sampling_params import SamplingParams
 
@@ -28,13 +29,34 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
+    # prompt logprobs (prompt_logprobs.py): the next prompt position to score (past the end: none left)
+    next_scored_position: int = 1 << 62
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
 
     @classmethod
     def from_generate(cls, r: GenerateReq, eos_token_ids: list[int]) -> Req:
         stop_ids = set(r.sampling_params.stop_token_ids or [])
         if not r.sampling_params.ignore_eos:
             stop_ids.update(eos_token_ids)
-        return cls(asked=r, stop_token_ids=frozenset(stop_ids))
+        req = cls(asked=r, stop_token_ids=frozenset(stop_ids))
+        if r.return_logprob and r.logprob_start_len >= 0:
+            req.next_scored_position = first_scored_position(r.logprob_start_len)
+            if r.logprob_start_len == 0:  # nothing predicts the first token
+                req.input_logprobs.append(None)
+                req.input_top_logprobs.append([])
+        return req
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions are left to score."""
+        return self.next_scored_position < len(self.input_ids) - 1
+
+    @property
+    def samples(self) -> bool:
+        """It samples a token when its prefill ends (a prompt scored with max_new_tokens = 0 does not)."""
+        return self.params.max_new_tokens > 0
 
     @property
     def rid(self) -> str:
@@ -65,6 +87,11 @@ class Req:
         """The tokens (and logprobs) not yet sent, marking them sent."""
         start = self.num_sent
         self.num_sent = len(self.output_ids)
+        inputs = None
+        if self.asked.return_logprob and self.asked.logprob_start_len >= 0 and not self.input_logprobs_sent:
+            if not self.wants_prompt_logprobs and (self.output_ids or self.finish_reason is not None):
+                inputs = (self.input_logprobs, self.input_top_logprobs if self.asked.top_logprobs_num else None)
+                self.input_logprobs_sent = True
         return TokenOut(
             rid=self.rid,
             new_token_ids=self.output_ids[start:],
@@ -75,4 +102,6 @@ class Req:
             logprobs=self.logprobs[start:] if self.asked.return_logprob else None,
             top_logprobs=(self.top_logprobs[start:] if self.asked.return_logprob and self.asked.top_logprobs_num
                           else None),
+            input_logprobs=inputs[0] if inputs else None,
+            input_top_logprobs=inputs[1] if inputs else None,
         )

@@ -11,10 +11,11 @@ The scheduler holds no device tensors: it builds host-side batches, the model ru
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.page_allocator import PageAllocator
+from moeserve.rank.pd_host import PDHost
+from moeserve.rank.prompt_logprobs import scored_positions
 from moeserve.rank.radix_cache import RadixCache
 from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
@@ -40,10 +43,23 @@ class ScheduledBatch:
     extend_lens: list[int]
     forward: ForwardBatch
     finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
+    # prompt logprobs: the first len(prompt_targets) rows of the logits score these prompt tokens, requests in
+    # order, prompt_counts[i] rows for prompt_reqs[i] (prompt_logprobs.py)
+    prompt_reqs: list[Req] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return len(self.prompt_targets)
 
 
-class Scheduler:
-    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table."""
+class Scheduler(PDHost):
+    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table.
+
+    In PD mode `self.pd` (set by the worker) holds the requests before they reach the queue (decode: until their
+    KV arrived) and after their prefill (prefill: until decode has it); pd_host.py has the hooks it calls.
+    """
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
                  eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0):
@@ -54,7 +70,9 @@ class Scheduler:
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer  # for stop strings only
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.cache = None if server_args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
+        # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
+        no_cache = server_args.disable_radix_cache or server_args.disaggregation_mode == "decode"
+        self.cache = None if no_cache else RadixCache(self.allocator, self.page_size)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -78,16 +96,41 @@ class Scheduler:
             self._reject(req, f"the prompt has {len(req.input_ids)} tokens; the context length is "
                               f"{self.context_length}")
             return
+        if r.return_logprob and r.logprob_start_len >= len(req.input_ids):
+            self._reject(req, f"logprob_start_len {r.logprob_start_len} must be less than the prompt's "
+                              f"{len(req.input_ids)} tokens")
+            return
         if self._pages_for(total) > self.allocator.num_pages:
             self._reject(req, f"prompt + max_new_tokens = {total} tokens does not fit the KV cache "
                               f"({self.allocator.num_pages * self.page_size} tokens)")
             return
-        if req.params.max_new_tokens == 0:  # nothing to generate: done, with no output token
+        if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:  # done, with no output token
             req.finish_reason = FinishReason("length")
             self.pending_out.append(req.take_output())
             return
+        if self.pd is not None:
+            self._add_pd_request(req)
+            return
         self.reqs[req.rid] = req
         self.waiting.append(req)
+
+    def _add_pd_request(self, req: Req) -> None:
+        r = req.asked
+        if r.bootstrap_room is None or r.bootstrap_host is None or r.bootstrap_port is None:
+            self._reject(req, f"this server runs --disaggregation-mode {self.args.disaggregation_mode}: a request "
+                              "needs bootstrap_host, bootstrap_port and bootstrap_room (send it through "
+                              "sglang-router --pd-disaggregation)")
+            return
+        if self.args.disaggregation_mode == "prefill":  # prefill samples the first token only
+            one = dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, max_new_tokens=1))
+            req = Req(asked=one, stop_token_ids=req.stop_token_ids)
+            error = self.pd.add(req, r.bootstrap_room)
+        else:
+            error = self.pd.add(req, r.bootstrap_room, r.bootstrap_host, r.bootstrap_port)
+        if error:
+            self._reject(req, error)
+            return
+        self.reqs[req.rid] = req
 
     def _reject(self, req: Req, message: str) -> None:
         req.finish_reason = FinishReason("abort", message=message, status_code=400)
@@ -97,6 +140,12 @@ class Scheduler:
         """Drop a request wherever it is, freeing its KV; it ends with finish reason 'abort'."""
         req = self.reqs.get(rid)
         if req is None:
+            return
+        if self.pd is not None and self.pd.holds(req):  # its KV is freed once the peer let go of it
+            req.finish_reason = FinishReason("abort", message="aborted by request")
+            self.pending_out.append(req.take_output())
+            del self.reqs[rid]
+            self.pd.abort(req)
             return
         if req in self.waiting:
             self.waiting.remove(req)
@@ -111,7 +160,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are in flight."""
-        if self.running or self.waiting or self.chunked:
+        if self.running or self.waiting or self.chunked or (self.pd is not None and self.pd.busy):
             return False
         if self.cache is not None:
             self.cache.reset()
@@ -127,11 +176,13 @@ class Scheduler:
         waiting_tokens = sum(len(r.fill_ids) - r.kv_len for r in self.waiting)
         if self.chunked:
             waiting_tokens += len(self.chunked.fill_ids) - self.chunked.kv_len
+        pd_waiting = len(self.pd.rooms) if self.pd is not None else 0
         return LoadOut(
             dp_rank=self.dp_rank, num_running=len(self.running) + (self.chunked is not None),
-            num_waiting=len(self.waiting), num_waiting_tokens=waiting_tokens,
+            num_waiting=len(self.waiting) + pd_waiting, num_waiting_tokens=waiting_tokens,
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
             num_cached_tokens=self.cache.total_size if self.cache else 0,
+            disagg=self.pd.stats.to_json() if self.pd is not None else None,
         )
 
     def has_work(self) -> bool:
@@ -223,7 +274,10 @@ class Scheduler:
         fill = req.fill_ids
         if self.cache is not None:
             # Keep at least one token to compute: the last prompt token's logits pick the next token.
-            usable = (len(fill) - 1) // self.page_size * self.page_size
+            usable = len(fill) - 1
+            if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
+                usable = min(usable, req.next_scored_position)
+            usable = usable // self.page_size * self.page_size
             slots, node = self.cache.match_prefix(fill[:usable])
             self.cache.lock(node)
             req.last_node = node
@@ -278,8 +332,19 @@ class Scheduler:
         seq_lens, rows = [], []
         out_loc_parts = []
         finishes = []
+        prompt_reqs, prompt_counts, prompt_targets, prompt_rows = [], [], [], []  # rows that score prompt tokens
+        offset = 0
         for req, n in zip(reqs, extend_lens, strict=True):
             fill = req.fill_ids
+            if mode.is_extend and req.wants_prompt_logprobs:
+                scored = scored_positions(req.next_scored_position, len(req.input_ids), req.kv_len, n)
+                if len(scored):
+                    prompt_rows.extend(offset + p - req.kv_len for p in scored)
+                    prompt_reqs.append(req)
+                    prompt_counts.append(len(scored))
+                    prompt_targets.extend(fill[scored.start + 1 : scored.stop + 1])
+                    req.next_scored_position = scored.stop
+            offset += n
             input_ids.extend(fill[req.kv_len : req.kv_len + n])
             out_loc_parts.append(self.req_table.table[req.row, req.kv_len : req.kv_len + n])
             req.kv_len += n
@@ -289,27 +354,46 @@ class Scheduler:
         kv_indices = self.req_table.gather(rows, seq_lens)
         fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
                                 np.concatenate(out_loc_parts), kv_indices)
-        fb.logits_indices = fb.logits_indices[torch.tensor(finishes, dtype=torch.bool)]
+        samples = [f and r.samples for r, f in zip(reqs, finishes, strict=True)]
+        fb.logits_indices = fb.logits_indices[torch.tensor(samples, dtype=torch.bool)]
+        if prompt_rows:
+            fb.logits_indices = torch.cat([torch.tensor(prompt_rows, dtype=torch.int64), fb.logits_indices])
         if mode.is_decode:
             fb.decode_slots = torch.from_numpy(self.req_table.table[rows, : max(seq_lens)])
-        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes)
+        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets)
 
     # ------------------------------------------------------------------ results
     def sampling_inputs(self, batch: ScheduledBatch) -> list[Req]:
         """The requests of the batch that sample a token this step (full prefill or decode)."""
-        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f]
+        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f and r.samples]
+
+    def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: list[float],
+                            top_logprobs: list[list[tuple[int, float]]]) -> None:
+        """Store the scores of the batch's prompt rows (the first batch.num_prompt_rows rows of its logits)."""
+        assert len(logprobs) == len(top_logprobs) == batch.num_prompt_rows
+        start = 0
+        for req, n in zip(batch.prompt_reqs, batch.prompt_counts, strict=True):
+            req.input_logprobs.extend(logprobs[start:start + n])
+            req.input_top_logprobs.extend(top_logprobs[start:start + n])
+            start += n
 
     def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
                        top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
         """Append sampled tokens (one per sampling request, in order), finish requests, return outputs."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
-        if batch.mode.is_extend:
-            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
-                if done and req not in self.running:
-                    self.running.append(req)
         outs = self.pending_out
         self.pending_out = []
+        if batch.mode.is_extend:
+            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                if done and not req.samples:  # a prompt scored with max_new_tokens = 0: done, no token
+                    req.finish_reason = FinishReason("length")
+                    self._release(req, cache=True)
+                    del self.reqs[req.rid]
+                    outs.append(req.take_output())
+                    self.stats.finished += 1
+                elif done and req not in self.running:
+                    self.running.append(req)
         for i, req in enumerate(sampled):
             if next_ids[i] == NO_TOKEN:
                 self._fail_non_finite(req)
@@ -321,7 +405,9 @@ class Scheduler:
                 req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
             self.stats.generated += 1
             self._check_finish(req)
-            if req.finished:
+            if req.finished and self.pd is not None and self.pd.holds(req):  # prefill: decode gets it first
+                self.pd.after_extend(req, req.kv_len, self.pd_first(req))
+            elif req.finished:
                 self.running.remove(req)
                 self._release(req, cache=True)
                 del self.reqs[req.rid]
@@ -331,6 +417,10 @@ class Scheduler:
                 outs.append(req.take_output())
         if batch.mode.is_extend:
             self.stats.prefilled += sum(batch.extend_lens)
+            if self.pd is not None and self.args.disaggregation_mode == "prefill":
+                for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                    if not done:  # a chunk: its complete pages can go
+                        self.pd.after_extend(req, req.kv_len, None)
         return outs
 
     def _fail_non_finite(self, req: Req) -> None:
@@ -340,6 +430,10 @@ class Scheduler:
         req.finish_reason = FinishReason(
             "abort", status_code=500, message=f"the model computed non-finite logits (NaN or inf) at output token "
             f"{len(req.output_ids)}; no token could be sampled")
+        if self.pd is not None and self.pd.holds(req):  # prefill: decode hears `failed`, KV freed after writes
+            del self.reqs[req.rid]
+            self.pd.abort(req)
+            return
         self.running.remove(req)
         self._release(req, cache=False)
         del self.reqs[req.rid]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -58,6 +59,7 @@ class WorkerReady:
     vocab_size: int
     weight_bytes: int
     architecture: str
+    weight_format: str  # models/loader.py weight_format: 'bfloat16', 'fp8 e4m3 128x128 blocks (+ bfloat16)', ...
 
 
 def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
@@ -119,14 +121,23 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     dp_rank = state.dp_rank
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank)
+    if server_args.disaggregation_mode != "null":
+        from moeserve.rank.pd_host import make_pd_rooms
+
+        scheduler.pd = make_pd_rooms(server_args, runner, scheduler, dp_rank)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)
         req_sock.connect(ports.request_addrs[dp_rank])
     result_sock.send(pickle.dumps(WorkerReady(
         rank, dp_rank, runner.num_pages * server_args.page_size, runner.context_length, runner.vocab_size,
-        runner.weight_bytes, runner.config.architecture)))
+        runner.weight_bytes, runner.config.architecture, runner.weight_format)))
     loop = WorkerLoop(server_args, runner, scheduler, req_sock, result_sock, sync)
+    # The model, its modules, the captured graphs and the imported libraries never die: out of the cyclic GC's
+    # sight, a full collection under load scans only what serving made (a full one over the start-up heap paused
+    # the host for milliseconds inside a step; scripts/gpu/prefill_stalls.py measures it).
+    gc.collect()
+    gc.freeze()
     loop.run()
 
 
@@ -160,6 +171,9 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
         if batch is None:
             return []
     logits = runner.forward(batch.forward)
+    if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
+        scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
+        logits = logits[batch.num_prompt_rows:]
     sampling_reqs = scheduler.sampling_inputs(batch)
     if sampling_reqs:
         out = runner.sample(logits, sampling_reqs)
@@ -183,15 +197,29 @@ class WorkerLoop:
         self.poller = zmq.Poller()
         if req_sock is not None:
             self.poller.register(req_sock, zmq.POLLIN)
+        self.pd = scheduler.pd
+        if self.pd is not None:  # a control message from the peer side wakes the loop too
+            self.poller.register(self.pd.channel.sock, zmq.POLLIN)
         self.running = True
         self.server_pid = os.getppid()
         self.last_log = time.monotonic()
         self.last_counts = (0, 0)
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self.pd is not None:
+                self.pd.close()
+                self.pd.channel.close()
+                self.pd.backend.close()
+
+    def _loop(self) -> None:
         while True:
             for msg in self.sync.share_messages(self._recv(block=not self.scheduler.has_work())):
                 self._handle(msg)
+            if self.pd is not None:
+                self.pd.poll()
             outs = run_step(self.scheduler, self.runner, self.sync, stop=not self.running)
             if outs is None:
                 break
@@ -208,10 +236,14 @@ class WorkerLoop:
             return [ShutdownReq()]
         msgs = []
         timeout = 100 if block else 0
-        while self.poller.poll(timeout):
+        if block and self.pd is not None and self.pd.busy:
+            timeout = 2  # transfer threads and lookups finish without a message to wake us
+        while True:
+            ready = dict(self.poller.poll(timeout))
+            if self.req_sock not in ready:
+                return msgs
             timeout = 0
             msgs.append(pickle.loads(self.req_sock.recv()))
-        return msgs
 
     def _reply(self, msg) -> None:
         if self.sync.is_leader:

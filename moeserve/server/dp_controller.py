@@ -34,9 +34,10 @@ class DPController:
                    key=lambda d: (self._live_tokens[d] + self.last_load[d].num_waiting_tokens,
                                   self.last_load[d].kv_used_tokens))
 
-    def assign(self, num_tokens: int) -> int:
-        """The group for a new request of `num_tokens` (prompt + max_new_tokens), counted as live there."""
-        dp_rank = self.pick_dp_rank()
+    def assign(self, num_tokens: int, dp_rank: int | None = None) -> int:
+        """The group for a new request of `num_tokens` (prompt + max_new_tokens), counted as live there: dp_rank
+        when the request names one, else the least loaded."""
+        dp_rank = self.pick_dp_rank() if dp_rank is None else dp_rank
         self._live_tokens[dp_rank] += num_tokens
         return dp_rank
 

@@ -29,8 +29,8 @@ class Engine:
 
     # ------------------------------------------------------------------
     @staticmethod
-    def _inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, stream, rid
-                ) -> tuple[list[GenerateInput], bool]:
+    def _inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, stream, rid,
+                logprob_start_len: int = -1) -> tuple[list[GenerateInput], bool]:
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids and isinstance(input_ids[0], list))
         prompts = prompt if isinstance(prompt, list) else [prompt]
         if input_ids is not None:
@@ -44,19 +44,22 @@ class Engine:
         if len(params) != n or len(rids) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling_params and {len(rids)} rids")
         objs = [GenerateInput(text=t, input_ids=i, sampling_params=p, rid=r, stream=stream,
-                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                              logprob_start_len=logprob_start_len)
                 for t, i, p, r in zip(prompts, ids_list, params, rids, strict=True)]
         return objs, batched
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, stream: bool = False, rid: str | list[str] | None = None):
+                 top_logprobs_num: int = 0, stream: bool = False, rid: str | list[str] | None = None,
+                 logprob_start_len: int = -1):
         """Generate for one prompt (returns a dict) or a list (returns a list of dicts, in order).
 
-        With stream=True (one prompt), returns an iterator of output chunks.
+        With stream=True (one prompt), returns an iterator of output chunks. With return_logprob and
+        logprob_start_len >= 0, meta_info also holds the prompt's input_token_logprobs from that position.
         """
         objs, batched = self._inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                     stream, rid)
+                                     stream, rid, logprob_start_len)
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
@@ -86,10 +89,11 @@ class Engine:
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
                              input_ids: list[int] | None = None, return_logprob: bool = False,
                              top_logprobs_num: int = 0, stream: bool = False,
-                             rid: str | None = None) -> dict | AsyncIterator[dict]:
+                             rid: str | None = None, logprob_start_len: int = -1) -> dict | AsyncIterator[dict]:
         """From asyncio code: a dict, or with stream=True an async iterator of chunks."""
         obj = GenerateInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-                            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                            logprob_start_len=logprob_start_len)
         if stream:
             return self._stream_async(obj)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._collect(obj), self._loop))

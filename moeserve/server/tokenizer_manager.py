@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moeserve.args import ServerArgs
-from moeserve.models.default_model import CACHE_NAME, resolve_model_path
-from moeserve.paths import cache_root
+from moeserve.models.default_model import SHIPPED_DIR, resolve_model_path
 from moeserve.rank.io_struct import (
     AbortReq,
     ExpertDistributionOut,
@@ -50,7 +49,7 @@ INLINE_DETOKENIZE_IDS = 2048  # more new tokens than this in one output are deto
 def default_served_name(model_path: str) -> str:
     """The name the API reports when --served-model-name is not given: the model directory's name, 'default' for
     the embedded model (not its cache path)."""
-    if os.path.realpath(model_path) == os.path.realpath(cache_root() / CACHE_NAME):
+    if os.path.realpath(model_path) == os.path.realpath(SHIPPED_DIR):
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model_path)) or model_path
 
@@ -66,9 +65,16 @@ class GenerateInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: report the prompt's logprobs from this position on
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
+
+
+def room_of(room: int | None, k: int) -> int | None:
+    """The PD room of choice k of a request fanned out to several: both sides fan out alike, so they agree."""
+    return None if room is None else (room + k) % (1 << 63)
 
 
 @dataclass
@@ -86,6 +92,9 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, int, None]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int, None]]] = field(default_factory=list)
+    scored_prompt_ids: list[int] = field(default_factory=list)  # the prompt tokens input logprobs are for
+    input_logprobs: list[tuple[float | None, int, None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, None]]] | None = None
     sent_text_len: int = 0
 
 
@@ -115,11 +124,23 @@ class TokenizerManager:
         self._seq = 0
         self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)
 
-        self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
-                                on_dead=self._fail_all)
+        self.bootstrap = None  # prefill: where its ranks register and decode finds them (before the ranks start)
+        if server_args.disaggregation_mode == "prefill":
+            from moeserve.disagg.bootstrap import BootstrapServer
+
+            self.bootstrap = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port,
+                                             server_args.api_key, self.num_dp)
+        try:
+            self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
+                                    on_dead=self._fail_all)
+        except BaseException:
+            if self.bootstrap is not None:
+                self.bootstrap.close()
+            raise
         self.context_length = self.ranks.ready.context_length
         self.vocab_size = self.ranks.ready.vocab_size
         self.max_total_tokens = self.ranks.ready.num_kv_tokens
+        self.weight_format = self.ranks.ready.weight_format
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens)
 
     @property
@@ -146,7 +167,12 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
         ids = await self.validator.prompt_ids(obj.text, obj.input_ids)
         params = self.validator.params(obj.sampling_params, len(ids), obj.top_logprobs_num)
+        start = obj.logprob_start_len if obj.return_logprob else -1
+        if type(start) is not int or not -1 <= start < len(ids):
+            raise InvalidRequestError(f"logprob_start_len must be -1 (output logprobs only) or a prompt position in "
+                                      f"[0, {len(ids)}), got {start!r}", param="logprob_start_len")
         rid = obj.rid or uuid.uuid4().hex
+        self._check_pd_fields(obj)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -158,12 +184,16 @@ class TokenizerManager:
             self._seq += 1
             num_tokens = len(ids) + params.max_new_tokens
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
-                           self.dp.assign(num_tokens), num_tokens, detok, params)
+                           self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
+            st.scored_prompt_ids = ids[start:] if start >= 0 else []
             self._rids[rid] = st
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
-                          obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
+                          logprob_start_len=start, bootstrap_host=obj.bootstrap_host,
+                          bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room)
         finished = False
+        if self.bootstrap is not None:
+            self.bootstrap.assign_room(obj.bootstrap_room, st.dp_rank)
         try:
             self.ranks.send(st.dp_rank, req)
             while True:
@@ -181,8 +211,31 @@ class TokenizerManager:
                 if finished:
                     return
         finally:
+            if self.bootstrap is not None:
+                self.bootstrap.release_room(obj.bootstrap_room)
             if not finished:
                 self._abort_state(st)
+
+    def _pinned_dp_rank(self, obj: GenerateInput) -> int | None:
+        """The DP group a request names, if any. A decode server picks its own group by load: the router sends both
+        sides the same body, and there data_parallel_rank names the prefill side's group (as in SGLang)."""
+        return None if self.server_args.disaggregation_mode == "decode" else obj.data_parallel_rank
+
+    def _check_pd_fields(self, obj: GenerateInput) -> None:
+        """data_parallel_rank in range; in PD mode the three bootstrap fields (sglang-router adds them)."""
+        pinned = self._pinned_dp_rank(obj)
+        if pinned is not None and not 0 <= pinned < self.num_dp:
+            raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
+                                      f"{self.num_dp} DP group(s)", param="data_parallel_rank")
+        mode = self.server_args.disaggregation_mode
+        if mode == "null":
+            return
+        if obj.bootstrap_room is None or obj.bootstrap_host is None or obj.bootstrap_port is None:
+            raise InvalidRequestError(f"this server runs --disaggregation-mode {mode}: a request needs "
+                                      "bootstrap_host, bootstrap_port and bootstrap_room (send it through sglang-router "
+                                      "--pd-disaggregation)", param="bootstrap_room")
+        if not 0 <= obj.bootstrap_room < 1 << 63:
+            raise InvalidRequestError("bootstrap_room must be in [0, 2^63)", param="bootstrap_room")
 
     def _deliver(self, outs: list[TokenOut]) -> None:
         """Hand each output to its request's loop (receiver thread); a final one ends the request's state."""
@@ -215,6 +268,11 @@ class TokenizerManager:
             st.logprobs.extend((lp, t, None) for lp, t in zip(out.logprobs, out.new_token_ids, strict=False))
         if out.top_logprobs is not None:
             st.top_logprobs.extend([(lp, t, None) for t, lp in alts] for alts in out.top_logprobs)
+        if out.input_logprobs is not None:
+            st.input_logprobs = [(lp, t, None) for lp, t in zip(out.input_logprobs, st.scored_prompt_ids,
+                                                                 strict=True)]
+            if out.input_top_logprobs is not None:
+                st.input_top_logprobs = [[(lp, t, None) for t, lp in alts] for alts in out.input_top_logprobs]
         finish = out.finish_reason
         text = self._text(st, out.new_token_ids, finish) if st.detok is not None else ""
         delta = text[st.sent_text_len :]
@@ -231,6 +289,10 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(st.logprobs)
             if out.top_logprobs is not None:
                 meta["output_top_logprobs"] = list(st.top_logprobs)
+        if st.input_logprobs is not None:  # SGLang's fields, in every output once the prompt is scored
+            meta["input_token_logprobs"] = list(st.input_logprobs)
+            if st.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = list(st.input_top_logprobs)
         new_ids = out.new_token_ids
         return {"text": text, "output_ids": list(st.output_ids), "delta_text": delta, "delta_ids": new_ids,
                 "meta_info": meta}
@@ -315,6 +377,9 @@ class TokenizerManager:
     def shutdown(self) -> None:
         """Stop the workers and free the sockets; safe to call twice."""
         self.ranks.shutdown()
+        if getattr(self, "bootstrap", None) is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
         if hasattr(self, "validator"):
             self.validator.shutdown()
 

@@ -115,11 +115,15 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
         """The prompt text of a conversation, rendered like transformers' apply_chat_template (tools ignored).
 
+        continue_final_message: the text ends inside the last message (the model continues it), as transformers'
+        flag of that name does; it excludes add_generation_prompt.
         Raises ValueError when the model has no chat template or the template rejects the conversation.
         """
+        if continue_final_message:
+            return self._continue_final(messages, **template_kwargs)
         if not self.chat_template:
             raise ValueError(
                 f"the model's tokenizer ({self.name_or_path or 'unnamed'}) has no chat template; "
@@ -134,6 +138,22 @@ class Tokenizer:
                                    **self.special_tokens, **template_kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+
+    def _continue_final(self, messages: list[dict], **template_kwargs: Any) -> str:
+        # Templates close every message (an end-of-turn token); to continue the last one, render the conversation
+        # closed and cut right after that message's own text, found from the end (its text may occur earlier).
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a last message with text to continue")
+        rendered = self.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
+        core = final.strip()
+        at = rendered.rfind(core)
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not write the last message's text")
+        # Keep the message's trailing whitespace when the template kept it too.
+        kept = final.lstrip()
+        end = at + (len(kept) if rendered.startswith(kept, at) else len(core))
+        return rendered[:end]
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"

@@ -144,8 +144,3 @@ def test_path_errors(tmp_path):
     write_config_only("DeepSeek-V2-Lite", tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model(ServerArgs(model_path=str(tmp_path), dtype="float32"), "cpu")
-
-
-def test_fp8_checkpoint_refused(tmp_path):
-    with pytest.raises(ValueError, match="fp8 quantized checkpoints are not supported"):
-        load_model(ServerArgs(model_path=write_config_only("DeepSeek-V3", tmp_path)), "cpu")

@@ -122,3 +122,10 @@ def test_grouped_gemm_static_equals_reference():
     got = _grouped_gemm_static(x, w, offsets, counts)
     valid = torch.cat([torch.arange(int(o), int(o) + int(c)) for o, c in zip(offsets[:-1], counts, strict=True)])
     torch.testing.assert_close(got[valid], ref[valid])
+
+
+def test_triton_runner_backend_is_refused_off_cuda():
+    """--moe-runner-backend triton names CUDA: on the CPU the load says so instead of running something else."""
+    ex = Experts(32, 16, 4, list(range(4)), runner_backend="triton")
+    with pytest.raises(ValueError, match="--moe-runner-backend triton runs on CUDA"):
+        ex.process_weights_after_loading(torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""Our models against transformers' own classes on tiny random checkpoints, float32 on CPU.
+"""Our models against transformers' own classes on tiny random checkpoints and the shipped default model, float32
+on CPU.
 
 Tolerance: atol = rtol = 1e-4 on logits of magnitude ~1-5 (observed differences are ~3e-6: only the order of
 float operations differs).
@@ -10,13 +11,13 @@ import pytest
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch
-from tests.checkpoints import NAMES
+from tests.checkpoints import NAMES, SHIPPED
 from tests.models.harness import ATOL, RTOL, Runner, hf_logits, random_tokens
 
 close = dict(atol=ATOL, rtol=RTOL)
 
 
-@pytest.fixture(params=NAMES)
+@pytest.fixture(params=(*NAMES, SHIPPED))
 def name(request) -> str:
     return request.param
 

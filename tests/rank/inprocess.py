@@ -19,15 +19,17 @@ class InProcessEngine:
         self.max_steps = 100_000
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-            return_logprob: bool = False, top_logprobs_num: int = 0) -> list[dict]:
-        """Submit all prompts at once, step until every one finished; per prompt: ids, finish, cached."""
+            return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1) -> list[dict]:
+        """Submit all prompts at once, step until every one finished; per prompt: ids, finish, cached, output and
+        input logprobs."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         rids = [f"r{id(self)}-{i}-{len(self.scheduler.reqs)}" for i in range(len(prompts))]
         for rid, p, sp in zip(rids, prompts, params, strict=True):
-            self.scheduler.add_request(GenerateReq(rid, p, sp, return_logprob, top_logprobs_num))
-        results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": []}
-                   for rid in rids}
+            self.scheduler.add_request(GenerateReq(rid, p, sp, return_logprob, top_logprobs_num,
+                                                   logprob_start_len=logprob_start_len))
+        results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": [],
+                         "input_logprobs": None, "input_top_logprobs": None} for rid in rids}
         for _ in range(self.max_steps):
             outs: list[TokenOut] = run_step(self.scheduler, self.runner) + self.scheduler.drain_pending()
             for o in outs:
@@ -38,6 +40,9 @@ class InProcessEngine:
                 r["cached_tokens"] = o.cached_tokens
                 if o.logprobs:
                     r["logprobs"].extend(o.logprobs)
+                if o.input_logprobs is not None:
+                    assert r["input_logprobs"] is None, "input logprobs sent twice"
+                    r["input_logprobs"], r["input_top_logprobs"] = o.input_logprobs, o.input_top_logprobs
                 if o.finish_reason is not None:
                     r["finish_reason"] = o.finish_reason
             if all(r["finish_reason"] is not None for r in results.values()):

@@ -46,6 +46,7 @@ class FakeClient:
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 1024
         self.context_length = context_length
         self.max_total_tokens = 100_000
+        self.weight_format = "bfloat16"
         self.model_config = FakeModelConfig(context_length, self.vocab_size, "DeepseekV3ForCausalLM")
         self.validator = RequestValidator(tokenizer, self.vocab_size, context_length, self.max_total_tokens)
         self.model_name = "fake-model"

@@ -93,7 +93,7 @@ def test_greedy_matches_transformers(http, server):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(server["model_path"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(server["model_path"], dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(server["model_path"])
     for prompt in ("The Tortoise and the Hare",):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -352,3 +352,47 @@ def test_expert_distribution_endpoints(http):
         bad = http.post("/dump_expert_distribution_record", json={"name": name})
         assert bad.status_code == 400, (name, bad.text)
 
+
+
+def test_prompt_logprobs_match_transformers(http, server):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(server["model_path"], dtype=torch.float32)
+    out = generate(http, text="import os\nimport sys\n", return_logprob=True, logprob_start_len=0,
+                   top_logprobs_num=2, sampling_params={"max_new_tokens": 1, **GREEDY})
+    meta = out["meta_info"]
+    lps = meta["input_token_logprobs"]
+    ids = [t for _, t, _ in lps]
+    assert len(ids) == meta["prompt_tokens"] and lps[0][0] is None and meta["input_top_logprobs"][0] == []
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for i in range(1, len(ids)):
+        assert abs(lps[i][0] - ref[i - 1, ids[i]].item()) < 1e-3, i
+        assert [t for _, t, _ in meta["input_top_logprobs"][i]] == ref[i - 1].topk(2).indices.tolist()
+    tail = generate(http, input_ids=ids, return_logprob=True, logprob_start_len=3,
+                    sampling_params={"max_new_tokens": 0})["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in tail] == ids[3:]
+    assert [lp for lp, _, _ in tail] == pytest.approx([lp for lp, _, _ in lps[3:]], abs=1e-5)
+    bad = http.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": len(ids)})
+    assert bad.status_code == 400 and "logprob_start_len" in bad.text
+
+
+def test_completions_echo_scores_the_prompt(http, oai):
+    """lm-evaluation-harness's log-likelihood request: token ids, echo, logprobs=1, max_tokens=0."""
+    ids = generate(http, text="def f(x):\n    return x", return_logprob=True, logprob_start_len=0,
+                   sampling_params={"max_new_tokens": 0})["meta_info"]["input_token_logprobs"]
+    prompt = [t for _, t, _ in ids]
+    r = oai.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.endswith("def f(x):\n    return x") and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt)
+    assert lp.token_logprobs[1:] == pytest.approx([x for x, _, _ in ids[1:]], abs=1e-5)
+    assert all(len(top) == 1 and max(top.values()) >= t for top, t in zip(lp.top_logprobs[1:], lp.token_logprobs[1:],
+                                                                          strict=True))
+    # with generated tokens too: the prompt's entries, then the output's
+    r = oai.completions.create(model="tiny", prompt="import os", echo=True, logprobs=0, max_tokens=3, temperature=0)
+    assert r.choices[0].text.startswith("import os") and len(r.choices[0].logprobs.tokens) == 3 + 3
+    for body, word in (({"echo": True, "stream": True}, "stream"), ({"max_tokens": 0}, "echo")):
+        bad = http.post("/v1/completions", json={"prompt": "x", **body})
+        assert bad.status_code == 400 and word in bad.text, bad.text

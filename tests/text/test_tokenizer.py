@@ -57,7 +57,7 @@ def hf(model_dir):
 def test_attributes(tok, hf):
     assert tok.bos_token_id == hf.bos_token_id == 0
     assert tok.eos_token_ids == [hf.eos_token_id] == [1]
-    assert tok.vocab_size == len(hf) == 1024
+    assert tok.vocab_size == len(hf) == 3072
     assert set(hf.all_special_ids) <= set(tok.all_special_ids)
     assert {tok.backend.token_to_id("<｜User｜>"), tok.backend.token_to_id("<｜Assistant｜>")} <= set(tok.all_special_ids)
 
@@ -153,3 +153,16 @@ def test_token_bytes(tok):
     assert tok.token_bytes(tok.bos_token_id) == "<｜begin▁of▁sentence｜>".encode()
     assert all(tok.token_bytes(i) == tok.decode([i]).encode() for i in range(5, tok.vocab_size)
                if "\ufffd" not in tok.decode([i]))
+
+
+@pytest.mark.parametrize("last", ["The answer is", "  padded reply \n", "<｜User｜> repeated"])
+def test_continue_final_message_matches_transformers(tok, hf, last):
+    # The last message's text also occurs earlier in the conversation: the cut is after its last occurrence.
+    messages = [{"role": "user", "content": last.strip()}, {"role": "assistant", "content": last}]
+    ours = tok.apply_chat_template(messages, continue_final_message=True)
+    theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert ours == theirs
+    assert not ours.endswith("<｜end▁of▁sentence｜>")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template([{"role": "assistant", "content": " "}], continue_final_message=True)

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from moeserve.core.kv_pool import KVPool, MHAKVPool, MLAKVPool
+
 
 class TransferError(RuntimeError):
     """A write did not complete: the peer is unreachable, timed out, or the backend reported a failure."""
@@ -49,6 +51,14 @@ def merge_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageR
     return runs
 
 
+def kv_buffers(pool: KVPool) -> list[torch.Tensor]:
+    """A KV pool's buffers in the order every backend registers them: per layer the latent (MLA), or K then V."""
+    if isinstance(pool, MLAKVPool):
+        return list(pool.buffers)
+    assert isinstance(pool, MHAKVPool)
+    return [b for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True) for b in (k, v)]
+
+
 def page_bytes(buffer: torch.Tensor, page_size: int) -> int:
     """Bytes one page takes in a KV buffer of [num_slots, ...] rows."""
     return page_size * buffer[0].numel() * buffer.element_size()
@@ -58,8 +68,10 @@ class TransferBackend(ABC):
     """One side's KV buffers, registered with a transport so that a peer can be written to (or write here).
 
     buffers: the KV pool's buffers in a fixed order (both sides must list them the same way: layer by layer,
-    K before V for GQA), contiguous, on CPU or CUDA. page_size: token rows per page (equal on both sides; the
-    bootstrap refuses otherwise).
+    K before V for GQA: `kv_buffers` below), contiguous, on CPU or CUDA. page_size: token rows per page (equal on
+    both sides; the bootstrap refuses otherwise). The rank builds every backend the same way:
+    `cls(buffers, page_size, host=<this rank's address for peers>, api_key=<--api-key or None>,
+    ib_device=<--disaggregation-ib-device or None>)`; a backend that cannot use an option raises ValueError.
     """
 
     name: ClassVar[str]
@@ -84,6 +96,19 @@ class TransferBackend(ABC):
         timeout_s. Thread-safe: several transfer threads may write at once.
         """
 
+    def open_window(self, window: str, pages: Sequence[int]) -> None:
+        """Decode side: allow writes tagged `window` (the peer dict's "window") into `pages` until close_window.
+
+        A backend whose writes travel as messages (zmq) checks every write against its window, so that a write
+        still in flight when the request was freed is dropped instead of landing in pages another request owns.
+        One-sided backends (RDMA) rely on the writer's acknowledgement instead and need not do anything here.
+        """
+        return None
+
+    def close_window(self, window: str) -> None:
+        """Decode side: no write of `window` lands after this returns."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the transport (sockets, registered memory). Idempotent."""
@@ -95,5 +120,5 @@ class TransferBackend(ABC):
             raise ValueError(f"KV layout differs between prefill and decode: page bytes per buffer "
                              f"{self.page_bytes[:4]}... ({len(self.page_bytes)} buffers) here, "
                              f"{theirs[:4]}... ({len(theirs)} buffers) on the peer; "
-                             f"both sides need the same model, --page-size, --kv-cache-dtype and attention TP "
+                             f"both sides need the same model, --page-size, --dtype and attention TP "
                              f"layout")

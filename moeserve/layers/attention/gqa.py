@@ -73,5 +73,6 @@ class GQAttention(nn.Module):
         else:
             k_all = k_cache[meta.kv_indices].to(q.dtype)
             v_all = v_cache[meta.kv_indices].to(q.dtype)
-            o = extend_attention(q, k_all, v_all, meta.extend_lens, meta.seq_lens, self.scale, self.sliding_window)
+            o = extend_attention(q, k_all, v_all, meta.extend_lens, meta.seq_lens, self.scale, self.sliding_window,
+                                 meta.extend_plan)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

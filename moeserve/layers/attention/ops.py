@@ -1,7 +1,8 @@
 """Reference attention over the paged KV cache, correct for ragged batches (torch SDPA inside).
 
 - `extend_attention`: new queries of each request attend causally over the request's whole sequence
-  (cached prefix + new tokens). One SDPA call per request; a prefill step is compute-bound anyway.
+  (cached prefix + new tokens), batched over requests: one SDPA call per group of similar lengths
+  (extend_plan.py), with the step's plan built once in `AttentionMetadata`.
 - `decode_attention`: one query per request over its cached tokens. The cache rows are gathered into a padded
   [B, max_len] block and masked, so a step is a few batched kernels with no per-request Python loop.
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.kv_pool import KVPool
+from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 
 
 @dataclass
@@ -33,6 +35,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # host
     decode_slots: torch.Tensor | None = None  # [B, max_len] int64 cache slots (0 = scratch where masked)
     decode_bias: torch.Tensor | None = None  # [B, max_len] float32: 0 for a real token, -inf past seq_len
+    extend_plan: ExtendPlan | None = None  # extend steps: the padded groups every layer's attention runs
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: torch.Tensor) -> AttentionMetadata:
@@ -41,6 +44,8 @@ class AttentionMetadata:
         meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
                    kv_indices=batch.kv_indices, kv_indptr=batch.kv_indptr, rope=rope, extend_lens=list(batch.extend_lens_cpu) if extend else [],
                    seq_lens=list(batch.seq_lens_cpu) if extend else [])
+        if extend:
+            meta.extend_plan = ExtendPlan.build(meta.extend_lens, meta.seq_lens, batch.out_cache_loc.device)
         if batch.mode.is_decode and batch.seq_lens.shape[0] > 0:
             if batch.decode_slots is not None:  # the scheduler's padded block (static shape under CUDA graphs)
                 meta.decode_slots = batch.decode_slots
@@ -79,32 +84,45 @@ def padded_kv_slots(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, seq_lens:
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
-                     seq_lens: list[int], scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of each request's new queries over its whole sequence.
+                     seq_lens: list[int], scale: float, sliding_window: int | None = None,
+                     plan: ExtendPlan | None = None) -> torch.Tensor:
+    """Causal attention of each request's new queries over its whole sequence, batched over requests.
 
     q [T, Hq, D] (request b's rows are its extend_lens[b] new tokens, positions seq_len - extend_len ..
     seq_len - 1); k [S, Hkv, D] and v [S, Hkv, Dv], S = sum(seq_lens), request b's rows are its whole sequence.
-    Returns [T, Hq, Dv]. Hq must be a multiple of Hkv (GQA/MQA).
+    Returns [T, Hq, Dv]. Hq must be a multiple of Hkv (GQA/MQA). plan: the step's `ExtendPlan` for these lengths
+    (AttentionMetadata builds it once for all layers); built here when not given.
+    One SDPA call per group of similar lengths (extend_plan.py), never one per request.
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    q_start = kv_start = 0
-    for n, s in zip(extend_lens, seq_lens, strict=True):
-        if n > 0:
-            qb = q[q_start:q_start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-            kb = k[kv_start:kv_start + s].transpose(0, 1)[None]  # [1, Hkv, s, D]
-            vb = v[kv_start:kv_start + s].transpose(0, 1)[None]
-            mask = None
-            if n != s or sliding_window is not None:
-                q_pos = torch.arange(s - n, s, device=q.device)[:, None]
-                k_pos = torch.arange(s, device=q.device)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask = mask & (k_pos > q_pos - sliding_window)
-            ob = _sdpa(qb, kb, vb, mask, mask is None, scale)
-            out[q_start:q_start + n] = ob[0].transpose(0, 1)
-        q_start += n
-        kv_start += s
+    if plan is None:
+        plan = ExtendPlan.build(extend_lens, seq_lens, q.device)
+    T, Hq, Dv = q.shape[0], q.shape[1], v.shape[-1]
+    groups = plan.groups
+    if len(groups) == 1 and groups[0].q_rows == (0, T):  # the whole step is one dense batch: no scatter
+        return _group_attention(q, k, v, groups[0], scale, sliding_window).reshape(T, Hq, Dv)
+    out = q.new_empty(T, Hq, Dv)
+    for g in groups:
+        o = _group_attention(q, k, v, g, scale, sliding_window)  # [B * lq, Hq, Dv]
+        if g.q_rows is not None:
+            out[g.q_rows[0]:g.q_rows[1]] = o
+        else:
+            out.index_copy_(0, g.out_dst, o.index_select(0, g.out_src))
     return out
+
+
+def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: ExtendGroup, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """One padded group -> [B * lq, Hq, Dv] (padded rows included)."""
+    if g.q_rows is not None:
+        qb, kb, vb = q[g.q_rows[0]:g.q_rows[1]], k[g.kv_rows[0]:g.kv_rows[1]], v[g.kv_rows[0]:g.kv_rows[1]]
+    else:
+        qb, kb, vb = q.index_select(0, g.q_index), k.index_select(0, g.kv_index), v.index_select(0, g.kv_index)
+    qb = qb.view(g.batch, g.lq, *q.shape[1:]).transpose(1, 2)  # [B, Hq, lq, D]
+    kb = kb.view(g.batch, g.lk, *k.shape[1:]).transpose(1, 2)  # [B, Hkv, lk, D]
+    vb = vb.view(g.batch, g.lk, *v.shape[1:]).transpose(1, 2)
+    mask = g.mask(sliding_window)
+    o = _sdpa(qb, kb, vb, mask, mask is None, scale)  # [B, Hq, lq, Dv]
+    return o.transpose(1, 2).reshape(g.batch * g.lq, q.shape[1], v.shape[-1])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | int, slots: torch.Tensor,
@@ -147,5 +165,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         B, Hkv, L = k.shape[:3]
         k = k[:, :, None].expand(B, Hkv, rep, L, k.shape[-1]).reshape(B, Hkv * rep, L, k.shape[-1])
         v = v[:, :, None].expand(B, Hkv, rep, L, v.shape[-1]).reshape(B, Hkv * rep, L, v.shape[-1])
+    # NOTE: no backend is forced. For MLA's q/k head 192 with v head 128 FLASH refuses and EFFICIENT runs; cuDNN
+    # first (3.7x EFFICIENT alone, shared/research/gpu-facts.md) gave no end-to-end gain at 4 x 2048 on an H200
+    # and its bf16 accuracy is not yet checked here (docs/BENCHMARKS.md, 2026-12-01, batched prefill attention).
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=rep > 1 and q.is_cuda)

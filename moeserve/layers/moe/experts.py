@@ -6,7 +6,8 @@ Checkpoints store each expert separately (`experts.{e}.gate_proj/up_proj/down_pr
 loader fuses them, reading only the experts this rank holds.
 
 The kernels (--moe-runner-backend) are chosen once the weights are in, on their device: on the CPU the
-moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM.
+moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM; on CUDA the Triton
+grouped GEMMs of moeserve/kernels/moe_gemm.py (SiLU-and-mul fused, tuned launch configurations).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from torch import nn
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.stats import record_local_tokens
 from moeserve.kernels import cpu_experts
-from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.grouped_gemm import grouped_gemm
+from moeserve.kernels.moe_gemm import moe_gemm, moe_gemm_masked, moe_gemm_masked_reference, moe_gemm_reference
+from moeserve.kernels.triton_available import triton_importable
 from moeserve.layers.weights import WeightSpec
 
 
 class Experts(nn.Module):
     """Experts held by this rank. Local slot i holds logical expert `expert_ids[i]` of the checkpoint."""
+
+    takes_fp8 = False  # True: a MaskedLayout may bring x in FP8 with its scales (layers/quantization/fp8_experts.py)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
                  checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -33,6 +36,7 @@ class Experts(nn.Module):
         super().__init__()
         self.runner_backend = runner_backend
         self.use_cpu_kernel = False  # decided by process_weights_after_loading
+        self.use_triton = False  # likewise
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts  # logical experts in the checkpoint
@@ -43,19 +47,27 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the tokens going in and out (the dispatchers' buffers)."""
+        return self.w13.dtype
+
     def forward(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
+            assert layout.x_scale is None, "an FP8 layout reached experts that are not FP8"
             record_local_tokens(layout.masked_m)  # expert utilization, accumulated on the device (ep/stats.py)
-            # Rows past masked_m[e] are computed too and ignored by combine: static shapes for CUDA graphs.
-            h = silu_and_mul(torch.bmm(layout.x, self.w13.transpose(1, 2)))
-            return torch.bmm(h, self.w2.transpose(1, 2))
+            # Rows past masked_m[e] are unspecified and ignored by combine (the torch path computes them too).
+            gemm = moe_gemm_masked if self.use_triton else moe_gemm_masked_reference
+            h = gemm(layout.x, self.w13, layout.masked_m, silu=True)
+            return gemm(h, self.w2, layout.masked_m)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
         if self.use_cpu_kernel:
             return cpu_experts.cpu_experts(layout.x, self.w13, self.w2, offs, counts)
-        h = silu_and_mul(grouped_gemm(layout.x, self.w13, offs, counts))
-        return grouped_gemm(h, self.w2, offs, counts)
+        gemm = moe_gemm if self.use_triton else moe_gemm_reference
+        h = gemm(layout.x, self.w13, offs, counts, silu=True)  # SiLU-and-mul fused in the Triton kernel
+        return gemm(h, self.w2, offs, counts)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
         """Pick the kernels for the weights' device and dtype; on the CPU, store each expert's matrix transposed in
@@ -71,6 +83,11 @@ class Experts(nn.Module):
                 f"compiler; here the experts are {self.w13.dtype} on {self.w13.device}"
                 + ("" if built else " and the kernel did not build (see the log)"))
         self.use_cpu_kernel = kernel_runs and self.runner_backend != "grouped_gemm"
+        on_cuda = torch.device(device).type == "cuda"
+        if self.runner_backend == "triton" and not (on_cuda and triton_importable()):
+            raise ValueError(f"--moe-runner-backend triton runs on CUDA with Triton installed; here the experts are "
+                             f"on {device}" + ("" if triton_importable() else " and Triton does not import"))
+        self.use_triton = on_cuda and self.runner_backend in ("auto", "triton") and triton_importable()
         if on_cpu:
             for w in (self.w13, self.w2):
                 w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)

@@ -30,6 +30,7 @@ from moeserve.ep.registry import DispatchOptions, make_dispatcher
 from moeserve.ep.stats import record_local_tokens
 from moeserve.eplb.location import ExpertLocation, pick_replicas
 from moeserve.kernels import cpu_experts
+from moeserve.kernels.fp8_quant import quantize_activations
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.placement import layer_placement
@@ -190,8 +191,9 @@ class MoE(nn.Module):
         options, num_physical, num_local, count = self._dispatch
         cfg = self.experts
         self.dispatchers = tuple(
-            make_dispatcher(options, num_physical, num_local, dtype=cfg.w13.dtype, device=device,
-                            hidden_size=cfg.hidden_size, top_k=self.top_k) for _ in range(count))
+            make_dispatcher(options, num_physical, num_local, dtype=cfg.activation_dtype, device=device,
+                            hidden_size=cfg.hidden_size, top_k=self.top_k,
+                            fp8_quantize=quantize_activations if cfg.takes_fp8 else None) for _ in range(count))
         # The experts' load hook ran first (the loader runs children before parents): use_cpu_kernel is decided.
         self.fused_cpu = (self.experts.use_cpu_kernel and isinstance(self.dispatchers[0], LocalDispatcher)
                           and not self.split_tokens)

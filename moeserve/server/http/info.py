@@ -78,6 +78,7 @@ async def get_server_info(ctx: Ctx) -> Any:
         "served_model_name": ctx.model_name,
         "context_length": ctx.context_length,
         "max_total_tokens": ctx.kv_capacity,
+        "weight_format": ctx.client.weight_format,
         "internal_states": [x.to_json() for x in ctx.client.last_load],
     })
     report = next((x.eplb for x in ctx.client.last_load if x.eplb is not None), None)

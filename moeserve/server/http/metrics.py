@@ -60,6 +60,19 @@ class Metrics:
                                        "GPU, over the last EPLB window, under the placement in force.")
         self.eplb_stall = histogram("eplb_stall_seconds", "Time a rebalance's execute phase added to a forward "
                                     "pass (one chunk of MoE layers).", _ITL_BUCKETS)
+        # PD disaggregation (LoadOut.disagg of each DP group): requests per state, KV transfers so far
+        self.pd_requests = Gauge("moeserve:pd_requests", "PD requests per state on this side (all DP groups).",
+                                 [*names, "side", "state"], registry=r)
+        self.pd_transfers = Counter("moeserve:pd_transfers", "KV transfers completed.", names,
+                                    registry=r).labels(**self.labels)
+        self.pd_transfer_bytes = Counter("moeserve:pd_transfer_bytes", "KV bytes transferred.", names,
+                                         registry=r).labels(**self.labels)
+        self.pd_transfer_seconds = Counter(
+            "moeserve:pd_transfer_seconds", "Sum of KV transfer latencies (prefill: from decode's destination to the "
+            "last write; decode: from reserving pages to the prefill's report).", names, registry=r).labels(**self.labels)
+        self.pd_transfer_failures = Counter("moeserve:pd_transfer_failures", "PD requests that failed.", names,
+                                            registry=r).labels(**self.labels)
+        self._pd_seen = (0, 0, 0.0, 0)
         self._prompt_total = 0
         self._cached_total = 0
         self._eplb_seen = (0, 0)  # (rebalances, stalls) already counted
@@ -97,6 +110,24 @@ class Metrics:
         report = next((x.eplb for x in loads if getattr(x, "eplb", None) is not None), None)
         if report is not None:
             self._update_eplb(report)
+        pd = [x.disagg for x in loads if getattr(x, "disagg", None)]
+        if pd:
+            self._update_pd(pd)
+
+    def _update_pd(self, groups: list[dict]) -> None:
+        """From each DP group's cumulative PD counters: the state gauges, and the counters' growth since the last
+        scrape."""
+        side = groups[0]["mode"]
+        for state in groups[0]["states"]:
+            self.pd_requests.labels(**self.labels, side=side, state=state).set(
+                sum(g["states"][state] for g in groups))
+        now = (sum(g["transfers"] for g in groups), sum(g["transfer_bytes"] for g in groups),
+               sum(g["transfer_seconds"] for g in groups), sum(g["failed"] for g in groups))
+        for counter, new, old in zip((self.pd_transfers, self.pd_transfer_bytes, self.pd_transfer_seconds,
+                                      self.pd_transfer_failures), now, self._pd_seen, strict=True):
+            if new > old:
+                counter.inc(new - old)
+        self._pd_seen = now
 
     def _update_eplb(self, report: Any) -> None:
         """From rank 0's cumulative rebalancer report: what happened since the last scrape."""

@@ -17,10 +17,16 @@ from fastapi.responses import JSONResponse
 
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
-from moeserve.server.http.protocol import MAX_CHOICES, MAX_N, MAX_PROMPTS, GenerateRequest
+from moeserve.server.http.protocol import (
+    MAX_CHOICES,
+    MAX_N,
+    MAX_PROMPTS,
+    GenerateRequest,
+    unsupported_sglang_field,
+)
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput
+from moeserve.server.tokenizer_manager import GenerateInput, room_of
 
 router = APIRouter()
 
@@ -38,6 +44,9 @@ def _per_item(value: Any, name: str, batch: int | None) -> list:
 
 def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     """GenerateInputs of a /generate body (n expanded), and whether the answer is a list."""
+    refused = unsupported_sglang_field(req)
+    if refused is not None:
+        raise APIError(refused[1], 400, param=refused[0], code="unsupported_parameter")
     if req.text is not None and req.input_ids is not None:
         raise APIError("give either text or input_ids, not both", 400, param="input_ids")
     if req.text is None and req.input_ids is None:
@@ -63,6 +72,7 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     rids = _per_item(req.rid, "rid", batch)
     logprob = _per_item(req.return_logprob, "return_logprob", batch)
     top_n = _per_item(req.top_logprobs_num, "top_logprobs_num", batch)
+    starts = _per_item(req.logprob_start_len, "logprob_start_len", batch)
     hosts = _per_item(req.bootstrap_host, "bootstrap_host", batch)
     ports = _per_item(req.bootstrap_port, "bootstrap_port", batch)
     rooms = _per_item(req.bootstrap_room, "bootstrap_room", batch)
@@ -88,8 +98,10 @@ def build_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
             rid = base if n == 1 else f"{base}-{j}"
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=spj, rid=rid, stream=req.stream,
                                         return_logprob=logprob[i], top_logprobs_num=top_n[i],
+                                        logprob_start_len=-1 if starts[i] is None else starts[i],
                                         bootstrap_host=hosts[i], bootstrap_port=ports[i],
-                                        bootstrap_room=rooms[i]))
+                                        bootstrap_room=room_of(rooms[i], j),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs, many
 
 
@@ -105,11 +117,13 @@ def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, 
     meta = out["meta_info"]
     if return_text_in_logprobs:
         meta = dict(meta)
-        if "output_token_logprobs" in meta:
-            meta["output_token_logprobs"] = [(lp, t, ctx.token_text(t)) for lp, t, _ in meta["output_token_logprobs"]]
-        if "output_top_logprobs" in meta:
-            meta["output_top_logprobs"] = [[(lp, t, ctx.token_text(t)) for lp, t, _ in alts] if alts else alts
-                                           for alts in meta["output_top_logprobs"]]
+        for side in ("input", "output"):
+            if f"{side}_token_logprobs" in meta:
+                meta[f"{side}_token_logprobs"] = [(lp, t, ctx.token_text(t))
+                                                  for lp, t, _ in meta[f"{side}_token_logprobs"]]
+            if f"{side}_top_logprobs" in meta:
+                meta[f"{side}_top_logprobs"] = [[(lp, t, ctx.token_text(t)) for lp, t, _ in alts] if alts else alts
+                                                for alts in meta[f"{side}_top_logprobs"]]
     result = {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
     if index is not None:
         result["index"] = index

@@ -24,10 +24,11 @@ from moeserve.server.http.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    unsupported_sglang_field,
 )
 from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
-from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
+from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError, room_of
 from moeserve.server.validation import INLINE_TEXT_CHARS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -37,6 +38,9 @@ router = APIRouter()
 # ----------------------------------------------------------------------
 # request -> engine inputs
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    refused = unsupported_sglang_field(req)
+    if refused is not None:
+        raise APIError(refused[1], 400, param=refused[0], code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream: true", 400, param="stream_options")
     if req.logit_bias:
@@ -61,7 +65,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_toke
 
 
 def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple[str | None, list[int] | None]],
-             sp_of: list[dict], request_id: str, top_logprobs_num: int, return_logprob: bool) -> list[GenerateInput]:
+             sp_of: list[dict], request_id: str, top_logprobs_num: int, return_logprob: bool,
+             logprob_start_len: int = -1) -> list[GenerateInput]:
     inputs = []
     base = req.rid or request_id
     for i, (text, ids) in enumerate(prompts):
@@ -73,15 +78,19 @@ def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple
             rid = base if len(prompts) * req.n == 1 and req.rid else f"{base}-{k}"
             inputs.append(GenerateInput(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=req.stream,
                                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                        logprob_start_len=logprob_start_len,
                                         bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
-                                        bootstrap_room=req.bootstrap_room))
+                                        bootstrap_room=room_of(req.bootstrap_room, k),
+                                        data_parallel_rank=req.data_parallel_rank))
     return inputs
 
 
 async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_id: str) -> list[GenerateInput]:
     _check_common(req)
-    if req.echo:
-        raise APIError("echo is not supported", 400, param="echo", code="unsupported_parameter")
+    if req.echo and req.stream:
+        raise APIError("echo is not supported with stream: true", 400, param="echo", code="unsupported_parameter")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens 0 needs echo: true (to score the prompt)", 400, param="max_tokens")
     if req.suffix:
         raise APIError("suffix is not supported", 400, param="suffix", code="unsupported_parameter")
     if req.best_of is not None and req.best_of != req.n:
@@ -108,7 +117,10 @@ async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_
         raise APIError(f"prompts x n = {len(prompts) * req.n} exceeds {MAX_CHOICES}", 400, param="n")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     sp = sampling_params(req, max_tokens)
-    return _fan_out(req, prompts, [sp] * len(prompts), request_id, req.logprobs or 0, req.logprobs is not None)
+    # echo with logprobs: the prompt's tokens are scored too (lm-evaluation-harness's log-likelihood requests)
+    start = 0 if req.echo and req.logprobs is not None else -1
+    return _fan_out(req, prompts, [sp] * len(prompts), request_id, req.logprobs or 0, req.logprobs is not None,
+                    start)
 
 
 def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
@@ -144,11 +156,14 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
     if ctx.tokenizer is None:
         raise APIError("chat completions need a tokenizer; the server runs with --skip-tokenizer-init", 400)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    # SGLang continues the last message only when it is the assistant's; otherwise a new turn starts as usual.
+    continued = req.continue_final_message and messages[-1]["role"] == "assistant"
     validator = ctx.client.validator
     try:
         # A conversation whose text alone could not fit the context is refused before it is rendered.
         validator.check_text_len(sum(len(m["content"]) for m in messages), "the conversation")
-        render = functools.partial(ctx.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+        render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=not continued, continue_final_message=continued,
                                    **(req.chat_template_kwargs or {}))
         long = sum(len(m["content"]) for m in messages) > INLINE_TEXT_CHARS
         prompt = await validator.off_loop(render) if long else render()
@@ -198,8 +213,16 @@ def _logprob_slice(meta: dict, start: int) -> tuple[list, list | None]:
     return tokens[start:], (tops[start:] if tops is not None else None)
 
 
-def completion_logprobs(ctx: ServerContext, meta: dict, start: int, text_offset: int, want_top: bool) -> dict:
+def completion_logprobs(ctx: ServerContext, meta: dict, start: int, text_offset: int, want_top: bool,
+                        echo: bool = False) -> dict:
+    """OpenAI's logprobs object of a completion's tokens from output position `start` on; with echo, the prompt's
+    tokens first (the first one's logprob null: nothing predicts it)."""
     tokens, tops = _logprob_slice(meta, start)
+    if echo:
+        prompt_tops = meta.get("input_top_logprobs")
+        if tops is not None or (want_top and prompt_tops is not None):
+            tops = (prompt_tops or [[]] * len(meta["input_token_logprobs"])) + (tops or [])
+        tokens = meta["input_token_logprobs"] + tokens
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if want_top else None,
                            "text_offset": []}
     offset = text_offset
@@ -269,8 +292,23 @@ async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBod
     return await serve(ctx, request, inputs, req.stream, respond, events)
 
 
+def _prompt_texts(ctx: ServerContext, req: CompletionRequest) -> list[str]:
+    """The text of each prompt of a completion request (token-id prompts detokenized), for echo."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    batch = [prompt] if isinstance(prompt[0], int) else prompt
+    if ctx.tokenizer is None:
+        raise APIError("echo of token-id prompts needs a tokenizer; the server runs with --skip-tokenizer-init", 400,
+                       param="echo")
+    return [ctx.tokenizer.decode(ids, skip_special_tokens=False) for ids in batch]
+
+
 def _response(ctx: ServerContext, req: Any, outs: list[dict], request_id: str, chat: bool) -> dict:
     choices = []
+    echoed = _prompt_texts(ctx, req) if not chat and req.echo else None
     for k, out in enumerate(outs):
         meta = out["meta_info"]
         choice: dict[str, Any] = {"index": k}
@@ -278,8 +316,8 @@ def _response(ctx: ServerContext, req: Any, outs: list[dict], request_id: str, c
             choice["message"] = {"role": "assistant", "content": out["text"]}
             choice["logprobs"] = chat_logprobs(ctx, meta, 0) if req.logprobs else None
         else:
-            choice["text"] = out["text"]
-            choice["logprobs"] = (completion_logprobs(ctx, meta, 0, 0, req.logprobs > 0)
+            choice["text"] = (echoed[k // req.n] if echoed else "") + out["text"]
+            choice["logprobs"] = (completion_logprobs(ctx, meta, 0, 0, req.logprobs > 0, echo=bool(echoed))
                                   if req.logprobs is not None else None)
         choice["finish_reason"] = finish_reason(meta)
         choice["matched_stop"] = matched_stop(meta)

@@ -3,7 +3,7 @@
 Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as OpenAI's API does: a misspelt
 `max_token` is an error that names it, not a silently ignored option. OpenAI fields that moeserve accepts but
 does not act on (user, store, metadata, ...) are listed so that standard clients work; fields that would ask for
-something moeserve cannot do (tools, logit_bias, echo, suffix, JSON mode) are checked in openai_serving.py and
+something moeserve cannot do (tools, logit_bias, suffix, JSON mode, echo with stream) are checked in openai_serving.py and
 refused with a message saying so. Sampling extras of SGLang and vLLM (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...) are top-level fields of the OpenAI bodies (the openai client's `extra_body`).
 """
@@ -65,9 +65,37 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _SGLangFields(_Body):
+    """SGLang's own request fields that sglang-router writes into every body it forwards (with their defaults).
+
+    The router re-serializes each request from its own typed structs, so these arrive even when the client never
+    sent them. Their defaults ask for nothing moeserve lacks; a value that asks for something it cannot do is
+    refused (400, unsupported_sglang_field), never ignored.
+    """
+
+    return_hidden_states: bool = False  # true: refused (moeserve returns no hidden states)
+
+
+# Fields whose non-default value asks for what moeserve cannot do: name -> (the value that is refused, why).
+_UNSUPPORTED_SGLANG = {
+    "return_hidden_states": (True, "moeserve does not return hidden states"),
+    "background": (True, "background requests are not supported; send the request and wait for its answer"),
+    "return_bytes": (True, "token bytes in logprobs are not returned by /generate"),
+    "return_entropy": (True, "per-token entropy is not returned"),
+}
+
+
+def unsupported_sglang_field(req: BaseModel) -> tuple[str, str] | None:
+    """(name, message) of the first SGLang field whose value asks for what moeserve cannot do, else None."""
+    for name, (refused, why) in _UNSUPPORTED_SGLANG.items():
+        if getattr(req, name, None) is refused:
+            return name, f"{name}: true is not supported: {why}"
+    return None
+
+
 # ----------------------------------------------------------------------
 # SGLang native
-class GenerateRequest(_Body):
+class GenerateRequest(_SGLangFields):
     """POST /generate: one prompt or a batch (lists), as text or token ids."""
 
     text: str | list[str] | None = None
@@ -78,11 +106,18 @@ class GenerateRequest(_Body):
     return_logprob: bool | list[bool] = False
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    logprob_start_len: int | list[int] | None = None  # accepted for SGLang clients; output logprobs only
-    data_parallel_rank: int | None = None  # accepted for SGLang clients; the server picks the DP group
+    logprob_start_len: int | list[int] | None = None  # with return_logprob: input_token_logprobs from here
+    data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # Written by sglang-router into every /generate body (unsupported_sglang_field names what cannot be done):
+    model: str | None = None  # accepted, unused: one model per server
+    log_metrics: bool = True  # accepted: /metrics always counts every request
+    no_logs: bool = False  # accepted: request bodies are never logged
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
 class AbortRequest(_Body):
@@ -100,7 +135,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingExtras(_Body):
+class _SamplingExtras(_SGLangFields):
     """Fields of SGLang's and vLLM's OpenAI endpoints beyond OpenAI's own (`extra_body` of the openai client)."""
 
     top_k: int | None = None
@@ -111,6 +146,7 @@ class _SamplingExtras(_Body):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    data_parallel_rank: int | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -136,6 +172,7 @@ class CompletionRequest(_OpenAICommon):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | TokenIdBatch
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -173,3 +210,8 @@ class ChatCompletionRequest(_OpenAICommon):
     service_tier: str | None = None  # accepted, unused
     reasoning_effort: str | None = None  # accepted, unused
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
+    # SGLang's reasoning-parser switches (sglang-router always sends them): without a reasoning parser, which
+    # moeserve does not have, SGLang returns the model's text as content whatever they say, and so does moeserve.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True

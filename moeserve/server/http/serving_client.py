@@ -38,6 +38,7 @@ class ServingClient(Protocol):
     tokenizer: Tokenizer | None
     context_length: int  # most tokens of one request (prompt + output), as the ranks report it
     max_total_tokens: int  # KV cache tokens of one DP group: most tokens one request can hold
+    weight_format: str  # what the weights are, as the ranks loaded them ('bfloat16', 'fp8 e4m3 128x128 blocks ...')
     validator: RequestValidator  # prompt limits and tokenizing off the event loop (the chat endpoint's too)
 
     @property

@@ -1,0 +1,98 @@
+"""`moeserve bench one-batch --profile`: a torch-profiler trace of decode steps and the per-part table.
+
+The steps run as they serve (CUDA graphs replayed where they are on), so the parts are told apart by the device
+kernels' names (ordered rules below; the first that matches wins): routed experts, dispatch / combine, attention,
+norms, dense GEMMs (projections, shared experts, LM head), other device work; `host` is the wall time of the steps
+left when the device was idle (launches, scheduling, sampling's host side). The kernels no rule names are listed
+too, so a miss shows.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+# (part, regex over the kernel name), in order. Names: Triton kernels by function name, torch's by their C++ name.
+PARTS: list[tuple[str, str]] = [
+    ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
+    ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|index_select|indexSelect|index_put|scatter|gather|"
+                 r"sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
+    ("norms", r"_rms_norm_kernel|rms_norm|RowwiseMoments|norm"),
+    ("attention", r"softmax|Softmax|attention|fmha|flash|cutlass_75|bmm|rotary|rope"),
+    ("dense GEMMs", r"gemm|gemv|nvjet|xmma|cutlass|sm90"),
+]
+
+
+def classify(name: str) -> str:
+    for part, pattern in PARTS:
+        if re.search(pattern, name):
+            return part
+    return "other"
+
+
+def _kernel_events(prof) -> list[tuple[str, float]]:
+    """(name, device microseconds) of every device kernel (and copy) in the profile, from kineto's raw events."""
+    out = []
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        for ev in raw.events():
+            if ev.device_type() == torch.autograd.DeviceType.CUDA:
+                out.append((ev.name(), ev.duration_ns() / 1e3))
+        return out
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            out.append((e.name, e.device_time_total))
+    return out
+
+
+def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | None) -> dict:
+    """Run `step` num_steps times under the profiler; per-part milliseconds per step, plus the trace (gzipped)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
+    parts: dict[str, float] = defaultdict(float)
+    misses: dict[str, float] = defaultdict(float)
+    kernels = _kernel_events(prof)
+    for name, us in kernels:
+        part = classify(name)
+        parts[part] += us / 1e3 / num_steps
+        if part == "other":
+            misses[name] += us / 1e3 / num_steps
+    device_ms = sum(parts.values())
+    if trace_path:
+        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+        raw = trace_path.removesuffix(".gz")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(raw)
+    return {"step_ms": wall_ms, "device_ms": device_ms, "host_ms": max(wall_ms - device_ms, 0.0),
+            "kernels_per_step": len(kernels) / num_steps, "parts_ms": dict(parts),
+            "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8])}
+
+
+def format_table(label: str, r: dict) -> str:
+    """The per-part table, one line a part, in the order of PARTS. label: e.g. 'decode step at batch 64'."""
+    lines = [f"{label}: {r['step_ms']:.2f} ms wall, {r['device_ms']:.2f} ms of kernels "
+             f"({r['kernels_per_step']:.0f} a step)"]
+    for part in [p for p, _ in PARTS] + ["other"]:
+        ms = r["parts_ms"].get(part, 0.0)
+        lines.append(f"  {part:12s} {ms:8.3f} ms  {100 * ms / max(r['step_ms'], 1e-9):5.1f}%")
+    lines.append(f"  {'host':12s} {r['host_ms']:8.3f} ms  {100 * r['host_ms'] / max(r['step_ms'], 1e-9):5.1f}%"
+                 "  (wall time the device was not running kernels)")
+    for name, ms in r["other_top"].items():
+        lines.append(f"    other: {ms:.3f} ms  {name[:100]}")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""FP8 block quantization, DeepSeek-V3's recipe (e4m3, 128-wide blocks, scales in float32).
+
+    weights      w [..., N, K]  ->  q [..., N, K] e4m3,  scale_inv [..., ceil(N/128), ceil(K/128)]
+                 one scale per 128 x 128 block; w ~= q * scale_inv (DeepSeek's `weight_dequant` multiplies)
+    activations  x [..., K]     ->  q [..., K] e4m3,     scale [..., ceil(K/128)]
+                 one scale per token and group of 128 along K, computed on the fly (activation_scheme dynamic)
+
+A block's scale is amax(|block|) / 448, the largest e4m3 value, so the block's largest entry lands on 448. A
+partial block at the end of a dimension (N or K not a multiple of 128) is quantized by what it holds, as
+DeepSeek's ceil-shaped scales imply. An all-zero block gets a tiny floor scale (0 stays 0; no division by 0).
+
+`quantize_activations` takes the Triton kernel for CUDA tensors (kernels/triton_ops/fp8_quant.py), else
+`quantize_activations_reference`; both have the same signature and, on the GPU, the same bits (both round to
+nearest even; Triton 3.9's CPU interpreter drops some round-up carries, see tests/kernels/test_fp8_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.kernels.fp8_format import (  # noqa: F401 - the format's names, for the recipe's callers
+    ACT_SCALE_FLOOR,
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    WEIGHT_SCALE_FLOOR,
+    num_blocks,
+)
+from moeserve.kernels.triton_available import use_triton
+
+
+def _pad_to_blocks(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    pad: list[int] = []
+    for d in range(t.dim() - 1, -1, -1):  # F.pad lists the last dimension first
+        pad += [0, num_blocks(t.shape[d]) * BLOCK - t.shape[d]] if d in dims else [0, 0]
+    return torch.nn.functional.pad(t, pad) if any(pad) else t
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float -> (q [..., N, K] e4m3, scale_inv [..., ceil(N/128), ceil(K/128)] float32)."""
+    *lead, n, k = w.shape
+    nb, kb = num_blocks(n), num_blocks(k)
+    padded = _pad_to_blocks(w.float(), (w.dim() - 2, w.dim() - 1))
+    blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=WEIGHT_SCALE_FLOOR) / FP8_MAX  # [..., nb, kb]
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].contiguous()
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., N, K] e4m3 and scale_inv [..., ceil(N/128), ceil(K/128)] -> q * scale_inv [..., N, K] in `dtype`."""
+    n, k = q.shape[-2:]
+    assert scale_inv.shape[-2:] == (num_blocks(n), num_blocks(k)), (tuple(q.shape), tuple(scale_inv.shape))
+    s = scale_inv.repeat_interleave(BLOCK, dim=-2)[..., :n, :].repeat_interleave(BLOCK, dim=-1)[..., :k]
+    return (q.float() * s).to(dtype)
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32): per token, per group of 128 along K."""
+    k = x.shape[-1]
+    kb = num_blocks(k)
+    groups = _pad_to_blocks(x.float(), (x.dim() - 1,)).view(*x.shape[:-1], kb, BLOCK)
+    scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(*x.shape[:-1], kb * BLOCK)[..., :k].contiguous(), scale
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., K] e4m3, scale [..., ceil(K/128)] -> q * scale [..., K] in `dtype`."""
+    k = q.shape[-1]
+    return (q.float() * scale.repeat_interleave(BLOCK, dim=-1)[..., :k]).to(dtype)
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through FP8 per token and group of 128, back in x's dtype: what an FP8 GEMM sees of x (for the CPU
+    layers, which multiply by dequantized weights)."""
+    return dequantize_activations(*quantize_activations_reference(x), x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32), the Triton kernel on CUDA."""
+    if use_triton(x):
+        from moeserve.kernels.triton_ops.fp8_quant import quantize_activations as triton_quantize
+
+        return triton_quantize(x)
+    return quantize_activations_reference(x)

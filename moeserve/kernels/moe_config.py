@@ -1,0 +1,71 @@
+"""Tuned launch configurations of the Triton MoE kernels, read from JSON tables (the way SGLang's and vLLM's
+fused-MoE configs work).
+
+One file per (op, shape, dtype, device): configs/<op>/E=<E>,N=<N>,K=<K>,device_name=<name>,dtype=<dtype>.json,
+mapping a row count M (pairs in the layout, T * top_k) to a launch configuration
+{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} (or {"backend": "torch"} where torch's grouped GEMM
+measured faster); a launch takes the entry of the nearest M.
+N is the op's output width (I for the gate/up GEMM with SiLU fused, H for the down GEMM), K its reduction size.
+scripts/gpu/tune_moe.py writes them; without a file, `default_config` picks by the rows per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def device_name(device: torch.device | None = None) -> str:
+    """The name a table is keyed by, e.g. NVIDIA_H200 ('cpu' without CUDA)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return _device_name(torch.device(device).index if device is not None else None)
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def config_file(op: str, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> Path:
+    dt = str(dtype).removeprefix("torch.")
+    return CONFIG_DIR / op / f"E={E},N={N},K={K},device_name={device},dtype={dt}.json"
+
+
+@functools.cache
+def _load(path: str) -> dict[int, dict]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {int(m): cfg for m, cfg in json.load(f).items()}
+
+
+def default_config(M: int, E: int) -> dict:
+    """A configuration by the average rows per expert: small tiles that stream the weights at decode sizes,
+    large ones that feed the tensor cores at prefill sizes."""
+    per_expert = M / max(E, 1)
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def get_config(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype,
+               device: torch.device | None = None) -> dict:
+    """The tuned entry nearest M for this op and shape, else `default_config` (a fresh dict each call)."""
+    return dict(_lookup(op, M, E, N, K, dtype, device_name(device)))
+
+
+@functools.lru_cache(maxsize=4096)  # once per (op, shape, M): eager prefill steps pay this on every layer's launch
+def _lookup(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> dict:
+    table = _load(str(config_file(op, E, N, K, dtype, device)))
+    if not table:
+        return default_config(M, E)
+    return table[min(table, key=lambda m: abs(m - M))]

@@ -1,0 +1,71 @@
+"""Triton block-scaled FP8 GEMM (moeserve/kernels/fp8_gemm.py): a [M, K] e4m3 with per-row scales per 128 columns,
+b [N, K] e4m3 with one scale per 128 x 128 block.
+
+A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale group: each step's fp8 dot product
+is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
+fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
+at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.fp8_format import BLOCK
+
+DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
+                      stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
+    rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends."""
+    ks = tl.arange(0, GROUP)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = bs_ptr + (cols // GROUP) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, GROUP)):
+        k_ok = ks < K - kb * GROUP
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += GROUP
+        b_ptrs += GROUP
+    return acc
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
+                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok, col_ok = rows < M, cols < N
+    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
+                            stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+             out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """xq [M, K] e4m3, x_scale [M, ceil(K/128)], w [N, K] e4m3, w_scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    m, k = xq.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and xq.stride(1) == 1 and w.stride(1) == 1, (xq.shape, w.shape)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0), w.stride(0),
+                           w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,125 @@
+"""Triton grouped GEMM over the MoE layouts (moeserve/kernels/moe_gemm.py), with SiLU-and-mul fused.
+
+One kernel serves both layouts. A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows:
+- contiguous: program m finds its (expert, tile) from the per-expert tile counts (a prefix sum over E in
+  registers), so segments need no padding to the block and experts without rows launch nothing that works;
+  the grid is the static bound cdiv(M, BLOCK_M) + min(E, M) (extra programs return at once: graph safe);
+- masked: program m is tile m % tiles of expert m // tiles; tiles past masked_m[e] return at once.
+With SILU, w is [gate; up] ([E, 2I, K]): the program accumulates the gate and up columns n and I + n together and
+writes silu(gate) * up, so the [M, 2I] intermediate never reaches memory. fp32 accumulation; output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.moe_config import default_config, get_config
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
+                     stride_am, stride_we, stride_wn, stride_om,
+                     E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if MASKED:
+        e = pid_m // tiles_per_expert
+        tile = pid_m % tiles_per_expert
+        start = e * cap
+        count = tl.minimum(tl.load(counts_ptr + e), cap)
+    else:
+        ei = tl.arange(0, E_P2)
+        tiles = (tl.load(counts_ptr + ei, mask=ei < E, other=0) + BLOCK_M - 1) // BLOCK_M
+        incl = tl.cumsum(tiles, 0)
+        e = tl.sum((incl <= pid_m).to(tl.int32), 0)  # the first expert whose tiles reach past pid_m
+        tile = pid_m - tl.sum(tl.where(ei < e, tiles, 0), 0)
+        e = tl.minimum(e, E - 1)  # programs past the last tile: any expert, `count` below stops them
+        start = tl.load(starts_ptr + e)
+        count = tl.where(tile < tl.sum(tl.where(ei == e, tiles, 0), 0), tl.load(counts_ptr + e), 0)
+    if tile * BLOCK_M >= count:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (start + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = ks < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # Triton's interpreter gets bf16 dots wrong (3.9): the CPU tests multiply in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SILU:
+            u = tl.load(b_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_ptrs = out_ptr + (start + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+_MOE_GEMM = DirectLauncher(_moe_gemm_kernel)
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, counts: torch.Tensor, out: torch.Tensor,
+            *, masked: bool, silu: bool, cap: int, rows: int, config: dict | None) -> None:
+    E, n_w, K = w.shape
+    N = n_w // 2 if silu else n_w
+    assert a.stride(-1) == 1 and w.stride(-1) == 1 and a.shape[-1] == K, (a.shape, a.stride(), w.shape)
+    cfg = config or get_config("moe_gemm_silu" if silu else "moe_gemm", rows, E, N, K, w.dtype, w.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if cfg.get("backend") == "torch":  # a table entry for the contiguous picker; the masked kernel runs anyway
+        cfg = default_config(rows, E)
+    if masked:
+        tiles = triton.cdiv(cap, bm)
+        grid_m = E * tiles
+    else:
+        tiles = 0
+        grid_m = triton.cdiv(rows, bm) + min(E, rows)
+    if grid_m == 0:
+        return
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
+    _MOE_GEMM((grid_m, triton.cdiv(N, bn)),
+        a, w, out, counts if starts is None else starts, counts, N, K, cap, tiles,
+        a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
+        E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+             silu: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Same signature as moeserve.kernels.moe_gemm.moe_gemm_reference (config: a launch configuration that
+    overrides the table; the tuner passes it)."""
+    N = w.shape[1] // 2 if silu else w.shape[1]
+    out = x.new_empty(x.shape[0], N)
+    _launch(x, w, expert_offsets, num_tokens_per_expert, out, masked=False, silu=silu, cap=0, rows=x.shape[0],
+            config=config)
+    return out
+
+
+def moe_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor, silu: bool = False,
+                    config: dict | None = None) -> torch.Tensor:
+    """Same signature as moeserve.kernels.moe_gemm.moe_gemm_masked_reference."""
+    E, cap, _ = x.shape
+    N = w.shape[1] // 2 if silu else w.shape[1]
+    out = x.new_empty(E, cap, N)
+    # the table is keyed by the rows the experts may hold (E * cap); decode batches fill a few per expert
+    _launch(x.reshape(E * cap, -1), w, None, masked_m, out.view(E * cap, N), masked=True, silu=silu, cap=cap,
+            rows=E * cap, config=config)
+    return out

@@ -1,0 +1,139 @@
+"""The scheduler's side of PD disaggregation: what it does for disagg/decode.py's and disagg/prefill.py's state
+machines (reserve and free pages, queue and detach requests, answer them), and building them for a rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from moeserve.args import ServerArgs
+from moeserve.disagg.control import ControlChannel, advertised_host
+from moeserve.disagg.decode import DecodeRooms
+from moeserve.disagg.liveness import Heartbeat
+from moeserve.disagg.prefill import PrefillRooms
+from moeserve.disagg.transfer.base import kv_buffers
+from moeserve.disagg.transfer.registry import backend_class
+from moeserve.rank.io_struct import FinishReason
+from moeserve.rank.request import Req
+
+if TYPE_CHECKING:
+    from moeserve.rank.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class PDHost:
+    """Mixed into Scheduler: `self.pd` is None outside PD mode, else the side's rooms."""
+
+    pd: DecodeRooms | PrefillRooms | None = None
+
+    # ------------------------------------------------------------------ decode
+    def pd_reserve(self, req: Req) -> list[int] | None:
+        """A slot and pages for the prompt's KV, if the pool can spare them beside the running requests' needs."""
+        held = self.running + self.pd.reserved_reqs()
+        if len(held) >= self.max_running:
+            return None
+        n = len(req.input_ids)
+        need = self._pages_for(n)
+        if held and need + self._reserved_pages(held + [req]) > self._available_pages():
+            return None
+        row = self.req_table.alloc()
+        if row is None:
+            return None
+        slots = self.allocator.extend_slots(0, -1, n)
+        if slots is None:
+            self.req_table.free(row)
+            return None
+        req.row, req.prefix_len, req.kv_len = row, 0, n
+        self.req_table.write(row, 0, slots)
+        return [s // self.page_size for s in slots[:: self.page_size]]
+
+    def pd_activate(self, req: Req, done: dict[str, Any]) -> None:
+        """The prompt's KV arrived with the first token: the request decodes from here."""
+        req.output_ids.append(int(done["token"]))
+        if req.asked.return_logprob:
+            req.logprobs.append(done.get("logprob"))
+            req.top_logprobs.append([tuple(x) for x in done.get("top_logprobs") or []])
+        req.cached_tokens = int(done.get("cached_tokens", 0))
+        self.stats.generated += 1
+        self._check_finish(req)
+        if req.finished:
+            self._release(req, cache=False)
+            self.reqs.pop(req.rid, None)
+            self.pending_out.append(req.take_output())
+            return
+        self.running.append(req)
+        if req.asked.stream:
+            self.pending_out.append(req.take_output())
+
+    def pd_fail(self, req: Req, message: str, status: int) -> None:
+        req.finish_reason = FinishReason("abort", message=message, status_code=status)
+        self.pending_out.append(req.take_output())
+        self.reqs.pop(req.rid, None)
+
+    # ------------------------------------------------------------------ prefill
+    def pd_enqueue(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def pd_detach(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+
+    def pd_src_pages(self, req: Req, num_pages: int) -> list[int]:
+        ps = self.page_size
+        return (self.req_table.table[req.row, : num_pages * ps : ps] // ps).tolist()
+
+    def pd_release(self, req: Req, cache: bool = False) -> None:
+        self._release(req, cache=cache)
+
+    def pd_finish(self, req: Req, error: str | None) -> None:
+        if error is not None:
+            req.finish_reason = FinishReason("abort", message=error, status_code=503)
+        self.pending_out.append(req.take_output())
+        self.reqs.pop(req.rid, None)
+
+    def pd_prompt_len(self, req: Req) -> int:
+        return len(req.input_ids)
+
+    @staticmethod
+    def pd_first(req: Req) -> dict[str, Any]:
+        """What decode needs of the prefill's one sampled token."""
+        return {"token": req.output_ids[0], "cached_tokens": req.cached_tokens,
+                "logprob": req.logprobs[0] if req.logprobs else None,
+                "top_logprobs": req.top_logprobs[0] if req.top_logprobs else None}
+
+
+def make_pd_rooms(args: ServerArgs, runner: ModelRunner, scheduler: PDHost, dp_rank: int) -> DecodeRooms | PrefillRooms:
+    """The PD state machine of one attention group's leader rank, with its transfer backend and control socket;
+    a prefill rank registers with its server's bootstrap server."""
+    from moeserve.disagg.bootstrap import register_rank
+
+    peer_host = args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None
+    host = advertised_host(args.host, peer_host)
+    buffers = kv_buffers(runner.kv_pool)
+    backend = backend_class(args.disaggregation_transfer_backend)(
+        buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disaggregation_ib_device)
+    channel = ControlChannel(args.host, host, args.api_key)
+    identity = {"architecture": runner.config.architecture, "num_layers": runner.config.num_hidden_layers,
+                "page_size": args.page_size, "page_bytes": backend.page_bytes,
+                "backend": args.disaggregation_transfer_backend}
+    heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,
+                          args.disaggregation_heartbeat_timeout)
+    if args.disaggregation_mode == "decode":
+        rooms: DecodeRooms | PrefillRooms = DecodeRooms(scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
+                           args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout)
+    else:
+        rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size, args.disaggregation_bootstrap_timeout,
+                             args.disaggregation_transfer_timeout,
+                             debug_failure_prob=args.disaggregation_debug_failure_prob,
+                             seed=args.random_seed + dp_rank)
+        node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
+        register_rank(node0, args.disaggregation_bootstrap_port,
+                      {"dp_rank": dp_rank, "addr": channel.addr, "hb": heartbeat.addr, "identity": identity}, args.api_key)
+    logger.info("PD %s rank of DP group %d: control %s, %s backend, %d KV buffers", args.disaggregation_mode,
+                dp_rank, channel.addr, backend.name, len(buffers))
+    return rooms

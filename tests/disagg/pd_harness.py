@@ -1,0 +1,104 @@
+"""A prefill side and a decode side in the test process: two schedulers and model runners with their PD state
+machines, the zmq backend between them and a real bootstrap server, stepped in turn. The PD logic without
+processes or HTTP; the colocated reference is tests/rank/inprocess.py's engine on the same flags."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from moeserve.args import ServerArgs
+from moeserve.disagg.bootstrap import BootstrapServer
+from moeserve.rank.io_struct import GenerateReq, TokenOut
+from moeserve.rank.model_runner import ModelRunner
+from moeserve.rank.pd_host import make_pd_rooms
+from moeserve.rank.sampling_params import SamplingParams
+from moeserve.rank.scheduler import Scheduler
+from moeserve.rank.worker import run_step
+from moeserve.server.launch import free_port
+
+
+@dataclass
+class Side:
+    args: ServerArgs
+    runner: ModelRunner
+    scheduler: Scheduler
+    outs: dict[str, list[TokenOut]] = field(default_factory=dict)
+
+    def step(self) -> None:
+        self.scheduler.pd.poll()
+        for o in run_step(self.scheduler, self.runner) + self.scheduler.drain_pending():
+            self.outs.setdefault(o.rid, []).append(o)
+
+    def free_pages(self) -> int:
+        s = self.scheduler
+        assert s.flush_cache(), "requests still in flight"
+        return s.allocator.num_free_pages
+
+
+class PDPair:
+    """Prefill + decode of one model; `run` sends prompts to both sides as sglang-router does."""
+
+    def __init__(self, prefill_kwargs: dict | None = None, decode_kwargs: dict | None = None, **common):
+        self.port = free_port()
+        self.bootstrap = BootstrapServer("127.0.0.1", self.port, common.get("api_key"), 1)
+        common = {"disaggregation_transfer_backend": "zmq", "dtype": "float32",
+                  "disaggregation_heartbeat_timeout": 30.0, **common}  # one thread steps both: no false deaths
+        self.prefill = self._side("prefill", {**common, **(prefill_kwargs or {})})
+        self.decode = self._side("decode", {**common, **(decode_kwargs or {})})
+        self.rng = random.Random(0)
+
+    def _side(self, mode: str, kwargs: dict) -> Side:
+        args = ServerArgs.from_kwargs(disaggregation_mode=mode, disaggregation_bootstrap_port=self.port, **kwargs)
+        runner = ModelRunner(args)
+        sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids)
+        sched.pd = make_pd_rooms(args, runner, sched, 0)
+        return Side(args, runner, sched)
+
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
+               top_logprobs_num: int = 0, to_prefill: bool = True, to_decode: bool = True) -> int:
+        room = self.rng.getrandbits(63)
+        req = GenerateReq(rid, ids, params, return_logprob, top_logprobs_num, False, bootstrap_host="127.0.0.1",
+                          bootstrap_port=self.port, bootstrap_room=room)
+        if to_prefill:
+            self.bootstrap.assign_room(room, 0)
+            self.prefill.scheduler.add_request(req)
+        if to_decode:
+            self.decode.scheduler.add_request(req)
+        return room
+
+    def finished(self, side: Side, rid: str) -> bool:
+        return any(o.finish_reason is not None for o in side.outs.get(rid, []))
+
+    def step_until(self, done, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if done():
+                return
+            self.prefill.step()
+            self.decode.step()
+        raise AssertionError("the PD pair did not get there")
+
+    def result(self, rid: str) -> dict:
+        outs = self.decode.outs[rid]
+        return {"output_ids": [t for o in outs for t in o.new_token_ids], "finish_reason": outs[-1].finish_reason,
+                "cached_tokens": outs[-1].cached_tokens,
+                "logprobs": [lp for o in outs for lp in (o.logprobs or [])]}
+
+    def run(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool = False) -> list[dict]:
+        rids = [f"r{self.rng.getrandbits(32)}-{i}" for i in range(len(prompts))]
+        for rid, ids in zip(rids, prompts, strict=True):
+            self.submit(rid, ids, params, return_logprob)
+        self.step_until(lambda: all(self.finished(self.decode, r) and self.finished(self.prefill, r) for r in rids))
+        return [self.result(r) for r in rids]
+
+    def idle(self) -> bool:
+        return not (self.prefill.scheduler.pd.busy or self.decode.scheduler.pd.busy
+                    or self.prefill.scheduler.has_work() or self.decode.scheduler.has_work())
+
+    def close(self) -> None:
+        for side in (self.prefill, self.decode):
+            pd = side.scheduler.pd
+            pd.close()
+            pd.channel.close()
+            pd.backend.close()
+        self.bootstrap.close()

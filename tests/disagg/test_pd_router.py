@@ -1,0 +1,84 @@
+"""sglang-router (PyPI) in PD mode, unchanged, in front of one prefill and one decode server on the embedded model
+(the zmq backend): its start-up checks pass, and /generate, /v1/completions and /v1/chat/completions through it,
+streamed and not, with logprobs, give the colocated engine's greedy tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from moeserve.server.launch import free_port
+from tests.disagg.pd_procs import sse_events, start
+from tests.disagg.test_pd_server import NEW, _prompts, _reference
+
+pytest.importorskip("sglang_router", reason="sglang-router is not installed (it is in the test extra)")
+pytestmark = pytest.mark.slow
+
+
+def _start_router(prefill, decode, tmp_path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+           "--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:  # it routes only once its checks of both workers passed
+        assert proc.poll() is None, f"router exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200 and httpx.post(
+                    url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}},
+                    timeout=30).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"router never routed:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+def test_sglang_router_pd(tmp_path):
+    prompts = _prompts(4, 9)
+    ref = _reference(prompts)
+    prefill = start("prefill", tmp_path)
+    decode = start("decode", tmp_path)
+    router = None
+    try:
+        router, url = _start_router(prefill, decode, tmp_path)
+        sp = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        for i, ids in enumerate(prompts[:2]):
+            r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, "return_logprob": True},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == ref[i]["output_ids"]
+            lps = [x[0] for x in r.json()["meta_info"]["output_token_logprobs"]]
+            assert lps == pytest.approx(ref[i]["logprobs"], abs=1e-4)
+        r = httpx.post(url + "/generate", json={"input_ids": prompts[2], "sampling_params": sp, "stream": True},
+                       timeout=120)
+        assert sse_events(r)[-1]["output_ids"] == ref[2]["output_ids"]
+
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        # (the router's own body parser takes text prompts only on /v1/completions)
+        c = oai.completions.create(model="default", prompt="Once upon a time", max_tokens=NEW, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        direct = httpx.post(url + "/generate", json={"text": "Once upon a time", "sampling_params": sp}, timeout=120)
+        assert c.choices[0].finish_reason == "length" and c.choices[0].text == direct.json()["text"]
+        msgs = [{"role": "user", "content": "Tell me about the sea."}]
+        whole = oai.chat.completions.create(model="default", messages=msgs, max_tokens=NEW, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        streamed = oai.chat.completions.create(model="default", messages=msgs, max_tokens=NEW, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+        text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+        assert text == whole.choices[0].message.content and text
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        prefill.stop()
+        decode.stop()
