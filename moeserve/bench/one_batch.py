@@ -4,7 +4,12 @@ The batch runs through the real scheduler and model runner in this process (no H
 `batch_size` prompts of `input_len` random tokens, then decode steps until each has `output_len` tokens.
 With --compare-transformers the same shapes run through transformers' `generate` on the same checkpoint
 (or, with --load-format dummy, on a model built from the same config.json with its own random weights) in the
-same run, and the ratio is printed.
+same run, and the ratio is printed. With --load-format dummy, transformers loads moeserve's dummy weights
+(written to a temporary checkpoint), so the two run the same model.
+
+The greedy tokens of moeserve's first measured round are compared with transformers' on the same prompts: the
+report says how many requests' tokens are equal, and for any other where they first differ and transformers' gap
+between its two best logits there (a near tie, under 1e-4, is a rounding difference, not an error).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.bench.results import append_results
+from moeserve.layers.weights import model_weight_specs
 from moeserve.models.default_model import resolve_model_path
+from moeserve.models.loader import dummy_tensor
 
 
 def _sync(device: torch.device) -> None:
@@ -39,8 +46,11 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
 
 
 def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                 warmup: bool = True, repeat: int = 1, profile_dir: str | None = None, runner=None) -> dict:
-    """runner: a ModelRunner to reuse (one load and one set of CUDA-graph captures for several batch sizes)."""
+                 warmup: bool = True, repeat: int = 1, profile_dir: str | None = None, runner=None,
+                 dummy_weights: bool = False) -> dict:
+    """The timed rounds; the first's prompts and tokens under "prompts" and "tokens", and with dummy_weights
+    (and --load-format dummy) every checkpoint tensor under "checkpoint", for the comparison with transformers.
+    runner: a ModelRunner to reuse (one load and one set of CUDA-graph captures for several batch sizes)."""
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.sampling_params import SamplingParams
@@ -52,35 +62,47 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
 
     def one_round(tag: str) -> dict:
         sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
-        for i in range(batch_size):
-            ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
+        prompts = [torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
+                   for _ in range(batch_size)]
+        tokens: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(batch_size)}
+        for i, ids in enumerate(prompts):
             params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
             sched.add_request(GenerateReq(f"{tag}{i}", ids, params))
         _sync(runner.device)
         t0 = time.perf_counter()
         prefill_steps = 0
         while sched.waiting or sched.chunked:
-            run_step(sched, runner)
+            _collect(tokens, run_step(sched, runner))
             prefill_steps += 1
         _sync(runner.device)
         t1 = time.perf_counter()
         decode_steps = 0
         while sched.has_work():
-            run_step(sched, runner)
+            _collect(tokens, run_step(sched, runner))
             decode_steps += 1
         _sync(runner.device)
         t2 = time.perf_counter()
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_steps": prefill_steps,
-                "decode_steps": decode_steps}
+                "decode_steps": decode_steps, "prompts": prompts, "tokens": list(tokens.values())}
 
     if warmup:
         one_round("warmup")
-    r = _median_round([one_round(f"run{i}-") for i in range(repeat)], batch_size, input_len, output_len)
+    rounds = [one_round(f"run{i}-") for i in range(repeat)]
+    r = _median_round(rounds, batch_size, input_len, output_len)
     if profile_dir is not None:
         r["profile"] = _profile_round(args, runner, batch_size, input_len, gen, profile_dir)
     r["device"] = str(runner.device)
     r["dtype"] = str(runner.dtype)
+    r["prompts"], r["tokens"] = rounds[0]["prompts"], rounds[0]["tokens"]  # for the token check, not the report
+    if dummy_weights and args.load_format == "dummy":
+        r["checkpoint"] = {s.key: dummy_tensor(s.key, s.shape, runner.dtype, torch.device("cpu"), args.random_seed)
+                           for s in model_weight_specs(runner.model)}
     return r
+
+
+def _collect(tokens: dict[str, list[int]], outs) -> None:
+    for o in outs or []:
+        tokens[o.rid].extend(o.new_token_ids)
 
 
 def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, gen: torch.Generator,
@@ -116,8 +138,9 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
 
 
 def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_len: int, seed: int,
-                     repeat: int = 1) -> dict:
-    """transformers' generate with the same shapes (greedy, no EOS stop)."""
+                     repeat: int = 1, check: dict | None = None) -> dict:
+    """transformers' generate with the same shapes (greedy, no EOS stop). `check`: moeserve's result (its dummy
+    weights under "checkpoint", its prompts and tokens): the same weights are loaded and the tokens compared."""
     import transformers
 
     from moeserve.rank.model_runner import resolve_device
@@ -125,7 +148,9 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
     device = resolve_device(args.device)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    if args.load_format == "dummy":
+    if args.load_format == "dummy" and check is not None and "checkpoint" in check:
+        model = _load_dummy_checkpoint(args.model_path, check.pop("checkpoint"), dtype).to(device)
+    elif args.load_format == "dummy":
         config = transformers.AutoConfig.from_pretrained(args.model_path)
         torch.manual_seed(seed)
         with torch.device(device):
@@ -133,6 +158,7 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype or "auto").to(device)
     model.eval()
+    tokens = _compare_tokens(model, check, output_len, device) if check is not None else None
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, input_len), generator=gen).to(device)
     mask = torch.ones_like(ids)
@@ -151,7 +177,67 @@ def run_transformers(args: ServerArgs, batch_size: int, input_len: int, output_l
             t2 = time.perf_counter()
             # generate's time minus one prefill: its decode steps
             rounds.append({"prefill_s": t1 - t0, "decode_s": max((t2 - t1) - (t1 - t0), 1e-9)})
-    return _median_round(rounds, batch_size, input_len, output_len)
+    r = _median_round(rounds, batch_size, input_len, output_len)
+    if tokens is not None:
+        r["tokens"] = tokens
+    return r
+
+
+def _load_dummy_checkpoint(config_dir: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None):
+    """transformers' model of config_dir with moeserve's dummy weights (saved to a temporary checkpoint, which
+    transformers reads with its own key conversions)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="moeserve-bench-") as tmp:
+        shutil.copy(Path(config_dir) / "config.json", tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(tmp) / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype or "auto")
+
+
+NEAR_TIE = 1e-4  # transformers' top-2 logit gap under which a different greedy token is a rounding difference
+
+
+def _compare_tokens(model, check: dict, output_len: int, device: torch.device) -> dict:
+    """transformers' greedy tokens on moeserve's prompts against moeserve's: requests equal, and for the others
+    the first differing position and transformers' top-2 logit gap there."""
+    import copy
+
+    prompts = torch.tensor(check["prompts"], device=device)
+    # moeserve's ignore_eos may choose the EOS token and go on, where min_new_tokens would forbid it and an EOS
+    # would end (pad) the sequence: transformers is told of no EOS token for this call.
+    saved = copy.deepcopy(model.generation_config), model.config.eos_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    finally:
+        model.generation_config, model.config.eos_token_id = saved
+    theirs = out.sequences[:, prompts.shape[1]:].tolist()
+    differ = []
+    for b, (ours, ref) in enumerate(zip(check["tokens"], theirs, strict=True)):
+        if ours != ref:
+            j = next((i for i, (a, c) in enumerate(zip(ours, ref, strict=False)) if a != c), min(len(ours), len(ref)))
+            top2 = out.logits[j][b].float().topk(2).values if j < len(out.logits) else None
+            gap = float(top2[0] - top2[1]) if top2 is not None else float("nan")
+            differ.append({"request": b, "position": j, "top2_gap": gap})
+    return {"requests": len(theirs), "equal": len(theirs) - len(differ), "differ": differ,
+            "near_ties_only": all(d["top2_gap"] < NEAR_TIE for d in differ)}
+
+
+def _tokens_line(t: dict) -> str:
+    line = f"  greedy tokens: {t['equal']}/{t['requests']} requests equal to transformers'"
+    if t["differ"]:
+        first = ", ".join(f"request {d['request']} from token {d['position']} (top-2 gap {d['top2_gap']:.1e})"
+                          for d in t["differ"][:4])
+        line += f"; differ: {first}" + (" - near ties only" if t["near_ties_only"] else " - NOT near ties")
+    return line
 
 
 def _free_memory() -> None:
@@ -195,15 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     for bs in ns.batch_size:
         r = {"batch_size": bs, "input_len": ns.input_len, "output_len": ns.output_len,
              "moeserve": run_moeserve(args, bs, ns.input_len, ns.output_len, ns.seed, repeat=ns.repeat,
-                                      profile_dir=ns.profile_dir if ns.profile else None, runner=shared_runner)}
+                                      profile_dir=ns.profile_dir if ns.profile else None, runner=shared_runner,
+                                      dummy_weights=ns.compare_transformers)}
         _free_memory()
         if ns.compare_transformers:
-            r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat)
+            r["transformers"] = run_transformers(args, bs, ns.input_len, ns.output_len, ns.seed, ns.repeat,
+                                                 check=r["moeserve"])
             _free_memory()
             r["decode_speedup"] = r["moeserve"]["decode_tok_s"] / r["transformers"]["decode_tok_s"]
             r["prefill_speedup"] = r["moeserve"]["prefill_tok_s"] / r["transformers"]["prefill_tok_s"]
-        rows.append(r)
         m = r["moeserve"]
+        for key in ("prompts", "tokens", "checkpoint"):
+            m.pop(key, None)
+        rows.append(r)
         line = (f"batch {bs:4d}  in {ns.input_len}  out {ns.output_len}  moeserve: prefill {m['prefill_tok_s']:9.1f} "
                 f"tok/s  decode {m['decode_tok_s']:9.1f} tok/s")
         if ns.compare_transformers:
@@ -211,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             line += (f" | transformers: prefill {t['prefill_tok_s']:9.1f}  decode {t['decode_tok_s']:9.1f}"
                      f" | speedup prefill {r['prefill_speedup']:.2f}x decode {r['decode_speedup']:.2f}x")
         print(line, flush=True)
+        if ns.compare_transformers:
+            low = "" if m["dtype"] == "torch.float32" else f" ({m['dtype']}: roundings differ, tokens may too)"
+            print(_tokens_line(r["transformers"]["tokens"]) + low, flush=True)
         append_results(ns.result_file, [r])
     return 0
 

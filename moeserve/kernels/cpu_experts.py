@@ -8,6 +8,10 @@ a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H,
 `Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32.
 Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill) a GEMM library is faster, and it
 runs the grouped GEMMs instead.
+NOTE: a packed per-column-block weight layout (each expert's [K, 64] column block contiguous, so that the tiles
+stream it and it stays in cache across the row blocks) is not done: the rebalancer (eplb/) writes the experts'
+slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
+the kernel is about 20% of a decode step (docs/BENCHMARKS.md, 2026-12-01); tiles of up to 6 rows took some of it.
 
 The C++ source is compiled on first use (moeserve/kernels/build.py). `load()` returns None (and logs why, once)
 where that is impossible, and callers keep the grouped GEMMs. Under torch.compile the kernels are the custom ops

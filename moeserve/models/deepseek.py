@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
+from moeserve.kernels import cpu_mla_decode
 from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
@@ -76,6 +77,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
+        self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
@@ -102,7 +104,10 @@ class MLAttention(nn.Module):
     def process_weights_after_loading(self, device: torch.device) -> None:
         """The absorbed decode multiplies by W_UK and W_UV directly: kv_b_proj's weight as a plain matrix (the
         parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc)."""
-        self._kv_b_dense = self.kv_b_proj.dense_weight(self.kv_a_layernorm.weight.dtype)
+        dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
+        self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
+        # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
+        self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
@@ -124,9 +129,13 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._kv_b()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
-        cache = meta.kv_pool.get_latent(self.layer_id)[:, None, :]  # [N, 1, r + rope]: the key, one head
-        o_latent = decode_attention(q, cache, self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
-                                    self.scale)  # [B, h, r]: value = the c_kv part of the latent
+        cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
+        if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
+            o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
+                                                 self.scale)  # [B, h, r]
+        else:
+            o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
+                                        self.scale)
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
 
 

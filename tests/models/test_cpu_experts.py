@@ -45,10 +45,22 @@ def _reference(x, w13, w2, offsets, counts) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("H", "inter"), [(64, 32), (40, 20), (136, 72), (256, 128)])
-@pytest.mark.parametrize("counts", [[1, 0, 9, 2, 3], [4, 4, 4, 4, 4], [0, 0, 1, 0, 0]])
+@pytest.mark.parametrize("counts", [[1, 0, 9, 2, 3], [4, 4, 4, 4, 4], [0, 0, 1, 0, 0], [5, 6, 11, 16, 13]])
 def test_kernel_matches_reference(H, inter, counts):
     """Row blocks of 1-4 and their remainders, empty experts, column counts that are not a multiple of 8 or 64."""
     E = len(counts)
+    x, offsets, n = _layout(counts, H)
+    w13, w2 = _weights(E, H, inter)
+    got = cpu_experts.cpu_experts(x, w13, w2, offsets, n)
+    torch.testing.assert_close(got.double(), _reference(x, w13, w2, offsets, n), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_match_reference(seed):
+    """Fresh random sizes: experts, widths and 0-32 rows each (every row-block size and its remainders)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    E, H, inter = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 9), (8, 200), (4, 150)))
+    counts = torch.randint(0, cpu_experts.MAX_ROWS_PER_EXPERT + 1, (E,), generator=gen).tolist()  # the kernel runs
     x, offsets, n = _layout(counts, H)
     w13, w2 = _weights(E, H, inter)
     got = cpu_experts.cpu_experts(x, w13, w2, offsets, n)

@@ -29,6 +29,7 @@ class AttentionMetadata:
     kv_pool: KVPool | None
     out_cache_loc: torch.Tensor  # [T] slots written this step
     kv_indices: torch.Tensor  # [sum(seq_lens)] slots of every request's whole sequence
+    kv_indptr: torch.Tensor  # [B + 1] request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
     rope: torch.Tensor  # [T, 2, rotary_dim] float32: each token's cos and signed sin (RotaryEmbedding.forward)
     extend_lens: list[int]  # host
     seq_lens: list[int]  # host
@@ -41,7 +42,7 @@ class AttentionMetadata:
         # Decode reads no host lengths (torch.compile would guard on every one of them).
         extend = batch.mode.is_extend
         meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
-                   kv_indices=batch.kv_indices, rope=rope, extend_lens=list(batch.extend_lens_cpu) if extend else [],
+                   kv_indices=batch.kv_indices, kv_indptr=batch.kv_indptr, rope=rope, extend_lens=list(batch.extend_lens_cpu) if extend else [],
                    seq_lens=list(batch.seq_lens_cpu) if extend else [])
         if extend:
             meta.extend_plan = ExtendPlan.build(meta.extend_lens, meta.seq_lens, batch.out_cache_loc.device)

@@ -1,0 +1,221 @@
+// MLA decode attention on the CPU, in the weight-absorbed form, straight over the paged latent cache:
+//
+//     s[h, t] = scale * q[b, h] · cache[slot_t]            (the key: the whole latent row [c_kv | k_rope])
+//     o[b, h] = sum_t softmax_t(s[h, :]) * cache[slot_t][:Dv]   (the value: its c_kv part)
+//
+// for t over request b's slots kv_indices[kv_indptr[b] .. kv_indptr[b + 1]). The rows are read where they lie in
+// the pool: no gathered [B, L, D] copy, no padding to the longest request and no mask. All heads of a request
+// share one latent row (multi-query), so a row is loaded once for every head: the score pass keeps one
+// accumulator per head and reads each row once; the value pass reads the row again (a request's rows stay in
+// L2: 2.3 KB each for DeepSeek's 576-wide latent) and adds it, times each head's probability, to the heads'
+// outputs, which stay in L1 ([h, Dv] floats, 8 KB for 4 heads of 512).
+//
+// Plain C++ (GCC/Clang vector extensions) and OpenMP, no torch headers: moeserve/kernels/build.py compiles it on
+// first use, moeserve/kernels/cpu_mla_decode.py calls it through ctypes.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int kMaxHeads = 8;  // heads scored together per work item (more are split into several items)
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x8 load8(const uint16_t* p) {  // bfloat16 -> float: the upper half of the fp32 bits
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float hsum(f32x8 v) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+template <typename C>
+constexpr int64_t kLineElemsOf = 64 / sizeof(C);
+
+// s[j * lds + t] = scale * q_j · row_t for NH heads (q rows ldq apart), D wide; NT rows at a time, so that
+// each vector of q loaded serves NT rows and each vector of a row NH heads.
+template <int NH, int NT, typename C>
+void scores(const float* q, int64_t ldq, const C* cache, const int64_t* idx, int64_t L, int64_t D, float scale,
+            float* s, int64_t lds) {
+  const int64_t Dvec = D / kLanes * kLanes;
+  int64_t t = 0;
+  for (; t + NT <= L; t += NT) {
+    const C* row[NT];
+    for (int i = 0; i < NT; ++i) row[i] = cache + idx[t + i] * D;
+    // The next rows, whole: a request's rows lie apart in the pool (one slot per request and step), each too short
+    // for the hardware prefetcher to get going.
+    const C* next[NT];
+    for (int i = 0; i < NT; ++i) next[i] = cache + idx[t + NT + i < L ? t + NT + i : L - 1] * D;
+    f32x8 acc[NH][NT];
+    for (int j = 0; j < NH; ++j)
+      for (int i = 0; i < NT; ++i) acc[j][i] = f32x8{};
+    for (int64_t d = 0; d < Dvec; d += kLanes) {
+      if (d % kLineElemsOf<C> == 0)
+        for (int i = 0; i < NT; ++i) __builtin_prefetch(next[i] + d);
+      f32x8 r[NT];
+      for (int i = 0; i < NT; ++i) r[i] = load8(row[i] + d);
+      for (int j = 0; j < NH; ++j) {
+        const f32x8 qv = load8(q + j * ldq + d);
+        for (int i = 0; i < NT; ++i) acc[j][i] += qv * r[i];
+      }
+    }
+    for (int j = 0; j < NH; ++j)
+      for (int i = 0; i < NT; ++i) {
+        float v = hsum(acc[j][i]);
+        for (int64_t d = Dvec; d < D; ++d) v += q[j * ldq + d] * to_f32(row[i][d]);
+        s[j * lds + t + i] = scale * v;
+      }
+  }
+  if (NT > 1 && t < L) scores<NH, 1>(q, ldq, cache, idx + t, L - t, D, scale, s + t, lds);
+}
+
+// s[j, :L] -> softmax in place, for nh heads.
+void softmax(float* s, int nh, int64_t L) {
+  for (int j = 0; j < nh; ++j) {
+    float* p = s + j * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = p[t] > m ? p[t] : m;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < L; ++t) {
+      p[t] = std::exp(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < L; ++t) p[t] *= inv;
+  }
+}
+
+// o[j, c0:c0 + 8 NV] = sum_t p[j, t] * row_t[c0:c0 + 8 NV] for NH heads: the NH * NV accumulators stay in
+// registers over all L rows (the rows' pieces come from L2), one store each at the end.
+template <int NH, int NV, typename C>
+inline void value_block(const float* p, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t c0,
+                        float* o, int64_t ldo) {
+  f32x8 acc[NH][NV];
+  for (int j = 0; j < NH; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = f32x8{};
+  for (int64_t t = 0; t < L; ++t) {
+    const C* row = cache + idx[t] * D + c0;
+    f32x8 r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = load8(row + v * kLanes);
+    for (int j = 0; j < NH; ++j) {
+      const f32x8 pj = f32x8{} + p[j * L + t];
+      for (int v = 0; v < NV; ++v) acc[j][v] += pj * r[v];
+    }
+  }
+  for (int j = 0; j < NH; ++j)
+    for (int v = 0; v < NV; ++v) store8(o + j * ldo + c0 + v * kLanes, acc[j][v]);
+}
+
+// o[j, :Dv] = sum_t p[j, t] * row_t[:Dv] for NH heads (o rows ldo apart).
+template <int NH, typename C>
+void values(const float* p, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float* o,
+            int64_t ldo) {
+  constexpr int NV = NH <= 2 ? 4 : (NH <= 4 ? 2 : 1);  // NH * NV <= 8 accumulators
+  int64_t c = 0;
+  for (; c + NV * kLanes <= Dv; c += NV * kLanes) value_block<NH, NV>(p, cache, idx, L, D, c, o, ldo);
+  for (; c + kLanes <= Dv; c += kLanes) value_block<NH, 1>(p, cache, idx, L, D, c, o, ldo);
+  for (; c < Dv; ++c)
+    for (int j = 0; j < NH; ++j) {
+      float v = 0.0f;
+      for (int64_t t = 0; t < L; ++t) v += p[j * L + t] * to_f32(cache[idx[t] * D + c]);
+      o[j * ldo + c] = v;
+    }
+}
+
+// One work item: nh heads of one request, L rows.
+template <int NH, typename C>
+void attend(const float* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float scale,
+            float* s, float* o) {
+  constexpr int NT = NH <= 2 ? 4 : (NH <= 4 ? 2 : 1);  // NH * NT <= 8 score accumulators
+  scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+  softmax(s, NH, L);
+  values<NH>(s, cache, idx, L, D, Dv, o, Dv);
+}
+
+template <typename C>
+void attend_heads(int nh, const float* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv,
+                  float scale, float* s, float* o) {
+  switch (nh) {
+    case 8: attend<8>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 7: attend<7>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 6: attend<6>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 5: attend<5>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 4: attend<4>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 3: attend<3>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 2: attend<2>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    default: attend<1>(q, cache, idx, L, D, Dv, scale, s, o); break;
+  }
+}
+
+template <typename C>
+void mla_decode(const float* q, const C* cache, const int64_t* kv_indices, const int64_t* kv_indptr, int64_t B,
+                int64_t H, int64_t D, int64_t Dv, float scale, float* out, int num_threads) {
+  // Work items: (request, group of up to kMaxHeads heads); a small batch splits its heads further so that every
+  // thread has work.
+  int64_t group = H < kMaxHeads ? H : kMaxHeads;
+  while (group > 1 && B * ((H + group - 1) / group) < num_threads) group = (group + 1) / 2;
+  const int64_t groups = (H + group - 1) / group;
+  const int64_t n_items = B * groups;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> s;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      const int64_t b = i / groups, h0 = (i % groups) * group;
+      const int nh = static_cast<int>(H - h0 < group ? H - h0 : group);
+      const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
+      float* o = out + (b * H + h0) * Dv;
+      if (L <= 0) {  // nothing to attend to: zeros (the reference's empty softmax would be NaN)
+        std::memset(o, 0, nh * Dv * sizeof(float));
+        continue;
+      }
+      if (static_cast<int64_t>(s.size()) < nh * L) s.resize(nh * L);
+      attend_heads<C>(nh, q + (b * H + h0) * D, cache, kv_indices + kv_indptr[b], L, D, Dv, scale, s.data(), o);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [B, H, D] fp32; cache [N, D] fp32 or bf16 by the entry point (the latent rows [c_kv | k_rope]); kv_indices
+// [S] int64 slots in [0, N), request b's at kv_indptr[b] .. kv_indptr[b + 1] ([B + 1] int64); out [B, H, Dv]
+// fp32 = softmax(scale * q · rows) · rows[:, :Dv]. num_threads: OpenMP threads (torch's intra-op count).
+void moeserve_mla_decode_f32(const float* q, const float* cache, const int64_t* kv_indices, const int64_t* kv_indptr,
+                             int64_t B, int64_t H, int64_t D, int64_t Dv, float scale, float* out, int num_threads) {
+  mla_decode<float>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
+}
+
+void moeserve_mla_decode_bf16(const float* q, const uint16_t* cache, const int64_t* kv_indices,
+                              const int64_t* kv_indptr, int64_t B, int64_t H, int64_t D, int64_t Dv, float scale,
+                              float* out, int num_threads) {
+  mla_decode<uint16_t>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
+}
+
+}
