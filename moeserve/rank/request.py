@@ -9,6 +9,8 @@ from moeserve.rank.prompt_logprobs import first_scored_position
 from moeserve.rank.radix_cache import TreeNode
 from moeserve.rank.sampling_params import SamplingParams
 
+NO_POSITION = 1 << 62  # next_scored_position when no prompt position is left to score
+
 
 @dataclass
 class Req:
@@ -30,9 +32,9 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
     # prompt logprobs (prompt_logprobs.py): the next prompt position to score (past the end: none left)
-    next_scored_position: int = 1 << 62
+    next_scored_position: int = NO_POSITION
     input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
     input_logprobs_sent: bool = False
 
     @classmethod
@@ -47,6 +49,13 @@ class Req:
                 req.input_logprobs.append(None)
                 req.input_top_logprobs.append([])
         return req
+
+    def prompt_scored_elsewhere(self) -> None:
+        """PD decode: it never runs the prompt; prefill scores it and the router prepends prefill's
+        input_token_logprobs to this side's, so this side reports an empty list, and no input_top_logprobs (the
+        router does not merge those: an empty list would claim the prompt has no alternatives)."""
+        self.next_scored_position = NO_POSITION
+        self.input_logprobs, self.input_top_logprobs = [], None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -123,9 +123,10 @@ class Scheduler(PDHost):
             return
         if self.args.disaggregation_mode == "prefill":  # prefill samples the first token only
             one = dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, max_new_tokens=1))
-            req = Req(asked=one, stop_token_ids=req.stop_token_ids)
+            req = Req.from_generate(one, self.eos_token_ids)  # (it scores the prompt if asked)
             error = self.pd.add(req, r.bootstrap_room)
         else:
+            req.prompt_scored_elsewhere()
             error = self.pd.add(req, r.bootstrap_room, r.bootstrap_host, r.bootstrap_port)
         if error:
             self._reject(req, error)

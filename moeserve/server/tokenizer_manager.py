@@ -185,7 +185,9 @@ class TokenizerManager:
             num_tokens = len(ids) + params.max_new_tokens
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
                            self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
-            st.scored_prompt_ids = ids[start:] if start >= 0 else []
+            # a decode server's input logprobs are empty: prefill's come first (sglang-router prepends them)
+            decode = self.server_args.disaggregation_mode == "decode"
+            st.scored_prompt_ids = ids[start:] if start >= 0 and not decode else []
             self._rids[rid] = st
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,

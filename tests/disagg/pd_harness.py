@@ -56,10 +56,11 @@ class PDPair:
         return Side(args, runner, sched)
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
-               top_logprobs_num: int = 0, to_prefill: bool = True, to_decode: bool = True) -> int:
+               top_logprobs_num: int = 0, to_prefill: bool = True, to_decode: bool = True,
+               logprob_start_len: int = -1) -> int:
         room = self.rng.getrandbits(63)
         req = GenerateReq(rid, ids, params, return_logprob, top_logprobs_num, False, bootstrap_host="127.0.0.1",
-                          bootstrap_port=self.port, bootstrap_room=room)
+                          bootstrap_port=self.port, bootstrap_room=room, logprob_start_len=logprob_start_len)
         if to_prefill:
             self.bootstrap.assign_room(room, 0)
             self.prefill.scheduler.add_request(req)
@@ -79,15 +80,27 @@ class PDPair:
         raise AssertionError("the PD pair did not get there")
 
     def result(self, rid: str) -> dict:
+        """Decode's answer; the input logprobs are prefill's before decode's, as the router concatenates them
+        (each side's None when it sent none; decode's top alternatives are not merged)."""
         outs = self.decode.outs[rid]
+        inputs = {}
+        for side in ("prefill", "decode"):
+            sent = [o for o in getattr(self, side).outs.get(rid, []) if o.input_logprobs is not None]
+            assert len(sent) <= 1, f"{side} sent input logprobs twice"
+            inputs[side] = sent[0] if sent else None
+        merged = None
+        if inputs["prefill"] is not None and inputs["decode"] is not None:
+            merged = inputs["prefill"].input_logprobs + inputs["decode"].input_logprobs
         return {"output_ids": [t for o in outs for t in o.new_token_ids], "finish_reason": outs[-1].finish_reason,
                 "cached_tokens": outs[-1].cached_tokens,
-                "logprobs": [lp for o in outs for lp in (o.logprobs or [])]}
+                "logprobs": [lp for o in outs for lp in (o.logprobs or [])], "input_logprobs": merged,
+                "prefill_inputs": inputs["prefill"], "decode_inputs": inputs["decode"]}
 
-    def run(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool = False) -> list[dict]:
+    def run(self, prompts: list[list[int]], params: SamplingParams, return_logprob: bool = False,
+            top_logprobs_num: int = 0, logprob_start_len: int = -1) -> list[dict]:
         rids = [f"r{self.rng.getrandbits(32)}-{i}" for i in range(len(prompts))]
         for rid, ids in zip(rids, prompts, strict=True):
-            self.submit(rid, ids, params, return_logprob)
+            self.submit(rid, ids, params, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len)
         self.step_until(lambda: all(self.finished(self.decode, r) and self.finished(self.prefill, r) for r in rids))
         return [self.result(r) for r in rids]
 

@@ -93,3 +93,44 @@ def test_mismatched_sides_refuse_at_bootstrap(decode_kwargs, says):
         assert pair.decode.scheduler.allocator.num_free_pages == start
     finally:
         pair.close()
+
+
+def test_pd_prompt_logprobs_equal_colocated():
+    """return_logprob with logprob_start_len (0, a middle position) and top alternatives: prefill scores the prompt
+    (chunked, pages of 4) and answers input_token_logprobs; decode answers an empty list and no top alternatives;
+    prefill's + decode's, as the router concatenates them, equal the colocated engine's. A request without
+    logprobs gets none from prefill, as before."""
+    from moeserve.models.default_model import default_model_path
+
+    path = default_model_path()
+    ref = InProcessEngine(model_path=path, dtype="float32", **FLAGS)
+    rng = random.Random(17)
+    prompts = [[rng.randrange(2, min(ref.runner.vocab_size, 500)) for _ in range(n)] for n in (11, 23)]
+    starts = (0, 9)
+    want = {s: ref.run(prompts, GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=s) for s in starts}
+    del ref
+
+    pair = PDPair(model_path=path, **FLAGS)
+    try:
+        for s in starts:
+            got = pair.run(prompts, GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=s)
+            for g, w, ids in zip(got, want[s], prompts, strict=True):
+                assert g["output_ids"] == w["output_ids"]
+                assert len(g["input_logprobs"]) == len(ids) - s == len(w["input_logprobs"])
+                assert g["decode_inputs"].input_logprobs == [] and g["decode_inputs"].input_top_logprobs is None
+                if s == 0:  # nothing predicts the first token
+                    assert g["input_logprobs"][0] is None and w["input_logprobs"][0] is None
+                k = 1 if s == 0 else 0
+                torch.testing.assert_close(torch.tensor(g["input_logprobs"][k:]),
+                                           torch.tensor(w["input_logprobs"][k:]), atol=1e-4, rtol=0)
+                tops = g["prefill_inputs"].input_top_logprobs
+                assert [[t for t, _ in alts] for alts in tops] == [[t for t, _ in alts] for alts in
+                                                                    w["input_top_logprobs"]]
+        pair.submit("plain", prompts[0], GREEDY)
+        pair.step_until(lambda: pair.finished(pair.decode, "plain") and pair.finished(pair.prefill, "plain"))
+        plain, first = pair.result("plain"), pair.prefill.outs["plain"]
+        assert plain["input_logprobs"] is None and plain["prefill_inputs"] is None and plain["decode_inputs"] is None
+        assert len(first) == 1 and first[0].logprobs is None and first[0].input_top_logprobs is None
+        assert first[0].new_token_ids == plain["output_ids"][:1] and first[0].finish_reason.type == "length"
+    finally:
+        pair.close()

@@ -12,9 +12,11 @@ import httpx
 import openai
 import pytest
 
+from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
 from tests.disagg.pd_procs import sse_events, start
 from tests.disagg.test_pd_server import NEW, _prompts, _reference
+from tests.rank.inprocess import InProcessEngine
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (it is in the test extra)")
 pytestmark = pytest.mark.slow
@@ -43,6 +45,28 @@ def _start_router(prefill, decode, tmp_path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
+def _check_prompt_logprobs(url: str, prompts: list[list[int]], sp: dict) -> None:
+    """input_token_logprobs through the router (prefill's prepended to decode's empty list), streamed and not,
+    from position 0 and from the middle: the colocated engine's token ids and logprobs."""
+    from moeserve.models.default_model import default_model_path
+
+    eng = InProcessEngine(model_path=default_model_path(), dtype="float32", page_size=4, chunked_prefill_size=16)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for stream in (False, True):
+        for ids, first in zip(prompts, (0, len(prompts[1]) // 2), strict=True):
+            want = eng.run([ids], params, return_logprob=True, logprob_start_len=first)[0]
+            body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": first,
+                    "stream": stream}
+            r = httpx.post(url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            events = sse_events(r) if stream else [r.json()]
+            for ev in events:  # every streamed chunk carries the whole list
+                got = ev["meta_info"]["input_token_logprobs"]
+                assert [t for _, t, _ in got] == ids[first:]
+                assert [lp for lp, _, _ in got] == pytest.approx(want["input_logprobs"], abs=1e-4)  # None at 0
+            assert events[-1]["output_ids"] == want["output_ids"]
+
+
 def test_sglang_router_pd(tmp_path):
     prompts = _prompts(4, 9)
     ref = _reference(prompts)
@@ -62,12 +86,15 @@ def test_sglang_router_pd(tmp_path):
         r = httpx.post(url + "/generate", json={"input_ids": prompts[2], "sampling_params": sp, "stream": True},
                        timeout=120)
         assert sse_events(r)[-1]["output_ids"] == ref[2]["output_ids"]
+        _check_prompt_logprobs(url, prompts[:2], sp)
 
         oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         # (the router's own body parser takes text prompts only on /v1/completions)
         c = oai.completions.create(model="default", prompt="Once upon a time", max_tokens=NEW, temperature=0,
                                    extra_body={"ignore_eos": True})
         direct = httpx.post(url + "/generate", json={"text": "Once upon a time", "sampling_params": sp}, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported by a PD pair"):
+            oai.completions.create(model="default", prompt="Once upon a time", max_tokens=1, echo=True, logprobs=1)
         assert c.choices[0].finish_reason == "length" and c.choices[0].text == direct.json()["text"]
         msgs = [{"role": "user", "content": "Tell me about the sea."}]
         whole = oai.chat.completions.create(model="default", messages=msgs, max_tokens=NEW, temperature=0,
