@@ -25,6 +25,7 @@ class _Ready:
     context_length: int = 256
     vocab_size: int = 1024
     num_kv_tokens: int = 4096
+    weight_format: str = "bfloat16"
 
 
 class FakeRanks:
@@ -160,7 +161,8 @@ def test_tokenizing_a_long_text_leaves_the_loop_free(tm):
         return max(gaps), time.perf_counter() - start
 
     worst_gap, took = asyncio.run(run())
-    assert took > 0.1 and worst_gap < 0.05, (worst_gap, took)  # it tokenized for a while, the loop ran
+    # the loop kept running while it tokenized: had the tokenizing blocked it, one gap would span most of the time
+    assert took > 0.1 and worst_gap < took / 3, (worst_gap, took)
 
 
 def test_a_long_answer_is_detokenized_off_the_loop(tm):
