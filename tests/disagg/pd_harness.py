@@ -5,6 +5,7 @@ processes or HTTP; the colocated reference is tests/rank/inprocess.py's engine o
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 from moeserve.args import ServerArgs
@@ -71,12 +72,16 @@ class PDPair:
     def finished(self, side: Side, rid: str) -> bool:
         return any(o.finish_reason is not None for o in side.outs.get(rid, []))
 
-    def step_until(self, done, max_steps: int = 5000) -> None:
-        for _ in range(max_steps):
+    def step_until(self, done, timeout_s: float = 120.0) -> None:
+        # by the clock, not a step count: transfers and control messages move on their own threads, and an idle
+        # step takes microseconds, so a loaded machine can need many thousands of steps for one transfer
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             if done():
                 return
             self.prefill.step()
             self.decode.step()
+            time.sleep(0.0005)
         raise AssertionError("the PD pair did not get there")
 
     def result(self, rid: str) -> dict:

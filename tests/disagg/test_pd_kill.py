@@ -99,7 +99,8 @@ def test_kill9_either_side(tmp_path):
             error = _failure(d)
             if error is not None:
                 failed += 1
-                assert "stopped answering" in error, d.text
+                # found by the heartbeat, or by a bootstrap lookup that was in flight when the prefill died
+                assert "stopped answering" in error or "PD bootstrap failed" in error, d.text
             else:
                 assert d.status_code == 200, d.text
                 out = sse_events(d)[-1] if i % 2 else d.json()
