@@ -148,12 +148,7 @@ class Scheduler(PDHost):
             del self.reqs[rid]
             self.pd.abort(req)
             return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
+        self.pd_detach(req)  # out of the waiting and running lists and the chunk slot
         self._release(req, cache=False)
         req.finish_reason = FinishReason("abort", message="aborted by request")
         self.pending_out.append(req.take_output())
