@@ -269,11 +269,6 @@ class ServerArgs:
                 raise ValueError(f"--{_dash(changed[0])} takes effect only with --disaggregation-mode prefill or "
                                  "decode")
             return
-        if self.attn_tp_size != 1:
-            raise ValueError(
-                f"--disaggregation-mode {self.disaggregation_mode} runs one rank per attention group for now: use "
-                "--tp-size 1, or --enable-dp-attention with --dp-size equal to --tp-size (attention TP inside a PD "
-                "side is not implemented)")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
                      "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
             if getattr(self, name) <= 0:

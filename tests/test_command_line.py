@@ -113,7 +113,6 @@ def test_pd_flags_need_a_pd_mode(kwargs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tp_size=2), "one rank per attention group"),
     (dict(disaggregation_transfer_backend="tcp"), "choose one of mooncake, zmq"),
     (dict(disaggregation_heartbeat_timeout=0.5), "must exceed --disaggregation-heartbeat-interval"),
     (dict(disaggregation_transfer_timeout=0), "must be > 0 seconds"),
@@ -123,6 +122,12 @@ def test_pd_flags_need_a_pd_mode(kwargs):
 def test_pd_flags_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(disaggregation_mode="prefill", **kwargs)
+
+
+def test_pd_sides_take_attention_tp():
+    """Each side has its own parallelism, attention TP included (the PD rooms run on every rank of the group)."""
+    for mode in ("prefill", "decode"):
+        assert ServerArgs(disaggregation_mode=mode, tp_size=2).attn_tp_size == 2
     assert ServerArgs(disaggregation_mode="decode", tp_size=2, dp_size=2, enable_dp_attention=True)
 
 

@@ -11,21 +11,27 @@ slot without touching what running requests need (back-pressure: the rest wait; 
 --disaggregation-waiting-timeout). transferring: the prefill rank writes into the reserved pages (through the
 backend's window for the request) and reports `done` with the first token. Pages go back to the pool only after
 the writer acknowledged completion or cancellation, after it was declared dead, or after a further transfer
-timeout (the window is closed first, so a zmq write that comes even later is dropped).
+timeout (the window is closed first, so a zmq write that comes even later is dropped; a one-sided backend such as
+Mooncake cannot drop it, so there the pages wait UNGUARDED_HOLD transfer timeouts while the writer's heartbeat
+is heard).
 The scheduler owns the requests; this class holds them only while they are in these states.
+
+With attention TP every rank of the group runs this machine on the same events (group.py): the leader collects
+them (`collect`: control messages, finished lookups, dead peers, the clock) and every rank applies them (`apply`).
+`dest` names every rank's endpoint; each rank opens the same window over its own pool.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from moeserve.disagg.bootstrap import BootstrapError, lookup_route
 from moeserve.disagg.control import ControlChannel
+from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.stats import TransferStats
 from moeserve.disagg.transfer.base import TransferBackend
@@ -33,6 +39,9 @@ from moeserve.disagg.transfer.base import TransferBackend
 logger = logging.getLogger(__name__)
 
 STATES = ("bootstrapping", "waiting", "transferring", "cancelling")
+# One-sided writes (Mooncake) cannot be refused once the pages are freed: a room whose cancellation is not
+# acknowledged keeps its pages while the writer lives, up to this many transfer timeouts.
+UNGUARDED_HOLD = 4
 
 
 class DecodeHost(Protocol):
@@ -48,10 +57,10 @@ class DecodeHost(Protocol):
 class DecodeRoom:
     req: Any
     room: int
+    seq: int  # this room's number on this side, the same on every rank of the group
     bootstrap: tuple[str, int]
+    since: float
     state: str = "bootstrapping"
-    since: float = field(default_factory=time.monotonic)
-    lookup: Future | None = None
     route: dict[str, Any] | None = None
     window: str | None = None
     reserved: bool = False  # holds pages from pd_reserve
@@ -67,11 +76,13 @@ class DecodeRoom:
 
 
 class DecodeRooms:
-    """The decode side's PD requests of one attention group, driven by the scheduler's loop (poll)."""
+    """The decode side's PD requests of one attention group, driven by the scheduler's loop (poll, or collect on
+    the leader and apply on every rank). channel and heartbeat: the leader's; None on the other ranks."""
 
-    def __init__(self, host: DecodeHost, backend: TransferBackend, channel: ControlChannel, heartbeat: Heartbeat,
-                 identity: dict[str, Any], api_key: str | None, bootstrap_timeout_s: float, waiting_timeout_s: float,
-                 transfer_timeout_s: float):
+    def __init__(self, host: DecodeHost, backend: TransferBackend, channel: ControlChannel | None,
+                 heartbeat: Heartbeat | None, identity: dict[str, Any], api_key: str | None,
+                 bootstrap_timeout_s: float, waiting_timeout_s: float, transfer_timeout_s: float,
+                 group: RankGroup | None = None):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -81,21 +92,36 @@ class DecodeRooms:
         self.waiting_timeout_s = waiting_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.heartbeat = heartbeat
+        self.group = group or RankGroup(endpoints=[backend.endpoint()])
         self.rooms: dict[int, DecodeRoom] = {}
         self.by_req: dict[int, DecodeRoom] = {}  # id(req) -> room
-        self.lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-lookup")
+        self.by_seq: dict[int, DecodeRoom] = {}
+        self._seq = 0
+        self.now = time.monotonic()  # the leader's clock, as of the last events applied
+        self._lookups: dict[int, Future] = {}  # leader: seq -> the bootstrap lookup in flight
+        self._unsent: list[int] = []  # leader: rooms whose `dest` could not be queued
+        self.lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pd-lookup") if self.leader else None
         self.stats = TransferStats("decode", STATES)
-        self.endpoint = backend.endpoint()
+
+    gathers = False  # decode ranks start no writes: the leader's events are all there is
+
+    @property
+    def leader(self) -> bool:
+        return self.group.leader
 
     # ------------------------------------------------------------------ in
     def add(self, req: Any, room: int, host: str, port: int) -> str | None:
         """Start a request; an error message instead when its room is already live here."""
         if room in self.rooms:
             return f"bootstrap_room {room} is already in use on this decode server"
-        rec = DecodeRoom(req, room, (host, port))
-        rec.lookup = self.lookups.submit(lookup_route, host, port, room, self.api_key, self.bootstrap_timeout_s)
+        self._seq += 1
+        rec = DecodeRoom(req, room, self._seq, (host, port), self.now)
+        if self.lookups is not None:
+            self._lookups[rec.seq] = self.lookups.submit(lookup_route, host, port, room, self.api_key,
+                                                         self.bootstrap_timeout_s)
         self.rooms[room] = rec
         self.by_req[id(req)] = rec
+        self.by_seq[rec.seq] = rec
         return None
 
     def holds(self, req: Any) -> bool:
@@ -113,11 +139,11 @@ class DecodeRooms:
             return
         rec.aborted = True
         if rec.state == "transferring":
-            self._cancel(rec, time.monotonic())
+            self._cancel(rec, self.now)
         elif rec.state == "waiting":
-            self.channel.send(rec.addr, {"kind": "cancel", "room": rec.room, "from": self.channel.addr})
+            self._send(rec.addr, {"kind": "cancel", "room": rec.room})
             self._drop(rec)
-        # bootstrapping: the lookup finishes first (poll), then the cancel goes out
+        # bootstrapping: the lookup finishes first (apply), then the cancel goes out
 
     @property
     def busy(self) -> bool:
@@ -131,30 +157,58 @@ class DecodeRooms:
 
     # ------------------------------------------------------------------ the loop
     def poll(self) -> None:
-        now = time.monotonic()
-        for rec in [r for r in self.rooms.values() if r.state == "bootstrapping" and r.lookup.done()]:
-            self._on_route(rec, now)
-        for msg in self.channel.recv_all():
+        """One rank alone: collect and apply."""
+        self.apply([self.collect()])
+
+    def collect(self) -> dict[str, Any] | None:
+        """Leader: what happened since the last call (broadcast to the group with the step's messages); None
+        elsewhere."""
+        if not self.leader:
+            return None
+        routes: dict[int, tuple[bool, Any]] = {}
+        for seq, fut in list(self._lookups.items()):
+            if fut.done():
+                del self._lookups[seq]
+                try:
+                    routes[seq] = (True, fut.result())
+                except BootstrapError as e:
+                    routes[seq] = (False, str(e))
+        live = {r.hb for r in self.rooms.values() if r.state != "bootstrapping" and r.hb}
+        unsent, self._unsent = self._unsent, []
+        return {"now": time.monotonic(), "routes": routes, "msgs": self.channel.recv_all(),
+                "dead": self.heartbeat.watch(live), "unsent": unsent}
+
+    def apply(self, parts: list[dict[str, Any] | None]) -> None:
+        """Every rank: the leader's events (parts[0]), in the same order on every rank."""
+        ev = parts[0]
+        self.now = now = ev["now"]
+        for seq, (ok, value) in ev["routes"].items():
+            rec = self.by_seq.get(seq)
+            if rec is not None and rec.state == "bootstrapping":
+                self._on_route(rec, ok, value, now)
+        for seq in ev["unsent"]:
+            rec = self.by_seq.get(seq)
+            if rec is not None and rec.state == "transferring":
+                self._end_transfer(rec, "the prefill rank does not read its control socket", 503)
+        for msg in ev["msgs"]:
             self._on_message(msg, now)
         self._admit(now)
         self._expire(now)
-        self._heartbeat(now)
+        self._on_dead(ev["dead"])
         self.stats.states = self.counts()
 
-    def _on_route(self, rec: DecodeRoom, now: float) -> None:
-        try:
-            rec.route = rec.lookup.result()
-        except BootstrapError as e:
-            self._fail(rec, f"PD bootstrap failed: {e}", 503)
+    def _on_route(self, rec: DecodeRoom, ok: bool, value: Any, now: float) -> None:
+        if not ok:
+            self._fail(rec, f"PD bootstrap failed: {value}", 503)
             return
-        rec.lookup = None
+        rec.route = value
         if rec.aborted:
-            self.channel.send(rec.addr, {"kind": "cancel", "room": rec.room, "from": self.channel.addr})
+            self._send(rec.addr, {"kind": "cancel", "room": rec.room})
             self._drop(rec)
             return
         mismatch = self._mismatch(rec.route)
         if mismatch:  # prefill's request learns it at once too
-            self.channel.send(rec.addr, {"kind": "cancel", "room": rec.room, "from": self.channel.addr})
+            self._send(rec.addr, {"kind": "cancel", "room": rec.room})
             self._fail(rec, f"prefill and decode cannot pair: {mismatch}", 500)
             return
         rec.state, rec.since = "waiting", now
@@ -162,9 +216,14 @@ class DecodeRooms:
     def _mismatch(self, route: dict[str, Any]) -> str | None:
         theirs = route.get("identity", {})
         for key, mine in self.identity.items():
-            if theirs.get(key) != mine:
-                return (f"{key} is {theirs.get(key)!r} on the prefill server and {mine!r} here; both sides need the "
-                        "same model, --page-size, --dtype, KV layout and --disaggregation-transfer-backend")
+            if theirs.get(key) == mine:
+                continue
+            if key == "attn_tp_size":
+                return (f"GQA's KV heads are split over attention-TP ranks: the prefill server runs attention TP "
+                        f"{theirs.get(key)}, this decode server {mine}; run both with the same attention TP size "
+                        "(--tp-size, or --dp-size with --enable-dp-attention)")
+            return (f"{key} is {theirs.get(key)!r} on the prefill server and {mine!r} here; both sides need the "
+                    "same model, --page-size, --dtype, KV layout and --disaggregation-transfer-backend")
         return None
 
     def _admit(self, now: float) -> None:
@@ -173,14 +232,14 @@ class DecodeRooms:
             if pages is None:
                 return  # the head waits; later ones do not overtake it
             rec.reserved = True
-            rec.window = uuid.uuid4().hex
+            rec.window = f"{self.group.token}-{rec.seq}"
             self.backend.open_window(rec.window, pages)
-            ok = self.channel.send(rec.addr, {
-                "kind": "dest", "room": rec.room, "from": self.channel.addr, "hb": self.heartbeat.addr, "pages": pages,
-                "peer": {**self.endpoint, "window": rec.window}, "identity": self.identity})
+            peers = [{**ep, "window": rec.window} for ep in self.group.endpoints]
             rec.state, rec.since = "transferring", now
-            if not ok:
-                self._end_transfer(rec, "the prefill rank does not read its control socket", 503)
+            if not self._send(rec.addr, {"kind": "dest", "room": rec.room, "hb": self.heartbeat.addr if
+                                         self.heartbeat else None, "pages": pages, "peers": peers,
+                                         "identity": self.identity}):
+                self._unsent.append(rec.seq)  # every rank ends it with the next events
 
     def _on_message(self, msg: dict[str, Any], now: float) -> None:
         addr = msg.get("from")
@@ -208,29 +267,43 @@ class DecodeRooms:
             elif rec.state == "transferring" and age > self.transfer_timeout_s:
                 self._cancel(rec, now, f"the KV transfer did not finish within {self.transfer_timeout_s:g} s "
                                        "(--disaggregation-transfer-timeout)")
-            elif rec.state == "cancelling" and age > self.transfer_timeout_s:
-                logger.warning("room %d: the prefill rank did not acknowledge the cancellation within %g s; "
-                               "freeing its pages", rec.room, self.transfer_timeout_s)
+            elif rec.state == "cancelling" and age > self._hold_s:
+                if self.leader:
+                    logger.warning("room %d: the prefill rank did not acknowledge the cancellation within %g s; "
+                                   "freeing its pages", rec.room, self._hold_s)
                 self._end_transfer(rec, None, 0)
 
-    def _heartbeat(self, now: float) -> None:
-        live = {r.hb for r in self.rooms.values() if r.state != "bootstrapping" and r.hb}
-        for hb in self.heartbeat.watch(live):
-            logger.error("the prefill rank with heartbeat %s sent nothing for %.1f s: failing its requests", hb,
-                         self.heartbeat.dead_after_s)
+    @property
+    def _hold_s(self) -> float:
+        """How long a cancelled room keeps its pages without the writer's acknowledgement: a backend that refuses
+        late writes (its window closes first) needs one transfer timeout; a one-sided one waits longer, while
+        the heartbeat still hears the writer (a dead writer frees them at once, _on_dead)."""
+        return self.transfer_timeout_s * (1 if self.backend.refuses_late_writes else UNGUARDED_HOLD)
+
+    def _on_dead(self, dead: list[str]) -> None:
+        for hb in dead:
+            if self.leader:
+                logger.error("the prefill rank with heartbeat %s went silent: failing its requests", hb)
             for rec in [r for r in self.rooms.values() if r.hb == hb]:
-                self.channel.forget(rec.addr)
+                if self.channel is not None:
+                    self.channel.forget(rec.addr)
                 reason = (f"the prefill server ({rec.bootstrap[0]}:{rec.bootstrap[1]}) stopped answering "
-                          f"(no heartbeat for {self.heartbeat.dead_after_s:g} s)")
+                          "(no heartbeat within --disaggregation-heartbeat-timeout)")
                 if rec.state == "waiting":
                     self._fail(rec, reason, 503)
                 else:
                     self._end_transfer(rec, reason, 503)
 
     # ------------------------------------------------------------------ endings
+    def _send(self, addr: str | None, msg: dict[str, Any]) -> bool:
+        """The leader sends (True when queued); the other ranks only keep the state."""
+        if self.channel is None or addr is None:
+            return True
+        return self.channel.send(addr, {**msg, "from": self.channel.addr})
+
     def _cancel(self, rec: DecodeRoom, now: float, reason: str | None = None) -> None:
         """Ask prefill to stop; the pages stay reserved until it acknowledges (or the wait times out)."""
-        self.channel.send(rec.addr, {"kind": "cancel", "room": rec.room, "from": self.channel.addr})
+        self._send(rec.addr, {"kind": "cancel", "room": rec.room})
         if reason is not None and not rec.aborted:
             self.host.pd_fail(rec.req, reason, 503)
         rec.aborted = True
@@ -248,7 +321,8 @@ class DecodeRooms:
 
     def _fail(self, rec: DecodeRoom, message: str, status: int) -> None:
         if not rec.aborted:
-            logger.warning("room %d: %s", rec.room, message)
+            if self.leader:
+                logger.warning("room %d: %s", rec.room, message)
             self.host.pd_fail(rec.req, message, status)
             self.stats.failed += 1
         self._drop(rec)
@@ -256,7 +330,10 @@ class DecodeRooms:
     def _drop(self, rec: DecodeRoom) -> None:
         self.rooms.pop(rec.room, None)
         self.by_req.pop(id(rec.req), None)
+        self.by_seq.pop(rec.seq, None)
 
     def close(self) -> None:
-        self.lookups.shutdown(wait=False, cancel_futures=True)
-        self.heartbeat.close()
+        if self.lookups is not None:
+            self.lookups.shutdown(wait=False, cancel_futures=True)
+        if self.heartbeat is not None:
+            self.heartbeat.close()

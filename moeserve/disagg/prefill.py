@@ -11,6 +11,11 @@ last page goes with the last chunk). transferring: the first token is sampled, t
 The request keeps its KV until every write it started has returned, then it goes to the radix cache (done) or
 back to the pool (failed); only then does decode hear `done` (with the first token, its logprobs and
 cached_tokens) or `failed`. Writes run on a pool of transfer threads; the scheduler's thread never waits on one.
+
+With attention TP every rank of the group runs this machine on the same events (group.py): the leader collects
+control messages, dead peers and the clock; each rank collects its own writes' results (`collect`), and every rank
+applies all of them in the same order (`apply`). MLA: the leader reads the latent and writes it to every decode
+rank (`dest` names them all). GQA: rank r writes its KV heads to decode rank r.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import queue
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from moeserve.disagg.control import ControlChannel
+from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.stats import TransferStats
-from moeserve.disagg.transfer.base import TransferBackend, TransferError, merge_runs
+from moeserve.disagg.transfer.base import PageRun, TransferBackend, TransferError, merge_runs
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +55,12 @@ class PrefillHost(Protocol):
 class PrefillRoom:
     req: Any
     room: int
+    seq: int  # this room's number on this side, the same on every rank of the group
+    since: float
     state: str = "bootstrapping"
-    since: float = field(default_factory=time.monotonic)
     dest: dict[str, Any] | None = None
     pages_sent: int = 0
-    inflight: int = 0
+    inflight: int = 0  # writes started by the group's ranks and not returned yet
     bytes: int = 0
     first: dict[str, Any] | None = None  # first token, logprobs, cached_tokens (after the last chunk)
     error: str | None = None  # set once the transfer cannot succeed; finalized when inflight reaches 0
@@ -71,11 +78,14 @@ class PrefillRoom:
 
 
 class PrefillRooms:
-    """The prefill side's PD requests of one attention group, driven by the scheduler's loop (poll)."""
+    """The prefill side's PD requests of one attention group, driven by the scheduler's loop (poll, or collect and
+    apply on every rank). channel and heartbeat: the leader's; None on the other ranks.
+    kv_replicated: every rank holds the whole KV (MLA's latent), so the leader alone reads and writes it."""
 
-    def __init__(self, host: PrefillHost, backend: TransferBackend, channel: ControlChannel, heartbeat: Heartbeat,
-                 identity: dict[str, Any], page_size: int, bootstrap_timeout_s: float, transfer_timeout_s: float,
-                 debug_failure_prob: float = 0.0, seed: int = 0):
+    def __init__(self, host: PrefillHost, backend: TransferBackend, channel: ControlChannel | None,
+                 heartbeat: Heartbeat | None, identity: dict[str, Any], page_size: int, bootstrap_timeout_s: float,
+                 transfer_timeout_s: float, debug_failure_prob: float = 0.0, seed: int = 0,
+                 group: RankGroup | None = None, kv_replicated: bool = True):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -85,26 +95,47 @@ class PrefillRooms:
         self.transfer_timeout_s = transfer_timeout_s
         self.heartbeat = heartbeat
         self.debug_failure_prob = debug_failure_prob
+        self.group = group or RankGroup()
+        self.kv_replicated = kv_replicated
         self._rng = random.Random(seed)
         self.rooms: dict[int, PrefillRoom] = {}
         self.by_req: dict[int, PrefillRoom] = {}
+        self.by_seq: dict[int, PrefillRoom] = {}
+        self._seq = 0
+        self.now = time.monotonic()  # the leader's clock, as of the last events applied
         self.early: dict[int, tuple[float, dict[str, Any]]] = {}  # room -> (arrival, dest or cancel) before the req
         # rooms that ended before decode's `dest` came (aborted, timed out): decode hears `failed` when it comes
         self.ended: dict[int, tuple[float, str]] = {}
         self.pools: dict[str, ThreadPoolExecutor] = {}  # decode control address -> its transfer threads
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # this rank's writes: (seq, bytes, error)
         self.stats = TransferStats("prefill", STATES)
+
+    @property
+    def leader(self) -> bool:
+        return self.group.leader
+
+    @property
+    def writers(self) -> int:
+        """Ranks of the group that write each chunk: the leader (replicated KV), or every rank its heads."""
+        return 1 if self.kv_replicated else self.group.size
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the other ranks' write results must be gathered each step (they write too)."""
+        return self.writers > 1
 
     # ------------------------------------------------------------------ in
     def add(self, req: Any, room: int) -> str | None:
         if room in self.rooms:
             return f"bootstrap_room {room} is already in use on this prefill server"
-        rec = PrefillRoom(req, room)
+        self._seq += 1
+        rec = PrefillRoom(req, room, self._seq, self.now)
         self.rooms[room] = rec
         self.by_req[id(req)] = rec
+        self.by_seq[rec.seq] = rec
         early = self.early.pop(room, None)
         if early is not None:
-            self._on_message(early[1], time.monotonic())
+            self._on_message(early[1], self.now)
         return None
 
     def holds(self, req: Any) -> bool:
@@ -136,30 +167,48 @@ class PrefillRooms:
             rec.pages_sent = ready
         if first is not None:
             self.host.pd_detach(req)
-            rec.first, rec.state, rec.since = first, "transferring", time.monotonic()
+            rec.first, rec.state, rec.since = first, "transferring", self.now
             self._maybe_finish(rec)
 
     # ------------------------------------------------------------------ the loop
     def poll(self) -> None:
-        now = time.monotonic()
+        """One rank alone: collect and apply."""
+        self.apply([self.collect()])
+
+    def collect(self) -> dict[str, Any]:
+        """What happened on this rank since the last call: its writes' results; on the leader also the control
+        messages, the peers found dead and the clock."""
+        results = []
         while True:
             try:
-                room_obj, nbytes, error = self.results.get_nowait()
+                results.append(self.results.get_nowait())
             except queue.Empty:
                 break
-            rec = room_obj
-            if self.rooms.get(rec.room) is not rec:
-                continue  # abandoned when its decode died: nothing waits for this write any more
-            rec.inflight -= 1
-            rec.bytes += nbytes
-            if error is not None:
-                self._stop(rec, f"KV transfer to decode failed: {error}")
-            else:
-                self._maybe_finish(rec)
-        for msg in self.channel.recv_all():
+        if not self.leader:
+            return {"results": results}
+        live = {r.decode_hb for r in self.rooms.values() if r.decode_hb and r.error is None}
+        return {"results": results, "now": time.monotonic(), "msgs": self.channel.recv_all(),
+                "dead": self.heartbeat.watch(live)}
+
+    def apply(self, parts: list[dict[str, Any]]) -> None:
+        """Every rank: the leader's events (parts[0]) and every rank's write results, in the same order."""
+        ev = parts[0]
+        self.now = now = ev["now"]
+        for part in parts:
+            for seq, nbytes, error in part["results"]:
+                rec = self.by_seq.get(seq)
+                if rec is None:
+                    continue  # abandoned when its decode died: nothing waits for this write any more
+                rec.inflight -= 1
+                rec.bytes += nbytes
+                if error is not None:
+                    self._stop(rec, f"KV transfer to decode failed: {error}")
+                else:
+                    self._maybe_finish(rec)
+        for msg in ev["msgs"]:
             self._on_message(msg, now)
         self._expire(now)
-        self._heartbeat(now)
+        self._on_dead(ev["dead"])
         self.stats.states = dict.fromkeys(STATES, 0)
         for r in self.rooms.values():
             self.stats.states[r.state] += 1
@@ -172,13 +221,11 @@ class PrefillRooms:
         room = msg.get("room")
         rec = self.rooms.get(room)
         if rec is None and room in self.ended:
-            self.channel.send(addr, {"kind": "failed", "room": room, "from": self.channel.addr,
-                                     "reason": self.ended[room][1]})
+            self._send(addr, {"kind": "failed", "room": room, "reason": self.ended[room][1]})
             return
         if rec is None:
             if kind == "cancel" and room not in self.early:  # nothing here (any more): acknowledge at once
-                self.channel.send(addr, {"kind": "failed", "room": room, "from": self.channel.addr,
-                                         "reason": "cancelled"})
+                self._send(addr, {"kind": "failed", "room": room, "reason": "cancelled"})
             if kind in ("dest", "cancel") and isinstance(room, int):
                 self.early[room] = (now, msg)  # the request may still come: it learns its fate then
             return
@@ -192,14 +239,21 @@ class PrefillRooms:
     def _on_dest(self, rec: PrefillRoom, msg: dict[str, Any], now: float) -> None:
         rec.dest, rec.t_dest = msg, now
         need = (self.host.pd_prompt_len(rec.req) + self.page_size - 1) // self.page_size
+        peers = msg.get("peers")
         problem = None
         if msg.get("identity") != self.identity:
             problem = f"decode's KV layout {msg.get('identity')} differs from this side's {self.identity}"
         elif not isinstance(msg.get("pages"), list) or len(msg["pages"]) != need:
             problem = f"decode reserved {len(msg.get('pages') or [])} pages for a prompt of {need} pages"
+        elif not isinstance(peers, list) or not peers:
+            problem = "decode's `dest` names no transfer endpoint"
+        elif not self.kv_replicated and len(peers) != self.group.size:
+            problem = (f"GQA's KV heads are split over attention-TP ranks: {self.group.size} here, {len(peers)} on "
+                       "the decode server; run both with the same attention TP size")
         else:
             try:
-                self.backend.check_peer(msg["peer"])
+                for peer in peers:
+                    self.backend.check_peer(peer)
             except (ValueError, KeyError, TypeError) as e:
                 problem = str(e)
         if problem:
@@ -218,30 +272,33 @@ class PrefillRooms:
                 self._stop(rec, f"no decode server asked for room {rec.room} within {self.bootstrap_timeout_s:g} s "
                                 "(--disaggregation-bootstrap-timeout)")
 
-    def _heartbeat(self, now: float) -> None:
-        live = {r.decode_hb for r in self.rooms.values() if r.decode_hb and r.error is None}
-        for hb in self.heartbeat.watch(live):
-            logger.error("the decode rank with heartbeat %s sent nothing for %.1f s: dropping its transfers", hb,
-                         self.heartbeat.dead_after_s)
+    def _on_dead(self, dead: list[str]) -> None:
+        for hb in dead:
+            if self.leader:
+                logger.error("the decode rank with heartbeat %s went silent: dropping its transfers", hb)
             for rec in [r for r in self.rooms.values() if r.decode_hb == hb]:
-                self.channel.forget(rec.decode_addr)
+                if self.channel is not None:
+                    self.channel.forget(rec.decode_addr)
                 pool = self.pools.pop(rec.decode_addr, None)
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
                 # writes to a dead peer block until their timeout: do not wait for them. They only read this
                 # side's pages, so freeing those now can at worst send stale bytes to the dead peer.
                 rec.inflight = 0
-                self._stop(rec, f"the decode server stopped answering (no heartbeat for "
-                                f"{self.heartbeat.dead_after_s:g} s)", notify=False)
+                self._stop(rec, "the decode server stopped answering (no heartbeat within "
+                                "--disaggregation-heartbeat-timeout)", notify=False)
 
     # ------------------------------------------------------------------ transfers
-    def _submit(self, rec: PrefillRoom, runs: list) -> None:
-        rec.inflight += 1
+    def _submit(self, rec: PrefillRoom, runs: list[PageRun]) -> None:
+        rec.inflight += self.writers
+        if self.group.rank >= self.writers:
+            return  # the leader writes the replicated KV for the group
+        peers = rec.dest["peers"] if self.kv_replicated else [rec.dest["peers"][self.group.rank]]
         self.backend_sync()
         pool = self.pools.get(rec.decode_addr)
         if pool is None:
             pool = self.pools[rec.decode_addr] = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="pd-transfer")
-        pool.submit(self._write, rec, runs)
+        pool.submit(self._write, rec.seq, peers, runs)
 
     def backend_sync(self) -> None:
         """The forward's KV writes must be in memory before a transfer thread reads them (CUDA is asynchronous)."""
@@ -251,20 +308,26 @@ class PrefillRooms:
 
             torch.cuda.current_stream(buf.device).synchronize()
 
-    def _write(self, rec: PrefillRoom, runs: list) -> None:
+    def _write(self, seq: int, peers: list[dict[str, Any]], runs: list[PageRun]) -> None:
         nbytes, error = 0, None
         try:
             fail = self.debug_failure_prob and self._rng.random() < self.debug_failure_prob
             if fail and self._rng.random() < 0.5:
                 raise TransferError("injected before the write (--disaggregation-debug-failure-prob)")
-            nbytes = self.backend.write(rec.dest["peer"], runs, self.transfer_timeout_s)
+            for peer in peers:
+                nbytes += self.backend.write(peer, runs, self.transfer_timeout_s)
             if fail:
                 raise TransferError("injected after the write (--disaggregation-debug-failure-prob)")
         except Exception as e:  # noqa: BLE001 - every failure fails this request only
             error = f"{type(e).__name__}: {e}"
-        self.results.put((rec, nbytes, error))
+        self.results.put((seq, nbytes, error))
 
     # ------------------------------------------------------------------ endings
+    def _send(self, addr: str, msg: dict[str, Any]) -> None:
+        """The leader sends; the other ranks only keep the state."""
+        if self.channel is not None:
+            self.channel.send(addr, {**msg, "from": self.channel.addr})
+
     def _stop(self, rec: PrefillRoom, reason: str, notify: bool = True) -> None:
         """The transfer cannot succeed: stop prefilling; finish once the writes in flight have returned."""
         if rec.error is None:
@@ -279,10 +342,11 @@ class PrefillRooms:
             return
         self.rooms.pop(rec.room, None)
         self.by_req.pop(id(rec.req), None)
+        self.by_seq.pop(rec.seq, None)
         ok = rec.error is None
         self.host.pd_detach(rec.req)
         self.host.pd_release(rec.req, cache=ok)
-        msg: dict[str, Any] = {"room": rec.room, "from": self.channel.addr, "bytes": rec.bytes}
+        msg: dict[str, Any] = {"room": rec.room, "bytes": rec.bytes}
         if ok:
             self.stats.on_transfer(rec.bytes, time.monotonic() - rec.t_dest)
             msg.update(kind="done", **rec.first)
@@ -290,15 +354,16 @@ class PrefillRooms:
             self.stats.failed += 1
             msg.update(kind="failed", reason=rec.error)
         if rec.decode_addr and rec.notify:
-            self.channel.send(rec.decode_addr, msg)
+            self._send(rec.decode_addr, msg)
         elif not ok and rec.decode_addr is None:
-            self.ended[rec.room] = (time.monotonic(), rec.error)
+            self.ended[rec.room] = (self.now, rec.error)
         if not rec.answered:
-            if not ok:
+            if not ok and self.leader:
                 logger.warning("room %d: %s", rec.room, rec.error)
             self.host.pd_finish(rec.req, rec.error)
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
-        self.heartbeat.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()

@@ -32,6 +32,8 @@ class GenerateReq:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # PD mode: run on this server alone, as if colocated (the health check: /health_generate)
+    local: bool = False
 
 
 @dataclass

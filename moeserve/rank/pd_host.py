@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 from moeserve.args import ServerArgs
 from moeserve.disagg.control import ControlChannel, advertised_host
 from moeserve.disagg.decode import DecodeRooms
+from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.prefill import PrefillRooms
-from moeserve.disagg.transfer.base import kv_buffers
+from moeserve.disagg.transfer.base import TransferBackend, kv_buffers
 from moeserve.disagg.transfer.registry import backend_class
 from moeserve.rank.io_struct import FinishReason
 from moeserve.rank.request import Req
@@ -19,6 +20,7 @@ from moeserve.rank.request import Req
 if TYPE_CHECKING:
     from moeserve.core.kv_pool import KVPool
     from moeserve.core.model_config import ModelConfig
+    from moeserve.rank.rank_sync import RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +110,11 @@ class PDHost:
                 "top_logprobs": req.top_logprobs[0] if req.top_logprobs else None}
 
 
-def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, scheduler: PDHost,
-                  dp_rank: int) -> DecodeRooms | PrefillRooms:
-    """The PD state machine of one attention group's leader rank, with its transfer backend and control socket;
-    a prefill rank registers with its server's bootstrap server."""
+def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, scheduler: PDHost, dp_rank: int,
+                  sync: RankSync | None = None) -> DecodeRooms | PrefillRooms:
+    """The PD state machine of one rank of an attention group, over its KV pool. The group's leader also gets
+    the control socket and the heartbeat, and (prefill) registers with its server's bootstrap server; with
+    attention TP the group's ranks first share their transfer endpoints (group.py)."""
     from moeserve.disagg.bootstrap import register_rank
 
     peer_host = args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None
@@ -119,23 +122,47 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
     buffers = kv_buffers(kv_pool)
     backend = backend_class(args.disaggregation_transfer_backend)(
         buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disaggregation_ib_device)
-    channel = ControlChannel(args.host, host, args.api_key)
+    decode = args.disaggregation_mode == "decode"
+    group = _rank_group(backend, decode, sync)
+    channel = heartbeat = None
+    if group.leader:
+        channel = ControlChannel(args.host, host, args.api_key)
+        heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,
+                              args.disaggregation_heartbeat_timeout)
+    replicated = config.is_mla  # the latent is the same on every attention-TP rank; GQA's heads are split
     identity = {"architecture": config.architecture, "num_layers": config.num_hidden_layers,
                 "page_size": args.page_size, "page_bytes": backend.page_bytes,
                 "backend": args.disaggregation_transfer_backend}
-    heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,
-                          args.disaggregation_heartbeat_timeout)
-    if args.disaggregation_mode == "decode":
-        rooms: DecodeRooms | PrefillRooms = DecodeRooms(scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
-                           args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout)
+    if not replicated:
+        identity = {"attn_tp_size": group.size, **identity}
+    if decode:
+        rooms: DecodeRooms | PrefillRooms = DecodeRooms(
+            scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
+            args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout, group=group)
     else:
-        rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size, args.disaggregation_bootstrap_timeout,
-                             args.disaggregation_transfer_timeout,
+        rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size,
+                             args.disaggregation_bootstrap_timeout, args.disaggregation_transfer_timeout,
                              debug_failure_prob=args.disaggregation_debug_failure_prob,
-                             seed=args.random_seed + dp_rank)
-        node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host)
-        register_rank(node0, args.disaggregation_bootstrap_port,
-                      {"dp_rank": dp_rank, "addr": channel.addr, "hb": heartbeat.addr, "identity": identity}, args.api_key)
-    logger.info("PD %s rank of DP group %d: control %s, %s backend, %d KV buffers", args.disaggregation_mode,
-                dp_rank, channel.addr, backend.name, len(buffers))
+                             seed=args.random_seed + dp_rank * group.size + group.rank, group=group,
+                             kv_replicated=replicated)
+        if group.leader:
+            node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "")
+                                                          else args.host)
+            register_rank(node0, args.disaggregation_bootstrap_port,
+                          {"dp_rank": dp_rank, "addr": channel.addr, "hb": heartbeat.addr, "identity": identity},
+                          args.api_key)
+    logger.info("PD %s rank %d/%d of DP group %d: %s backend, %d KV buffers%s", args.disaggregation_mode,
+                group.rank, group.size, dp_rank, backend.name, len(buffers),
+                f", control {channel.addr}" if channel else "")
     return rooms
+
+
+def _rank_group(backend: TransferBackend, decode: bool, sync: RankSync | None) -> RankGroup:
+    """This rank's place in its attention-TP group; the leader's window token and (decode) every rank's endpoint,
+    shared over the group's CPU group."""
+    endpoint = backend.endpoint() if decode else None
+    if sync is None or sync.group_size == 1:
+        return RankGroup(endpoints=[endpoint] if decode else [])
+    mine = RankGroup(sync.state.attn_tp_rank, sync.group_size)
+    parts = sync.gather_group((mine.token, endpoint))
+    return RankGroup(mine.rank, mine.size, parts[0][0], [p[1] for p in parts] if decode else [])

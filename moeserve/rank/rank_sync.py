@@ -44,13 +44,21 @@ class RankSync:
     def is_leader(self) -> bool:
         return self.state.attn_tp_rank == 0
 
-    def share_messages(self, msgs: list[Any]) -> list[Any]:
-        """The leader's messages, on every rank of its attention group."""
+    def share_messages(self, msgs: Any) -> Any:
+        """The leader's messages (any picklable object), on every rank of its attention group."""
         if self.group_size == 1:
             return msgs
         box = [msgs if self.is_leader else None]
         dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
         return box[0]
+
+    def gather_group(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in attention-TP rank order, on every rank of the group."""
+        if self.group_size == 1:
+            return [obj]
+        parts: list[Any] = [None] * self.group_size
+        dist.all_gather_object(parts, obj, group=self.state.attn_tp_cpu_group)
+        return parts
 
     def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False,
                         eplb: int = 0) -> StepHeader:

@@ -108,7 +108,7 @@ class Scheduler(PDHost):
             req.finish_reason = FinishReason("length")
             self.pending_out.append(req.take_output())
             return
-        if self.pd is not None:
+        if self.pd is not None and not req.asked.local:
             self._add_pd_request(req)
             return
         self.reqs[req.rid] = req

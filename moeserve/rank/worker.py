@@ -124,7 +124,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     if server_args.disaggregation_mode != "null":
         from moeserve.rank.pd_host import make_pd_rooms
 
-        scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank)
+        scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank, sync)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)
@@ -198,7 +198,7 @@ class WorkerLoop:
         if req_sock is not None:
             self.poller.register(req_sock, zmq.POLLIN)
         self.pd = scheduler.pd
-        if self.pd is not None:  # a control message from the peer side wakes the loop too
+        if self.pd is not None and self.pd.channel is not None:  # a message from the peer side wakes the loop too
             self.poller.register(self.pd.channel.sock, zmq.POLLIN)
         self.running = True
         self.server_pid = os.getppid()
@@ -211,15 +211,24 @@ class WorkerLoop:
         finally:
             if self.pd is not None:
                 self.pd.close()
-                self.pd.channel.close()
+                if self.pd.channel is not None:
+                    self.pd.channel.close()
                 self.pd.backend.close()
 
     def _loop(self) -> None:
         while True:
-            for msg in self.sync.share_messages(self._recv(block=not self.scheduler.has_work())):
+            msgs = self._recv(block=not self.scheduler.has_work())
+            if self.pd is None:
+                msgs = self.sync.share_messages(msgs)
+            else:  # the PD events go first: the new requests' rooms start at the leader's clock of this step
+                msgs, events = self.sync.share_messages((msgs, self.pd.collect() if self.sync.is_leader else None))
+                parts = [events]
+                if self.pd.gathers:  # the other ranks' write results (GQA prefill)
+                    parts = self.sync.gather_group(None if self.sync.is_leader else self.pd.collect())
+                    parts[0] = events
+                self.pd.apply(parts)
+            for msg in msgs:
                 self._handle(msg)
-            if self.pd is not None:
-                self.pd.poll()
             outs = run_step(self.scheduler, self.runner, self.sync, stop=not self.running)
             if outs is None:
                 break

@@ -70,6 +70,7 @@ class GenerateInput:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     data_parallel_rank: int | None = None  # the DP group to run in (default: the least loaded)
+    local: bool = False  # PD mode: run here alone, no peer side (the server's own health check; not from HTTP)
 
 
 def room_of(room: int | None, k: int) -> int | None:
@@ -192,9 +193,9 @@ class TokenizerManager:
             self._states[st.wire_id] = st
         req = GenerateReq(st.wire_id, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
                           logprob_start_len=start, bootstrap_host=obj.bootstrap_host,
-                          bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room)
+                          bootstrap_port=obj.bootstrap_port, bootstrap_room=obj.bootstrap_room, local=obj.local)
         finished = False
-        if self.bootstrap is not None:
+        if self.bootstrap is not None and not obj.local:
             self.bootstrap.assign_room(obj.bootstrap_room, st.dp_rank)
         try:
             self.ranks.send(st.dp_rank, req)
@@ -230,7 +231,7 @@ class TokenizerManager:
             raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
                                       f"{self.num_dp} DP group(s)", param="data_parallel_rank")
         mode = self.server_args.disaggregation_mode
-        if mode == "null":
+        if mode == "null" or obj.local:
             return
         if obj.bootstrap_room is None or obj.bootstrap_host is None or obj.bootstrap_port is None:
             raise InvalidRequestError(f"this server runs --disaggregation-mode {mode}: a request needs "

@@ -47,7 +47,19 @@ class Server:
         self.kill9()
 
 
-def start(mode: str, tmp: Path, *extra: str, timeout: float = 180) -> Server:
+def start(mode: str, tmp: Path, *extra: str, timeout: float = 180, attempts: int = 3) -> Server:
+    """A PD server of `mode`, healthy. free_port() only finds a port that is free now: a server that lost it to
+    another process before binding (servers starting side by side) is started again on fresh ports."""
+    for attempt in range(attempts):
+        try:
+            return _start(mode, tmp, *extra, timeout=timeout)
+        except BaseException as e:
+            if attempt + 1 == attempts or "address already in use" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(mode: str, tmp: Path, *extra: str, timeout: float) -> Server:
     port = free_port()
     boot = free_port() if mode == "prefill" else None
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--disaggregation-mode", mode,

@@ -75,6 +75,8 @@ class TransferBackend(ABC):
     """
 
     name: ClassVar[str]
+    # open_window/close_window guard the pages: a write that comes after close_window is dropped
+    refuses_late_writes: ClassVar[bool] = False
 
     def __init__(self, buffers: Sequence[torch.Tensor], page_size: int):
         for i, b in enumerate(buffers):

@@ -36,6 +36,7 @@ class ZmqBackend(TransferBackend):
     """Sender and receiver in one object: prefill calls write(); decode publishes endpoint() and receives."""
 
     name = "zmq"
+    refuses_late_writes = True
 
     def __init__(self, buffers: Sequence[torch.Tensor], page_size: int, host: str = "127.0.0.1",
                  api_key: str | None = None, ib_device: str | None = None):

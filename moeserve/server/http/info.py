@@ -47,12 +47,13 @@ async def health(ctx: Ctx) -> Any:
 
 @router.get("/health_generate")
 async def health_generate(ctx: Ctx) -> Any:
-    """Generate one token end to end: proves the workers step, not only that the process lives."""
+    """Generate one token end to end: proves the workers step, not only that the process lives. A PD server
+    (either side) runs it alone, without a peer: it checks this side's workers, whatever the other side does."""
     _check_healthy(ctx)
     bos = ctx.tokenizer.bos_token_id if ctx.tokenizer is not None else None
     obj = GenerateInput(input_ids=[bos if bos is not None else 0],
                         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                        rid=f"health-{uuid.uuid4().hex}")
+                        rid=f"health-{uuid.uuid4().hex}", local=True)  # a PD server runs it alone
     gen = ctx.client.generate(obj)
 
     async def run() -> None:
