@@ -37,6 +37,8 @@ from torch import nn
 
 from moeserve.core.model_config import ModelConfig
 from moeserve.kernels import cpu_mla_decode
+from moeserve.kernels.mla_decode import mla_decode
+from moeserve.kernels.triton_available import use_triton
 from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
@@ -133,6 +135,8 @@ class MLAttention(nn.Module):
         if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
             o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
                                                  self.scale)  # [B, h, r]
+        elif use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table
+            o_latent = mla_decode(q, cache, meta.decode_slots, meta.decode_seq_lens, self.kv_lora_rank, self.scale)
         else:
             o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
                                         self.scale)

@@ -35,6 +35,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # host
     decode_slots: torch.Tensor | None = None  # [B, max_len] int64 cache slots (0 = scratch where masked)
     decode_bias: torch.Tensor | None = None  # [B, max_len] float32: 0 for a real token, -inf past seq_len
+    decode_seq_lens: torch.Tensor | None = None  # [B] int64 on the device: the kernels that read decode_slots
     extend_plan: ExtendPlan | None = None  # extend steps: the padded groups every layer's attention runs
 
     @classmethod
@@ -47,6 +48,7 @@ class AttentionMetadata:
         if extend:
             meta.extend_plan = ExtendPlan.build(meta.extend_lens, meta.seq_lens, batch.out_cache_loc.device)
         if batch.mode.is_decode and batch.seq_lens.shape[0] > 0:
+            meta.decode_seq_lens = batch.seq_lens
             if batch.decode_slots is not None:  # the scheduler's padded block (static shape under CUDA graphs)
                 meta.decode_slots = batch.decode_slots
                 meta.decode_bias = length_bias(batch.seq_lens, batch.decode_slots.shape[1])
