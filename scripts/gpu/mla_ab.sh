@@ -9,13 +9,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/gpu/setup.sh
 SITE=${PYTHONPATH#*:}
 echo "== tests $(date -u +%T)"
-timeout 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
-  tests/models/test_attention_ops.py tests/models/test_gpu.py tests/rank/test_cuda_graph.py -k "not v2_lite_dummy" \
+timeout 100 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
+  tests/models/test_gpu.py tests/rank/test_cuda_graph.py -k "not v2_lite_dummy" \
   2>&1 | grep -E "FAIL|ERROR|Error|passed|failed" | tail -25
 echo "== kernel $(date -u +%T)"
-timeout 120 python3 scripts/gpu/bench_mla_decode.py --result-file "$OUT/mla_decode.jsonl" 2>&1 | tail -12
+timeout 100 python3 scripts/gpu/bench_mla_decode.py --result-file "$OUT/mla_decode.jsonl" 2>&1 | tail -12
 M="--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --mem-fraction-static 0.5"
-for run in 1 2; do
+for run in 1; do
   for side in A B; do
     if [ "$side" = A ]; then tree=$BASE; else tree=$PWD; fi
     echo "== decode $side run $run $(date -u +%T)"
@@ -23,7 +23,7 @@ for run in 1 2; do
       --context-length 4096 --max-running-requests 256 --input-len 128 --output-len 64 --batch-size 1 64 256 \
       2>&1 | grep -E "^batch|Error|error" | grep -v Warning)
     (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 60 python3 -m moeserve.cli bench one-batch $M --repeat 2 \
-      --context-length 4096 --max-running-requests 64 --input-len 2048 --output-len 32 --batch-size 1 64 \
+      --context-length 4096 --max-running-requests 64 --input-len 2048 --output-len 32 --batch-size 64 \
       2>&1 | grep -E "^batch|Error|error" | grep -v Warning)
   done
 done
