@@ -26,7 +26,8 @@ def mla_decode_reference(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tens
                          v_dim: int, scale: float) -> torch.Tensor:
     B, L = slots.shape
     rows = cache.index_select(0, slots.reshape(-1)).view(B, L, -1).to(q.dtype)  # [B, L, D]
-    scores = torch.matmul(q, rows.transpose(1, 2)).float() * scale  # [B, h, L]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least (fp64 stays fp64: the tests' reference)
+    scores = torch.matmul(q, rows.transpose(1, 2)).to(acc) * scale  # [B, h, L]
     past = torch.arange(L, device=q.device)[None, :] >= seq_lens.to(q.device)[:, None]  # [B, L]
     scores = scores.masked_fill(past[:, None, :], float("-inf"))
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0).to(q.dtype)  # seq_len 0: a row of zeros

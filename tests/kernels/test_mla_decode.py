@@ -30,6 +30,7 @@ def test_reference_is_softmax_attention_per_request():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B, H, v_dim, rope, seq_lens, L", [
     (1, 4, 32, 16, [1], 1),  # one row, heads below the block of 16
+    (2, 4, 32, 8, [3, 7], 7),  # a rope part narrower than a dot's 16 (the tiny test models')
     (3, 20, 64, 16, [70, 0, 33], 80),  # two head blocks (the second partial), an empty request, ragged lengths
     (2, 16, 32, 32, [200, 129], 200),  # several splits of several row blocks
 ])
