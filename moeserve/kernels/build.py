@@ -68,7 +68,9 @@ def _cpu_id() -> str:
 def _build(source: Path) -> Path:
     """Compile `source` into the cache (or find it there); the path of the shared library."""
     cxx, version = _compiler()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
     target = out_dir / f"{source.stem}-{key}.so"
     if target.is_file():
