@@ -15,6 +15,7 @@ import random
 import pytest
 
 import moeserve.models.tbo as tbo_mod
+from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardMode
 from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.sampling_params import SamplingParams
@@ -45,6 +46,12 @@ def drive(eng: InProcessEngine, waves: list[list[list[int]]], params: list[Sampl
         batch = schedule()
         if batch is not None:
             modes.append(batch.mode)
+            fb = batch.forward
+            # what the lock-step header sends: a mixed step is an extend, and its tokens are prefill + decodes
+            assert fb.any_extend == batch.mode.is_extend
+            assert fb.num_tokens == batch.num_prefill_tokens + batch.num_decodes
+            if batch.mode.is_mixed:
+                assert 0 < fb.num_decodes < len(batch.reqs) and fb.decode_slots.shape[0] == fb.num_decodes
         return batch
 
     sched.schedule = spy
@@ -79,8 +86,9 @@ def drive(eng: InProcessEngine, waves: list[list[list[int]]], params: list[Sampl
 
 
 def both(path: str, waves, params=GREEDY, gap: int = 3, logprob_kwargs: dict | None = None, **kwargs):
-    """drive() without and with --enable-mixed-chunk on fresh engines; checks which modes ran and the counters."""
-    out = {}
+    """drive() without and with --enable-mixed-chunk on fresh engines; checks which modes ran and the counters.
+    Returns the two runs' results and their schedulers' counters (keyed by the flag)."""
+    out, stats = {}, {}
     for mixed in (False, True):
         eng = InProcessEngine(model_path=path, dtype="float32", enable_mixed_chunk=mixed, **kwargs)
         res, modes = drive(eng, waves, params, gap, **(logprob_kwargs or {}))
@@ -92,8 +100,8 @@ def both(path: str, waves, params=GREEDY, gap: int = 3, logprob_kwargs: dict | N
             prompts = [p for w in waves for p in w]
             assert st.prefilled == sum(len(p) - r["cached"] for p, r in zip(prompts, res, strict=True))
         assert eng.scheduler.num_used_tokens == 0
-        out[mixed] = res
-    return out[False], out[True]
+        out[mixed], stats[mixed] = res, st
+    return out[False], out[True], stats
 
 
 def _ids(res: list[dict]) -> list[list[int]]:
@@ -103,7 +111,7 @@ def _ids(res: list[dict]) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["v3_q_lora", "v2_lite", "qwen3_moe", "mixtral_swa"])
 def test_mixed_equals_plain_and_transformers(tiny_checkpoint, name):
     waves = _waves(1, [5, 40, 9], [50, 3], [23])
-    plain, mixed = both(tiny_checkpoint(name), waves, chunked_prefill_size=16)
+    plain, mixed, _ = both(tiny_checkpoint(name), waves, chunked_prefill_size=16)
     assert _ids(mixed) == _ids(plain)
     assert_matches_hf(name, [p for w in waves for p in w], _ids(mixed))
 
@@ -115,7 +123,7 @@ def test_default_model_prefix_hits_and_pages():
     later = _waves(6, [3, 12], [7, 30], prefix=shared)
     waves = [[shared, _waves(7, [6])[0][0]], *later]
     params = [SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)] + [GREEDY] * 5
-    plain, mixed = both(None, waves, params, gap=2, page_size=4, chunked_prefill_size=20)
+    plain, mixed, _ = both(None, waves, params, gap=2, page_size=4, chunked_prefill_size=20)
     assert _ids(mixed) == _ids(plain)
     assert all(r["cached"] >= 24 for r in mixed[2:]), [r["cached"] for r in mixed]
 
@@ -124,8 +132,9 @@ def test_chunking_off_and_retraction(tiny_checkpoint):
     """No chunked prefill (a whole prompt joins the decodes), and a pool small enough that decodes retract."""
     waves = _waves(3, [30, 25], [31, 28], [20, 26])
     path = tiny_checkpoint("v3_q_lora")
-    plain, mixed = both(path, waves, gap=2, chunked_prefill_size=-1, max_total_tokens=160, page_size=2,
-                        new_token_ratio=0.0)
+    plain, mixed, stats = both(path, waves, gap=2, chunked_prefill_size=-1, max_total_tokens=160, page_size=2,
+                               new_token_ratio=0.0)
+    assert stats[True].retractions > 0 and stats[True].mixed_steps > 0
     assert _ids(mixed) == _ids(plain)
     assert_matches_hf("v3_q_lora", [p for w in waves for p in w], _ids(mixed))
 
@@ -134,7 +143,7 @@ def test_logprobs_unchanged(tiny_checkpoint):
     """Output logprobs and top logprobs of decode rows, and prompt logprobs scored chunk by chunk inside mixed
     steps, as without the flag."""
     waves = _waves(4, [6, 33], [40, 2])
-    plain, mixed = both(tiny_checkpoint("qwen3_moe"), waves, chunked_prefill_size=12,
+    plain, mixed, _ = both(tiny_checkpoint("qwen3_moe"), waves, chunked_prefill_size=12,
                         logprob_kwargs=dict(return_logprob=True, top_logprobs_num=3, logprob_start_len=1))
     assert _ids(mixed) == _ids(plain)
     for p, m in zip(plain, mixed, strict=True):
@@ -158,7 +167,7 @@ def test_sampling_and_penalties_per_request(tiny_checkpoint):
         SamplingParams(max_new_tokens=NEW, temperature=0.7, repetition_penalty=1.3, seed=5, ignore_eos=True),
         GREEDY,
     ]
-    plain, mixed = both(tiny_checkpoint("mixtral"), waves, params, chunked_prefill_size=16)
+    plain, mixed, _ = both(tiny_checkpoint("mixtral"), waves, params, chunked_prefill_size=16)
     assert _ids(mixed) == _ids(plain)
     assert len({tuple(r["output_ids"]) for r in mixed}) == len(mixed)
 
@@ -176,10 +185,16 @@ def test_two_batch_overlap_splits_mixed_steps(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(tbo_mod, "split_batch", counting)
     waves = _waves(9, [5, 40, 9], [50, 3])
     path = tiny_checkpoint("v3_groups")
-    plain, mixed = both(path, waves, chunked_prefill_size=24)
-    tbo_plain, tbo_mixed = both(path, waves, chunked_prefill_size=24, enable_two_batch_overlap=True,
+    plain, mixed, _ = both(path, waves, chunked_prefill_size=24)
+    tbo_plain, tbo_mixed, _ = both(path, waves, chunked_prefill_size=24, enable_two_batch_overlap=True,
                                 tbo_token_threshold=1)
     assert _ids(tbo_mixed) == _ids(mixed) == _ids(plain) == _ids(tbo_plain)
     split = [(n, a, b) for m, n, a, b in calls if m.is_mixed]
     assert split and all(a + b == n for n, a, b in split)
     assert any(a == 0 < b for _, a, b in split)  # A all prefill, B the rest of it and the decodes
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_refused_with_pd_disaggregation(mode):
+    with pytest.raises(ValueError, match="--enable-mixed-chunk does nothing with --disaggregation-mode"):
+        ServerArgs.from_kwargs(enable_mixed_chunk=True, disaggregation_mode=mode)
