@@ -104,6 +104,9 @@ class ServerArgs:
     max_prefill_tokens: int = _flag(16384, "Most new prompt tokens admitted in one prefill step.")
     schedule_policy: str = _flag("fcfs", "Order of the waiting queue: fcfs, or lpm (longest prefix match first).",
                                  SCHEDULE_POLICIES)
+    enable_mixed_chunk: bool = _flag(
+        False, "Run a prefill (or a chunk of one) in the same step as the running decodes, so a long prompt does not "
+        "stall them; the prefill's token budget shrinks by one token per decode.")
     new_token_ratio: float = _flag(
         0.4, "Admission reserves this fraction of each running request's remaining max_new_tokens."
     )
@@ -254,6 +257,9 @@ class ServerArgs:
             raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
                              "does not run with --enable-two-batch-overlap")
         self._check_disaggregation()
+        if self.enable_mixed_chunk and self.disaggregation_mode != "null":
+            raise ValueError(f"--enable-mixed-chunk does nothing with --disaggregation-mode {self.disaggregation_mode}: "
+                             "a prefill server has no running decodes and a decode server runs no prefill")
         if self.eplb_debug_fail is not None:
             phase, _, rank = self.eplb_debug_fail.partition(":")
             if phase not in ("prepare", "execute") or not rank.isdigit():

@@ -19,11 +19,17 @@ if TYPE_CHECKING:
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill (possibly a chunk, possibly after a cached prefix)
     DECODE = auto()  # one new token per request
+    MIXED = auto()  # an extend whose last `num_decodes` requests are running decodes (--enable-mixed-chunk)
     IDLE = auto()  # this rank has no tokens but joins the MoE collectives
 
     @property
     def is_extend(self) -> bool:
-        return self is ForwardMode.EXTEND
+        """Prefill tokens run this step (a MIXED step is an extend for dispatch, the header and CUDA graphs)."""
+        return self is ForwardMode.EXTEND or self is ForwardMode.MIXED
+
+    @property
+    def is_mixed(self) -> bool:
+        return self is ForwardMode.MIXED
 
     @property
     def is_decode(self) -> bool:
@@ -62,6 +68,9 @@ class ForwardBatch:
     # DECODE only: every request's cache slots as a padded block [B, L >= max seq_len]; entries past a
     # request's seq_len are any valid slot (attention masks them by seq_lens). Static shapes for CUDA graphs.
     decode_slots: torch.Tensor | None = None
+    # MIXED only: the last num_decodes requests (one new token each) are decodes; attention runs them through the
+    # decode kernel (decode_slots then holds their rows only, [num_decodes, L]) and the rest as an extend.
+    num_decodes: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -90,8 +99,12 @@ class ForwardBatch:
         kv_indices: list[int] | torch.Tensor,
         kv_pool: KVPool | None = None,
         return_all_logits: bool = False,
+        num_decodes: int = 0,
     ) -> ForwardBatch:
-        """Build the batch from host-side lists (the scheduler's view). Positions continue each prefix."""
+        """Build the batch from host-side lists (the scheduler's view). Positions continue each prefix.
+        MIXED: the last num_decodes requests must have extend_lens 1."""
+        assert mode.is_mixed or num_decodes == 0
+        assert num_decodes == 0 or all(e == 1 for e in extend_lens[len(extend_lens) - num_decodes:])
         prefix_lens = [s - e for s, e in zip(seq_lens, extend_lens, strict=True)]
         positions: list[int] = []
         for p, e in zip(prefix_lens, extend_lens, strict=True):
@@ -120,7 +133,33 @@ class ForwardBatch:
             logits_indices=None if return_all_logits else qo_indptr[1:] - 1,
             return_all_logits=return_all_logits,
             any_extend=mode.is_extend,
+            num_decodes=num_decodes,
         )
+
+    def mixed_parts(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """MIXED: (the extend requests as an EXTEND batch, the decodes as a DECODE batch), views of this batch's
+        tensors (no device sync: the cut points come from the host lengths). Attention runs each part its way."""
+        assert self.mode.is_mixed
+        nd = self.num_decodes
+        ne = self.batch_size - nd
+        t = sum(self.extend_lens_cpu[:ne])  # extend tokens come first
+        s = sum(self.seq_lens_cpu[:ne])  # and so do their KV slots
+        ext = ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=self.input_ids[:t], positions=self.positions[:t],
+            seq_lens=self.seq_lens[:ne], extend_lens=self.extend_lens[:ne], prefix_lens=self.prefix_lens[:ne],
+            out_cache_loc=self.out_cache_loc[:t], kv_indices=self.kv_indices[:s], kv_indptr=self.kv_indptr[:ne + 1],
+            qo_indptr=self.qo_indptr[:ne + 1], kv_pool=self.kv_pool, seq_lens_cpu=self.seq_lens_cpu[:ne],
+            extend_lens_cpu=self.extend_lens_cpu[:ne], prefix_lens_cpu=self.prefix_lens_cpu[:ne],
+            global_num_tokens=self.global_num_tokens, any_extend=self.any_extend)
+        dec = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[t:], positions=self.positions[t:],
+            seq_lens=self.seq_lens[ne:], extend_lens=self.extend_lens[ne:], prefix_lens=self.prefix_lens[ne:],
+            out_cache_loc=self.out_cache_loc[t:], kv_indices=self.kv_indices[s:],
+            kv_indptr=self.kv_indptr[ne:] - self.kv_indptr[ne], qo_indptr=self.qo_indptr[ne:] - self.qo_indptr[ne],
+            kv_pool=self.kv_pool, seq_lens_cpu=self.seq_lens_cpu[ne:], extend_lens_cpu=self.extend_lens_cpu[ne:],
+            prefix_lens_cpu=self.prefix_lens_cpu[ne:], global_num_tokens=self.global_num_tokens,
+            any_extend=self.any_extend, decode_slots=self.decode_slots)
+        return ext, dec
 
     @staticmethod
     def idle(kv_pool: KVPool | None = None) -> ForwardBatch:

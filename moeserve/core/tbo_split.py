@@ -6,6 +6,9 @@ Split rule: micro-batch A takes the first ceil(T/2) new tokens of the step, B th
   prefix .. prefix + n_A - 1) goes to A, its second part to B with prefix_len = prefix + n_A, the same seq_len and
   the same KV slots. B's part reads the KV that A's part writes: the executor runs A's attention of a layer before
   B's attention of the same layer, so those rows are in the cache when B reads them.
+- MIXED (an extend with the running decodes last, one token each): token-balanced like EXTEND; a decode is never
+  cut (one token), so each micro-batch holds a tail of the decodes or none: it stays MIXED with its own num_decodes
+  and its rows of decode_slots.
 - IDLE, or a side with no tokens: an IDLE micro-batch (it still joins every collective).
 
 Because the cut is a fixed fraction of the token count, every rank knows every other rank's micro-batch sizes from
@@ -90,6 +93,7 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
         b_pre = [pre[j] + n_a] + b_pre[1:]
         a_kv_end = kv[j] + pre[j] + n_a
     a_req, b_req = (slice(0, j + 1) if cut else slice(0, j)), slice(j, B)
+    assert not (cut and j >= B - batch.num_decodes), "a decode (one token) is never cut"
 
     def part(tok: slice, req: slice, kv_rows: slice, e: list[int], sq: list[int], pf: list[int],
              header: list[int] | None) -> ForwardBatch:
@@ -109,6 +113,14 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
                            if e[i] > 0 and not (cut and req is a_req and i == len(e) - 1)]
             logits_rows = torch.tensor(logits_rows, dtype=i64).to(dev, non_blocking=True)
         decode_slots = batch.decode_slots[req] if batch.decode_slots is not None else None
+        num_decodes = 0
+        if batch.mode.is_mixed:  # the parent's decodes are its requests [B - D, B); this part's are [lo, hi)
+            first_decode = B - batch.num_decodes
+            lo, hi = max(req.start, first_decode), min(req.stop, B)
+            num_decodes = max(hi - lo, 0)
+            decode_slots = None
+            if num_decodes and batch.decode_slots is not None:
+                decode_slots = batch.decode_slots[lo - first_decode:hi - first_decode]
         return ForwardBatch(
             mode=batch.mode,
             input_ids=batch.input_ids[tok],
@@ -124,7 +136,7 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
             seq_lens_cpu=list(sq), extend_lens_cpu=list(e), prefix_lens_cpu=list(pf),
             global_num_tokens=header, any_extend=batch.any_extend,
             logits_indices=logits_rows, return_all_logits=batch.return_all_logits,
-            decode_slots=decode_slots,
+            decode_slots=decode_slots, num_decodes=num_decodes,
         )
 
     a = part(slice(0, s), a_req, slice(0, a_kv_end), a_ext, a_seq, a_pre, head_a)

@@ -39,7 +39,7 @@ from moeserve.core.model_config import ModelConfig
 from moeserve.kernels import cpu_mla_decode
 from moeserve.kernels.mla_decode import mla_decode
 from moeserve.kernels.triton_available import use_triton
-from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
+from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
 from moeserve.layers.norm import RMSNorm
@@ -97,10 +97,7 @@ class MLAttention(nn.Module):
         k_rope = self.rotary.apply(k_rope[:, None, :], meta.rope)[:, 0]
         meta.kv_pool.set_latent(self.layer_id, meta.out_cache_loc, c_kv, k_rope)
 
-        if meta.mode.is_decode:
-            o = self._absorbed(q_nope, q_rope, meta)
-        else:
-            o = self._expanded(q_nope, q_rope, meta)
+        o = attend_parts(meta, self._attend, q_nope, q_rope)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
 
     def process_weights_after_loading(self, device: torch.device) -> None:
@@ -115,6 +112,12 @@ class MLAttention(nn.Module):
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
         w = self._kv_b_dense.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One EXTEND or DECODE part: decode in the absorbed form, extend expanded -> [t, h, v]."""
+        if meta.mode.is_decode:
+            return self._absorbed(q_nope, q_rope, meta)
+        return self._expanded(q_nope, q_rope, meta)
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         latent = meta.kv_pool.get_latent(self.layer_id)[meta.kv_indices].to(q_nope.dtype)  # [S, r + rope]

@@ -21,7 +21,7 @@ from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 
 if TYPE_CHECKING:
-    from moeserve.rank.scheduler import ScheduledBatch
+    from moeserve.rank.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -2,6 +2,9 @@
 
 Each step is either a prefill (EXTEND: new prompts, chunks of long prompts, recomputation of retracted
 requests) or a decode (one token for every running request); prefill goes first when something is admissible.
+With --enable-mixed-chunk (SGLang's flag), a prefill that finds requests decoding runs together with them (MIXED:
+the prefill requests, then every running request as a one-token extend), so a long prompt does not stall the
+decodes for whole prefill steps; the prefill's token budget shrinks by the decodes' tokens, as in SGLang.
 Admission is by free KV pages (after evicting unlocked prefix cache) with a reserve for the running requests'
 future tokens. When decode runs out of pages anyway, the newest requests are retracted: their KV is dropped and
 they go back to the queue, to be recomputed later from prompt + output so far (greedy output is unchanged).
@@ -13,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,28 +31,9 @@ from moeserve.rank.radix_cache import RadixCache
 from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import NO_TOKEN
+from moeserve.rank.scheduled_batch import ScheduledBatch, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step runs: the requests and, for EXTEND, how many tokens of each (a chunk may be partial)."""
-
-    mode: ForwardMode
-    reqs: list[Req]
-    extend_lens: list[int]
-    forward: ForwardBatch
-    finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
-    # prompt logprobs: the first len(prompt_targets) rows of the logits score these prompt tokens, requests in
-    # order, prompt_counts[i] rows for prompt_reqs[i] (prompt_logprobs.py)
-    prompt_reqs: list[Req] = field(default_factory=list)
-    prompt_counts: list[int] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-
-    @property
-    def num_prompt_rows(self) -> int:
-        return len(self.prompt_targets)
 
 
 class Scheduler(PDHost):
@@ -80,7 +62,7 @@ class Scheduler(PDHost):
         self.chunked: Req | None = None  # a prompt partway through chunked prefill
         self.reqs: dict[str, Req] = {}
         self.pending_out: list[TokenOut] = []  # outputs produced outside a step (aborts, rejections)
-        self.stats = _Stats()
+        self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, r: GenerateReq) -> None:
@@ -186,11 +168,30 @@ class Scheduler(PDHost):
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's batch: a prefill if anything can be admitted, else a decode of the running set."""
+        """Pick this step's batch: a prefill if anything can be admitted, else a decode of the running set; with
+        --enable-mixed-chunk, a prefill beside running requests is a MIXED step of both."""
+        if self.args.enable_mixed_chunk and self.running and (self.waiting or self.chunked):
+            return self._schedule_mixed()
         batch = self._schedule_extend()
         if batch is None and self.running:
             batch = self._schedule_decode()
         return batch
+
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        """The running requests' decode slots first (they may retract: then KV is short and no prefill joins this
+        step), then a prefill from what the pool has left, within the token budget less the decodes' tokens."""
+        retractions = self.stats.retractions
+        decodes = self._take_decode_slots()
+        picked = None
+        if self.stats.retractions == retractions:
+            picked = self._pick_extend(reserved_tokens=len(decodes))
+        if picked is None:
+            return self._make_batch(ForwardMode.DECODE, decodes, [1] * len(decodes)) if decodes else None
+        reqs, extend_lens = picked
+        if not decodes:
+            return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
+        return self._make_batch(ForwardMode.MIXED, reqs + decodes, extend_lens + [1] * len(decodes),
+                                num_decodes=len(decodes))
 
     def _pages_for(self, tokens: int) -> int:
         return (tokens + self.page_size - 1) // self.page_size
@@ -215,7 +216,14 @@ class Scheduler(PDHost):
         return self.allocator.extend_slots(req.kv_len, last_slot, n)
 
     def _schedule_extend(self) -> ScheduledBatch | None:
-        token_budget = min(self.args.max_prefill_tokens, self.args.chunk_size or 1 << 62)
+        picked = self._pick_extend()
+        return self._make_batch(ForwardMode.EXTEND, *picked) if picked else None
+
+    def _pick_extend(self, reserved_tokens: int = 0) -> tuple[list[Req], list[int]] | None:
+        """Admit prompts (and the chunked one) within the token budget: (requests, new tokens of each), their
+        slots allocated and written to the req table; None when nothing can be admitted. reserved_tokens: taken
+        off the budget (a MIXED step's decodes)."""
+        token_budget = min(self.args.max_prefill_tokens, self.args.chunk_size or 1 << 62) - reserved_tokens
         reqs: list[Req] = []
         extend_lens: list[int] = []
         candidates = ([self.chunked] if self.chunked else []) + self._waiting_in_order()
@@ -254,7 +262,7 @@ class Scheduler(PDHost):
                 break
         if not reqs:
             return None
-        return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
+        return reqs, extend_lens
 
     def _waiting_in_order(self) -> list[Req]:
         if self.args.schedule_policy == "lpm" and self.cache is not None:
@@ -287,6 +295,14 @@ class Scheduler(PDHost):
         return True
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs = self._take_decode_slots()
+        if not reqs:
+            return None
+        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+
+    def _take_decode_slots(self) -> list[Req]:
+        """A KV slot for the next token of every running request (written to the req table), retracting requests
+        while the pool is short; the requests that got one, shortest first."""
         reqs = sorted(self.running, key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
         while True:
             for req in list(reqs):
@@ -305,9 +321,7 @@ class Scheduler(PDHost):
                 break
         for req in reqs:
             req.kv_len -= 1  # _make_batch counts this step's token as new
-        if not reqs:
-            return None
-        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+        return reqs
 
     def _retract_one(self, reqs: list[Req]) -> Req | None:
         """Drop the KV of the request with the fewest generated tokens; it goes back to the front of the queue."""
@@ -323,7 +337,8 @@ class Scheduler(PDHost):
                     victim.rid, victim.seq_len)
         return victim
 
-    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
+    def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int],
+                    num_decodes: int = 0) -> ScheduledBatch:
         input_ids: list[int] = []
         seq_lens, rows = [], []
         out_loc_parts = []
@@ -349,13 +364,14 @@ class Scheduler(PDHost):
             finishes.append(req.kv_len == len(fill))
         kv_indices = self.req_table.gather(rows, seq_lens)
         fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
-                                np.concatenate(out_loc_parts), kv_indices)
+                                np.concatenate(out_loc_parts), kv_indices, num_decodes=num_decodes)
         samples = [f and r.samples for r, f in zip(reqs, finishes, strict=True)]
         fb.logits_indices = fb.logits_indices[torch.tensor(samples, dtype=torch.bool)]
         if prompt_rows:
             fb.logits_indices = torch.cat([torch.tensor(prompt_rows, dtype=torch.int64), fb.logits_indices])
-        if mode.is_decode:
-            fb.decode_slots = torch.from_numpy(self.req_table.table[rows, : max(seq_lens)])
+        if mode.is_decode or num_decodes:  # the decodes' cache rows as one padded block (a MIXED step's tail)
+            tail = slice(len(rows) - (num_decodes or len(rows)), len(rows))
+            fb.decode_slots = torch.from_numpy(self.req_table.table[rows[tail], : max(seq_lens[tail])])
         return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets)
 
     # ------------------------------------------------------------------ results
@@ -412,7 +428,8 @@ class Scheduler(PDHost):
             elif req.asked.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
                 outs.append(req.take_output())
         if batch.mode.is_extend:
-            self.stats.prefilled += sum(batch.extend_lens)
+            self.stats.prefilled += batch.num_prefill_tokens
+            self.stats.mixed_steps += batch.mode.is_mixed
             if self.pd is not None and self.args.disaggregation_mode == "prefill":
                 for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
                     if not done:  # a chunk: its complete pages can go
@@ -478,16 +495,3 @@ class Scheduler(PDHost):
         req.kv_len = 0
         self.req_table.free(req.row)
         req.row = None
-
-
-class _Stats:
-    """Counters for the periodic log line."""
-
-    def __init__(self) -> None:
-        self.generated = 0
-        self.prefilled = 0
-        self.finished = 0
-        self.retractions = 0
-        self.last_log = time.monotonic()
-        self.last_generated = 0
-        self.last_prefilled = 0

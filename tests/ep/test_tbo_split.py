@@ -3,7 +3,8 @@
 Split invariants on random DECODE and EXTEND batches (prefixes, one-token and long prompts): every new token in
 exactly one micro-batch, in order (A = first ceil(T/2) tokens); each micro-batch a consistent ForwardBatch
 (positions continue each prefix, qo/kv indptrs, kv_indices = the request's slots, out_cache_loc = the slots of the
-new positions, decode_slots rows); a prompt cut in two continues in B; the micro-batch headers are exact; merging
+new positions, decode_slots rows); a MIXED batch's decodes (its last requests) split as a tail of each micro-batch,
+and its extend and decode parts are consistent batches; a prompt cut in two continues in B; the micro-batch headers are exact; merging
 A's and B's rows (hidden states and default logits rows) gives the parent's.
 """
 
@@ -22,8 +23,9 @@ from moeserve.models.tbo import execute_overlapped
 def random_batch(rng: random.Random, mode: ForwardMode, num_reqs: int, with_slots: bool = False,
                  all_logits: bool = False) -> ForwardBatch:
     seq_lens, ext = [], []
-    for _ in range(num_reqs):
-        if mode.is_decode:
+    num_decodes = rng.randint(0, num_reqs) if mode.is_mixed else 0  # MIXED: the last ones decode
+    for i in range(num_reqs):
+        if mode.is_decode or i >= num_reqs - num_decodes:
             e = 1
             s = rng.randint(1, 40)
         else:
@@ -37,13 +39,15 @@ def random_batch(rng: random.Random, mode: ForwardMode, num_reqs: int, with_slot
         out_loc.extend(slots[ptr + s - e: ptr + s])
         ptr += s
     ids = [rng.randrange(2, 500) for _ in range(sum(ext))]
-    fb = ForwardBatch.build(mode, ids, seq_lens, ext, out_loc, slots, return_all_logits=all_logits)
-    if with_slots:
-        L = max(seq_lens) + 3
-        block = torch.zeros(num_reqs, L, dtype=torch.int64)
-        for b in range(num_reqs):
+    fb = ForwardBatch.build(mode, ids, seq_lens, ext, out_loc, slots, return_all_logits=all_logits,
+                            num_decodes=num_decodes)
+    if with_slots and (num_decodes or mode.is_decode):  # MIXED: rows of the decodes only
+        first = num_reqs - num_decodes if mode.is_mixed else 0
+        L = max(seq_lens[first:]) + 3
+        block = torch.zeros(num_reqs - first, L, dtype=torch.int64)
+        for b in range(first, num_reqs):
             k = fb.kv_indptr[b]
-            block[b, :seq_lens[b]] = fb.kv_indices[k:k + seq_lens[b]]
+            block[b - first, :seq_lens[b]] = fb.kv_indices[k:k + seq_lens[b]]
         fb.decode_slots = block
     return fb
 
@@ -63,8 +67,12 @@ def check_consistent(fb: ForwardBatch) -> None:
         p, s = fb.prefix_lens_cpu[b], fb.seq_lens_cpu[b]
         assert fb.positions[q0:q1].tolist() == list(range(p, s))
         assert fb.out_cache_loc[q0:q1].tolist() == fb.kv_indices[k0 + p:k0 + s].tolist()
-        if fb.decode_slots is not None:
-            assert fb.decode_slots[b, :s].tolist() == fb.kv_indices[k0:k0 + s].tolist()
+        first = B - fb.num_decodes if fb.mode.is_mixed else 0  # decode_slots rows: requests first..B-1
+        if fb.decode_slots is not None and b >= first:
+            assert fb.decode_slots[b - first, :s].tolist() == fb.kv_indices[k0:k0 + s].tolist()
+    if fb.mode.is_mixed:
+        assert all(e == 1 for e in fb.extend_lens_cpu[B - fb.num_decodes:])
+        assert fb.decode_slots is None or fb.decode_slots.shape[0] == fb.num_decodes
     if fb.logits_indices is not None:  # the last token of each request (but a request whose last token is in B)
         ends = [fb.qo_indptr[b + 1].item() - 1 for b in range(B)]
         assert fb.logits_indices.tolist() in (ends, ends[:-1])
@@ -74,12 +82,13 @@ def request_slots(fb: ForwardBatch) -> list[list[int]]:
     return [fb.kv_indices[fb.kv_indptr[b]:fb.kv_indptr[b + 1]].tolist() for b in range(fb.batch_size)]
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED])
 def test_split_invariants_random(mode):
-    rng = random.Random(7 if mode.is_decode else 8)
+    rng = random.Random({ForwardMode.DECODE: 7, ForwardMode.EXTEND: 8}.get(mode, 9))
     for trial in range(300):
         n = rng.randint(1, 9)
-        fb = random_batch(rng, mode, n, with_slots=mode.is_decode and trial % 2 == 0, all_logits=trial % 5 == 0)
+        fb = random_batch(rng, mode, n, with_slots=mode is not ForwardMode.EXTEND and trial % 2 == 0,
+                          all_logits=trial % 5 == 0)
         fb.global_num_tokens = [fb.num_tokens, rng.randint(0, 60)]
         fb.any_extend = True if trial % 3 == 0 else mode.is_extend
         a, b = split_batch(fb)
@@ -114,6 +123,12 @@ def test_split_invariants_random(mode):
             assert b_slots[0][:len(a_slots[-1])] == a_slots[-1]
         if mode.is_decode:
             assert a.batch_size == (fb.batch_size + 1) // 2  # a split by sequences
+        if mode.is_mixed:  # each part holds a tail of the decodes, A's before B's
+            assert a.num_decodes + b.num_decodes == fb.num_decodes
+            assert b.num_decodes == min(fb.num_decodes, b.batch_size)
+            if fb.decode_slots is not None and fb.num_decodes:
+                parts = [p.decode_slots for p in (a, b) if p.num_decodes]
+                assert torch.equal(torch.cat(parts), fb.decode_slots)
         # merge = identity: per-token rows, and the default logits rows
         h = torch.randn(fb.num_tokens, 3)
         assert torch.equal(merge_rows(fb, h[:s], h[s:]), h)
@@ -123,6 +138,22 @@ def test_split_invariants_random(mode):
             assert la + lb == fb.logits_indices.tolist()
         else:
             assert a.logits_indices is None or a.num_tokens == 0
+
+
+def test_mixed_parts_random():
+    """A MIXED batch's extend and decode parts: consistent batches of their own, together the parent's tokens."""
+    rng = random.Random(10)
+    for trial in range(200):
+        fb = random_batch(rng, ForwardMode.MIXED, rng.randint(1, 9), with_slots=trial % 2 == 0)
+        ext, dec = fb.mixed_parts()
+        assert (ext.mode, dec.mode) == (ForwardMode.EXTEND, ForwardMode.DECODE)
+        assert (ext.batch_size, dec.batch_size) == (fb.batch_size - fb.num_decodes, fb.num_decodes)
+        for name in ("input_ids", "positions", "out_cache_loc", "kv_indices"):
+            assert torch.equal(torch.cat([getattr(ext, name), getattr(dec, name)]), getattr(fb, name)), name
+        for part in (ext, dec):
+            part.logits_indices = None
+            check_consistent(part)
+        assert request_slots(ext) + request_slots(dec) == request_slots(fb)
 
 
 def test_split_edge_cases():

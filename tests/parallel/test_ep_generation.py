@@ -5,7 +5,8 @@ must be token-identical to the single-rank in-process run of the same checkpoint
 transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations: every architecture x attention TP
 (tp 2) / DP attention (tp 2, dp 2) x allgather / all2all normal / all2all low_latency (ep_max_tokens_per_rank 4, so
 prefill steps run several rounds) / all2all auto x two-batch overlap off / on; plus the default backend `none`
-(allgather when ep_size > 1) and a 4-rank case (DP 2 x attention TP 2).
+(allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2), and --enable-mixed-chunk with small chunks
+(prompt chunks beside the running decodes) under attention TP and under DP attention with two-batch overlap.
 With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
 lone request (one group busy, the other stepping IDLE batches) must match too.
 """
@@ -41,8 +42,13 @@ MODELS = ("v3_groups", "qwen3_moe", "mixtral", "v2_lite")
 # The whole matrix: every architecture x attention TP / DP x every backend and mode x two-batch overlap off / on.
 CASES = [(model, f"{a}-{b}-{t}", {**ATTN[a], **BACKENDS[b], **TBO[t]})
          for model in MODELS for a in ATTN for b in BACKENDS for t in TBO]
+MIXED_CHUNK = dict(enable_mixed_chunk=True, chunked_prefill_size=16)  # chunks of the prompts run beside decodes
 CASES += [
     ("qwen3_moe", "attn_tp2-none", dict(tp_size=2)),  # the default backend: none means allgather for ep_size 2
+    # --enable-mixed-chunk: a mixed step is an extend in the header (auto dispatch picks normal), TBO splits it
+    ("v3_groups", "attn_tp2-a2a_auto-mixed", dict(tp_size=2, **BACKENDS["a2a_auto"], **MIXED_CHUNK)),
+    ("mixtral", "dp2-a2a_auto-tbo_on-mixed",
+     dict(**ATTN["dp2"], **BACKENDS["a2a_auto"], **TBO["tbo_on"], **MIXED_CHUNK)),
     ("v3_groups", "tp4-dp2-a2a_auto",
      dict(tp_size=4, enable_dp_attention=True, dp_size=2, **{k: v for k, v in BACKENDS["a2a_auto"].items()})),
 ]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
-from moeserve.layers.attention.ops import AttentionMetadata, decode_attention, extend_attention
+from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
@@ -66,13 +66,16 @@ class GQAttention(nn.Module):
         k = self.rotary.apply(k, meta.rope)
         pool = meta.kv_pool
         pool.set_kv(self.layer_id, meta.out_cache_loc, k, v)
-        k_cache, v_cache = pool.get_kv(self.layer_id)
-        if meta.mode.is_decode:
-            o = decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_bias, self.scale,
-                                 self.sliding_window)
-        else:
-            k_all = k_cache[meta.kv_indices].to(q.dtype)
-            v_all = v_cache[meta.kv_indices].to(q.dtype)
-            o = extend_attention(q, k_all, v_all, meta.extend_lens, meta.seq_lens, self.scale, self.sliding_window,
-                                 meta.extend_plan)
+        o = attend_parts(meta, self._attend, q)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [t, h, d] of one EXTEND or DECODE part (their KV already in the cache) -> [t, h, d]."""
+        k_cache, v_cache = meta.kv_pool.get_kv(self.layer_id)
+        if meta.mode.is_decode:
+            return decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_bias, self.scale,
+                                    self.sliding_window)
+        k_all = k_cache[meta.kv_indices].to(q.dtype)
+        v_all = v_cache[meta.kv_indices].to(q.dtype)
+        return extend_attention(q, k_all, v_all, meta.extend_lens, meta.seq_lens, self.scale, self.sliding_window,
+                                meta.extend_plan)

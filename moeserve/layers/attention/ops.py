@@ -6,11 +6,15 @@
 - `decode_attention`: one query per request over its cached tokens. The cache rows are gathered into a padded
   [B, max_len] block and masked, so a step is a few batched kernels with no per-request Python loop.
 
-`AttentionMetadata` is built once per forward from the ForwardBatch and shared by all layers.
+`AttentionMetadata` is built once per forward from the ForwardBatch and shared by all layers. A MIXED step
+(--enable-mixed-chunk: a prefill chunk and the running decodes in one batch) holds two parts, the extend requests'
+and the decodes'; a layer writes every token's KV once, then runs each part its own way (`attend_parts`), so a
+decode row is computed as in a DECODE step (the absorbed MLA form, no expansion of its whole cached sequence).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +41,15 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [B, max_len] float32: 0 for a real token, -inf past seq_len
     decode_seq_lens: torch.Tensor | None = None  # [B] int64 on the device: the kernels that read decode_slots
     extend_plan: ExtendPlan | None = None  # extend steps: the padded groups every layer's attention runs
+    # MIXED: the metadata of the extend requests (its rows first) and of the decodes (the rows after); None where
+    # the part has no request (a two-batch-overlap micro-batch may hold only one of them)
+    extend_part: AttentionMetadata | None = None
+    decode_part: AttentionMetadata | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: torch.Tensor) -> AttentionMetadata:
+        if batch.mode.is_mixed:
+            return cls._build_mixed(batch, rope)
         # Decode reads no host lengths (torch.compile would guard on every one of them).
         extend = batch.mode.is_extend
         meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
@@ -57,9 +67,43 @@ class AttentionMetadata:
                                                                       batch.seq_lens, max(batch.seq_lens_cpu))
         return meta
 
+    @classmethod
+    def _build_mixed(cls, batch: ForwardBatch, rope: torch.Tensor) -> AttentionMetadata:
+        ext, dec = batch.mixed_parts()
+        t = ext.num_tokens
+        meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
+                   kv_indices=batch.kv_indices, kv_indptr=batch.kv_indptr, rope=rope, extend_lens=[], seq_lens=[])
+        meta.extend_part = cls.build(ext, rope[:t]) if ext.batch_size else None
+        meta.decode_part = cls.build(dec, rope[t:]) if dec.batch_size else None
+        return meta
+
     @property
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.shape[0])
+
+    def parts(self) -> list[tuple[slice, AttentionMetadata]]:
+        """(rows of this step's tokens, their metadata) per part: one EXTEND or DECODE part, or a MIXED step's two."""
+        if not self.mode.is_mixed:
+            return [(slice(0, self.num_tokens), self)]
+        out = []
+        t = self.extend_part.num_tokens if self.extend_part is not None else 0
+        if self.extend_part is not None:
+            out.append((slice(0, t), self.extend_part))
+        if self.decode_part is not None:
+            out.append((slice(t, self.num_tokens), self.decode_part))
+        return out
+
+
+def attend_parts(meta: AttentionMetadata, attend: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+    """attend(*(x[part rows] for x in rows), part_meta) over the step's parts, concatenated in token order: a MIXED
+    step runs its extend requests and its decodes apart (see the module doc); other steps call attend once.
+    rows: per-token tensors [T, ...]; attend returns [rows of its part, ...]."""
+    if not meta.mode.is_mixed:  # (reads no shape: torch.compile and CUDA graphs trace this path)
+        return attend(*rows, meta)
+    parts = meta.parts()
+    if len(parts) == 1:
+        return attend(*rows, parts[0][1])
+    return torch.cat([attend(*(x[r] for x in rows), part) for r, part in parts])
 
 
 def _past_end(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""What a scheduler step hands the model runner (ScheduledBatch) and the counters of its periodic log line."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.rank.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs: the requests and, for EXTEND and MIXED, how many tokens of each (a chunk may be partial;
+    a MIXED step's decodes come last, one token each)."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    forward: ForwardBatch
+    finishes_prefill: list[bool]  # per request: this step reaches the end of its fill_ids (so it samples)
+    # prompt logprobs: the first len(prompt_targets) rows of the logits score these prompt tokens, requests in
+    # order, prompt_counts[i] rows for prompt_reqs[i] (prompt_logprobs.py)
+    prompt_reqs: list[Req] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return len(self.prompt_targets)
+
+    @property
+    def num_decodes(self) -> int:
+        """Requests that decode one token this step: all of a DECODE step, the last ones of a MIXED step."""
+        return len(self.reqs) if self.mode.is_decode else self.forward.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (or recomputed) tokens of this step; a MIXED step's decode tokens are not among them."""
+        if self.mode.is_decode:
+            return 0
+        return sum(self.extend_lens[:len(self.extend_lens) - self.forward.num_decodes])
+
+
+class SchedulerStats:
+    """Counters for the periodic log line."""
+
+    def __init__(self) -> None:
+        self.generated = 0
+        self.prefilled = 0
+        self.finished = 0
+        self.retractions = 0
+        self.mixed_steps = 0  # steps that ran a prefill and decodes together (--enable-mixed-chunk)
+        self.last_log = time.monotonic()
+        self.last_generated = 0
+        self.last_prefilled = 0
