@@ -315,9 +315,10 @@ class WorkerLoop:
             load = self.scheduler.get_load()
             logger.info(
                 "decode %.1f tok/s, prefill %.1f tok/s, running %d, queued %d, KV %d/%d tokens (%.1f%%), "
-                "cached %d, retracted %d", gen / dt, pre / dt, load.num_running, load.num_waiting,
+                "cached %d, retracted %d%s", gen / dt, pre / dt, load.num_running, load.num_waiting,
                 load.kv_used_tokens, load.kv_total_tokens, 100 * load.kv_used_tokens / max(load.kv_total_tokens, 1),
-                load.num_cached_tokens, st.retractions)
+                load.num_cached_tokens, st.retractions,
+                f", mixed steps {st.mixed_steps}" if self.args.enable_mixed_chunk else "")
         util = self.runner.expert_utilization_line(dt)  # also on ranks whose own group is idle
         if util:
             logger.info("%s", util)
