@@ -30,6 +30,7 @@ import shlex
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,9 +187,10 @@ def measure(url: str, pd_urls: list[str], bench: argparse.Namespace, measured: l
     return out
 
 
-def run_all(args: argparse.Namespace, bench: argparse.Namespace, serve_flags: list[str],
-            log_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every run of --runs, in order, each on fresh servers; every process is stopped before this returns."""
+def run_all(args: argparse.Namespace, bench: argparse.Namespace, serve_flags: list[str], log_dir: Path,
+            on_run: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Every run of --runs, in order, each on fresh servers; on_run(results so far) after each; every process is
+    stopped before this returns."""
     launcher = Launcher(log_dir)
     results: dict[str, dict[str, Any]] = {}
     measured: list[BenchRequest] | None = None
@@ -207,9 +209,22 @@ def run_all(args: argparse.Namespace, bench: argparse.Namespace, serve_flags: li
             print(serving.format_report(results[run]["summary"], f"{bench.backend} ({run})", bench.request_rate,
                                         bench.max_concurrency), flush=True)
             launcher.stop_all()
+            if on_run is not None:
+                on_run(results)
     finally:
         launcher.stop_all()
     return results
+
+
+def _write_record(args: argparse.Namespace, bench: argparse.Namespace, serve_flags: list[str],
+                  results: dict[str, dict[str, Any]]) -> None:
+    config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(bench).items()}
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": platform.node(), "cpus": os.cpu_count(), "runs": args.runs, "serve_flags": serve_flags,
+              "prefill_flags": args.prefill_flags, "decode_flags": args.decode_flags,
+              "colocated_flags": args.colocated_flags, "bench": config, "results": results}
+    with open(args.output_file, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
 
 
 def _raise_on_signal(signum: int, _frame: Any) -> None:
@@ -226,9 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="moeserve-bench-pd-"))
     print(f"logs in {log_dir}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"{os.cpu_count()} CPUs", flush=True)
+    def write(results: dict[str, dict[str, Any]]) -> None:  # after every run: a later failure keeps the earlier
+        if args.output_file:
+            _write_record(args, bench, serve_flags, results)
+
     old = signal.signal(signal.SIGTERM, _raise_on_signal)
     try:
-        results = run_all(args, bench, serve_flags, log_dir)
+        results = run_all(args, bench, serve_flags, log_dir, write)
     except (RuntimeError, ValueError, TimeoutError, OSError) as e:
         print(f"moeserve bench pd: {e}", file=sys.stderr)
         return 1
@@ -239,12 +258,5 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, old)
     print(side_by_side(results, bench))
     if args.output_file:
-        config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(bench).items()}
-        record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": platform.node(), "cpus": os.cpu_count(), "runs": args.runs, "serve_flags": serve_flags,
-                  "prefill_flags": args.prefill_flags, "decode_flags": args.decode_flags,
-                  "colocated_flags": args.colocated_flags, "bench": config, "results": results}
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
         print(f"wrote {args.output_file}")
     return 0 if all(r["summary"]["failed"] == 0 for r in results.values()) else 1
