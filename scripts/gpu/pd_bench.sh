@@ -10,7 +10,8 @@
 set -uo pipefail
 source scripts/gpu/setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
+# the dummy model has no tokenizer: the embedded model's stands in (its ids fit the vocab); TOK overrides it
+TOK=${TOK:-$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")}
 MODEL_FLAGS=${MODEL_FLAGS:-"--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 \
   --context-length 4096 --max-running-requests 128 --cuda-graph-max-bs 128 --max-total-tokens 131072"}
 SIZE_FLAGS=${SIZE_FLAGS:-"--random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --num-prompts 128 \
