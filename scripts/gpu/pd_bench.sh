@@ -17,5 +17,5 @@ MODEL_FLAGS=${MODEL_FLAGS:-"--model-path benchmarks/configs/deepseek-v2-lite --l
 SIZE_FLAGS=${SIZE_FLAGS:-"--random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --num-prompts 128 \
   --max-concurrency 64 --warmup-requests 64"}
 # shellcheck disable=SC2086 # the flag lists split into words
-python3 -m moeserve.cli bench pd --runs colocated zmq --dataset random --request-rate inf $SIZE_FLAGS \
+exec python3 -m moeserve.cli bench pd --runs colocated zmq --dataset random --request-rate inf $SIZE_FLAGS \
   --disable-tqdm --log-dir "$OUT/logs" --output-file "$OUT/pd.json" "$@" -- $MODEL_FLAGS --tokenizer-path "$TOK"
