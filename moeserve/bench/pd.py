@@ -14,7 +14,7 @@ write, prefill's own count: it includes the prompt's queueing and compute) and t
 
 Flags before `--` are this command's and `moeserve bench serving`'s (dataset, lengths, concurrency, rate, seed,
 warm-up); flags after `--` go to every `moeserve serve` (model, dtype, ...). --prefill-flags, --decode-flags and
---colocated-flags add flags for one role (for example a memory split when both PD servers share a GPU).
+--colocated-flags add flags for one role, --router-flags flags for sglang-router.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="More `moeserve serve` flags for the prefill server, one string: --prefill-flags='--a 1'")
     p.add_argument("--decode-flags", default="", help="More `moeserve serve` flags for the decode server")
     p.add_argument("--colocated-flags", default="", help="More `moeserve serve` flags for the colocated server")
+    p.add_argument("--router-flags", default="",
+                   help="More sglang-router flags, one string: --router-flags='--disable-circuit-breaker'")
     p.add_argument("--server-timeout", type=float, default=600.0,
                    help="Seconds for the servers to start, and for the router to serve")
     p.add_argument("--log-dir", default=None, help="Server and router logs (default: a new temporary directory)")
@@ -130,7 +132,8 @@ def start_targets(launcher: Launcher, run: str, args: argparse.Namespace,
     decode = launcher.serve(f"decode-{run}", [*serve_flags, *shlex.split(args.decode_flags), *backend,
                                               "--disaggregation-mode", "decode"])
     launcher.wait_healthy([prefill, decode], args.server_timeout)
-    router = launcher.router(f"router-{run}", prefill, bootstrap_port, decode, args.server_timeout)
+    router = launcher.router(f"router-{run}", prefill, bootstrap_port, decode, args.server_timeout,
+                             shlex.split(args.router_flags))
     return router.url, [prefill.url, decode.url]
 
 
@@ -222,7 +225,8 @@ def _write_record(args: argparse.Namespace, bench: argparse.Namespace, serve_fla
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.node(), "cpus": os.cpu_count(), "runs": args.runs, "serve_flags": serve_flags,
               "prefill_flags": args.prefill_flags, "decode_flags": args.decode_flags,
-              "colocated_flags": args.colocated_flags, "bench": config, "results": results}
+              "colocated_flags": args.colocated_flags, "router_flags": args.router_flags, "bench": config,
+              "results": results}
     with open(args.output_file, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
 

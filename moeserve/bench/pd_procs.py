@@ -58,13 +58,14 @@ class Launcher:
         return self._spawn(name, [self.python, "-m", "moeserve.cli", "serve", "--host", "127.0.0.1",
                                   "--port", str(port), *flags], port)
 
-    def router(self, name: str, prefill: Proc, bootstrap_port: int, decode: Proc, startup_timeout_s: float) -> Proc:
+    def router(self, name: str, prefill: Proc, bootstrap_port: int, decode: Proc, startup_timeout_s: float,
+               flags: list[str]) -> Proc:
         """sglang-router in PD mode in front of one prefill and one decode server."""
         port = free_port()
         return self._spawn(name, [self.python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                       "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
                                       "--host", "127.0.0.1", "--port", str(port),
-                                      "--worker-startup-timeout-secs", str(int(startup_timeout_s))], port)
+                                      "--worker-startup-timeout-secs", str(int(startup_timeout_s)), *flags], port)
 
     def wait_healthy(self, procs: list[Proc], timeout_s: float) -> None:
         """Until every server answers /health with 200; RuntimeError with its log's end if one exits or is late."""
