@@ -75,12 +75,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace,
     bench = bench_parser.parse_args(rest)
     if bench.base_url is not None or bench.host is not None or bench.port is not None:
         parser.error("--host/--port/--base-url name the target, which this command starts itself")
-    if bench.output_file is not None:
-        parser.error("--output-file is this command's own: it writes every run's summary")
+    if bench.ready_timeout:
+        parser.error("--ready-timeout: this command waits for its targets itself (--server-timeout)")
+    if bench.api_key is not None:
+        parser.error("--api-key: bench pd reads the servers' counters without a key; run it without one")
     all_flags = serve_flags + [f for role in (args.prefill_flags, args.decode_flags, args.colocated_flags)
                                for f in shlex.split(role)]
     for flag in all_flags:
         name = flag.split("=", 1)[0]
+        if name == "--api-key":
+            parser.error("server flag --api-key: bench pd reads the servers' counters without a key")
         if name in OWN_SERVE_FLAGS:
             parser.error(f"server flag {name}: this command sets the servers' addresses, PD roles and transfer "
                          "backends itself (--runs picks the backends)")

@@ -25,7 +25,10 @@ def test_flags_split_between_the_command_the_load_generator_and_the_servers():
 @pytest.mark.parametrize("argv", [
     ["--port", "30000"],  # the command starts its targets
     ["--base-url", "http://h:1"],
-    ["--output-file", "x.json", "--", "--port", "1"],
+    ["--ready-timeout", "5"],  # it waits for its targets itself
+    ["--api-key", "k"],
+    ["--", "--api-key=k"],
+    ["--decode-flags=--api-key k"],
     ["--", "--port", "1"],  # the servers' addresses and roles are its own
     ["--prefill-flags=--disaggregation-mode decode"],
     ["--", "--disaggregation-transfer-backend=zmq"],
