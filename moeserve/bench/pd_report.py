@@ -62,8 +62,9 @@ def side_by_side(results: dict[str, dict[str, Any]], bench: argparse.Namespace) 
     names = [n if n == "colocated" else f"PD {n}" for n in results]
     width = max(12, *(len(n) + 2 for n in names))
     rate = "inf" if math.isinf(bench.request_rate) else f"{bench.request_rate:g}"
-    head = (f"PD vs colocated: {bench.num_prompts} prompts, dataset {bench.dataset}, input {bench.random_input_len}"
-            f", output {bench.random_output_len}, range ratio {bench.random_range_ratio:g}, concurrency "
+    shape = (f", input {bench.random_input_len}, output {bench.random_output_len}, range ratio "
+             f"{bench.random_range_ratio:g}" if bench.dataset == "random" else "")
+    head = (f"PD vs colocated: {bench.num_prompts} prompts, dataset {bench.dataset}{shape}, concurrency "
             f"{bench.max_concurrency or 'unbounded'}, rate {rate}")
     lines = [head, f"{'':<32}" + "".join(f"{n:>{width}}" for n in names)]
     for title, get in _ROWS:
