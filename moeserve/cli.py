@@ -1,4 +1,4 @@
-"""The `moeserve` command: serve | generate | bench {one-batch,serving,dispatch,kv-transfer} | eplb ..."""
+"""The `moeserve` command: serve | generate | bench {one-batch,serving,dispatch,kv-transfer,pd} | eplb ..."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def cmd_generate(argv: list[str]) -> int:
 def cmd_bench(argv: list[str]) -> int:
     kinds = {"one-batch": "moeserve.bench.one_batch", "serving": "moeserve.bench.serving",
              "offline": "moeserve.bench.offline", "dispatch": "moeserve.bench.dispatch",
-             "tbo": "moeserve.bench.tbo", "eplb": "moeserve.bench.eplb", "kv-transfer": "moeserve.bench.kv_transfer"}
+             "tbo": "moeserve.bench.tbo", "eplb": "moeserve.bench.eplb", "kv-transfer": "moeserve.bench.kv_transfer",
+             "pd": "moeserve.bench.pd"}
     if not argv or argv[0] not in kinds:
         print(f"usage: moeserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: moeserve {serve,generate,bench,eplb} [options]\n"
               "  serve     start the HTTP server (default model: the embedded tiny DeepSeek-V3)\n"
               "  generate  one-shot generation for a prompt\n"
-              "  bench     one-batch | serving | offline | dispatch | tbo | eplb | kv-transfer benchmarks\n"
+              "  bench     one-batch | serving | offline | dispatch | tbo | eplb | kv-transfer | pd benchmarks\n"
               "  eplb      expert-placement tools: synth, analyze, simulate, plan", file=sys.stderr)
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-ignore-eos", action="store_true", help="Let requests stop at EOS")
     p.add_argument("--extra-request-body", default=None, help="JSON merged into each request's sampling options")
     p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--ready-timeout", type=float, default=0.0,
+                   help="Seconds to wait for the target to answer a one-token request before starting (0: no "
+                        "wait); for servers or a router just started (sglang-router's /health answers before it "
+                        "routes)")
     p.add_argument("--output-file", default=None, help="Write the summary and per-request numbers as JSON")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
@@ -310,6 +314,43 @@ def _get_json(url: str, api_key: str | None) -> Any:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
+
+
+def _post_json(url: str, body: dict, api_key: str | None) -> int:
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+        return resp.status
+
+
+def wait_ready(base_url: str, backend: str, timeout_s: float, model: str | None = None,
+               api_key: str | None = None) -> None:
+    """Block until the target answers /get_model_info and generates one token through the benchmark's endpoint.
+
+    A router answers /health before it has checked its workers and /get_model_info before it routes, so only a
+    request that comes back 200 shows that the benchmark's requests will be served. TimeoutError after
+    `timeout_s` with the last failure."""
+    endpoint, kind = BACKENDS[backend]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _get_json(f"{base_url}/get_model_info", api_key)
+            name = model
+            if name is None and kind != "native":
+                name = _get_json(f"{base_url}/v1/models", api_key)["data"][0]["id"]
+            body = {**_payload(kind, name, BenchRequest("Hello", 1, 1), False, {}), "stream": False}
+            body.pop("stream_options", None)  # OpenAI's API takes it only with a stream
+            if _post_json(base_url + endpoint, body, api_key) == 200:
+                return
+            last = "the probe answered without an error but not 200"
+        except (OSError, ValueError, KeyError, IndexError) as e:  # HTTPError and URLError are OSErrors
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{base_url} did not serve a one-token request within {timeout_s:g} s ({last})")
+        time.sleep(0.5)
 
 
 def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
@@ -335,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = args.tokenizer
     model = args.model
     try:
+        if args.ready_timeout > 0:
+            wait_ready(base_url, args.backend, args.ready_timeout, model, args.api_key)
         if tokenizer_path is None:
             tokenizer_path = _get_json(f"{base_url}/get_model_info", args.api_key).get("tokenizer_path")
             if not tokenizer_path:
@@ -342,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         if model is None and args.backend in ("openai", "openai-chat"):
             model = _get_json(f"{base_url}/v1/models", args.api_key)["data"][0]["id"]
+    except TimeoutError as e:
+        print(str(e), file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"cannot reach {base_url}: {e} (is the server up? else pass --tokenizer and --model)", file=sys.stderr)
         return 1

@@ -30,7 +30,10 @@ class PageAllocator:
         return pages[::-1]
 
     def free_pages(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        # The free list's tail is handed out next, last page first: pushing a freed run in reverse hands it out
+        # again in ascending order, so a later request's pages stay consecutive (one KV transfer range per run
+        # instead of one per page).
+        self._free.extend(reversed(pages))
 
     def pages_needed(self, cur_len: int, n: int) -> int:
         """Pages a sequence of cur_len tokens (its last page partly filled) needs to grow by n tokens."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from server_fakes import FakeClient, serve_in_thread
@@ -12,6 +14,7 @@ from moeserve.bench import serving
 from moeserve.bench.datasets import random_requests, shared_prefix_requests, sharegpt_requests
 from moeserve.models.default_model import default_model_path
 from moeserve.server.http.app import build_app
+from moeserve.server.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +110,44 @@ def test_summary_with_no_success():
     summary = serving.summarize([serving.RequestResult(error="boom")], 1.0)
     assert summary["failed"] == 1 and summary["errors"] == {"boom": 1}
     assert "FAILED x1: boom" in serving.format_report(summary, "openai", math.inf, None)
+
+
+class _NotYetRouting(BaseHTTPRequestHandler):
+    """A router that answers /get_model_info at once but serves a request only from the third probe on."""
+
+    posts = 0
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self._answer(200, {"model_path": "m", "tokenizer_path": None})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).posts += 1
+        assert body["stream"] is False and body["sampling_params"]["max_new_tokens"] == 1
+        self._answer(200 if type(self).posts >= 3 else 503, {"text": "x"})
+
+    def _answer(self, status, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_wait_ready_until_a_request_is_served(base_url):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotYetRouting)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        serving.wait_ready(url, "moeserve", timeout_s=30)
+        assert _NotYetRouting.posts == 3  # two 503s were waited through
+    finally:
+        server.shutdown()
+    serving.wait_ready(base_url, "openai", timeout_s=30)  # the model name from /v1/models, no stream options
+    with pytest.raises(TimeoutError, match="did not serve a one-token request within 1 s"):
+        serving.wait_ready(f"http://127.0.0.1:{free_port()}", "moeserve", timeout_s=1)
