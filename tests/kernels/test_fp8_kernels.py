@@ -19,6 +19,7 @@ from moeserve.kernels.fp8_quant import (
 )
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)  # several tiles on small shapes
+GROUPED_2 = dict(SMALL, GROUP_M=2)
 FP8_REL = 0.07  # relative error of an e4m3 GEMM against fp32 (3 mantissa bits on both operands)
 KERNEL_REL = 1e-5  # Triton against the reference: the same products, summed in another order
 
@@ -96,8 +97,9 @@ def test_triton_gemm_matches_reference(device, m, n, k):
     xq, xs = quantize_activations_reference(torch.randn(m, k, generator=gen))
     wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
     ref = fp8_gemm_reference(xq, xs, wq, ws, torch.float32)
-    got = fp8_gemm(*(t.to(device) for t in (xq, xs, wq, ws)), torch.float32, config=SMALL).cpu()
-    assert _rel(got, ref) < KERNEL_REL
+    for config in (SMALL, GROUPED_2):
+        got = fp8_gemm(*(t.to(device) for t in (xq, xs, wq, ws)), torch.float32, config=config).cpu()
+        assert _rel(got, ref) < KERNEL_REL
 
 
 def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int):
@@ -110,13 +112,17 @@ def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int)
     return xq, xs, wq, ws, offsets, c
 
 
-@pytest.mark.parametrize(("counts", "align"), [([0, 37, 1, 0, 18], 1), ([1], 1), ([5, 0, 21], 8)])
-def test_triton_grouped_contiguous_matches_reference(device, counts, align):
+@pytest.mark.parametrize(("counts", "align", "config"), [([0, 37, 1, 0, 18], 1, SMALL), ([1], 1, SMALL),
+                                                     ([5, 0, 21], 8, SMALL), ([0, 37, 1, 0, 18], 1, GROUPED_2),
+                                                     ([200, 3, 0, 130], 1, None)])
+def test_triton_grouped_contiguous_matches_reference(device, counts, align, config):
+    """SMALL: several tiles; GROUPED_2: row tiles in groups of 2 (partial groups at the end); None: the default
+    launch configuration (128 x 128 tiles at these rows per expert, a partial N tile)."""
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm
 
     args = _contiguous_inputs(counts, align, 150, 200, seed=len(counts) + align)
     ref = fp8_grouped_gemm_reference(*args, torch.float32)
-    got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=SMALL).cpu()
+    got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=config).cpu()
     assert _rel(got, ref) < KERNEL_REL
     assert (got[ref == 0] == 0).all()  # padding rows are zero in both
 

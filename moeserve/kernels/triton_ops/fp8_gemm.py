@@ -1,10 +1,11 @@
 """Triton block-scaled FP8 GEMM (moeserve/kernels/fp8_gemm.py): a [M, K] e4m3 with per-row scales per 128 columns,
 b [N, K] e4m3 with one scale per 128 x 128 block.
 
-A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale group: each step's fp8 dot product
-is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
-fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
-at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs.
+A program computes a [BLOCK_M, BLOCK_N] tile, in grouped-M order (triton_ops/tile_order.py). K runs in steps of
+128, the scale group: each step's fp8 dot product is accumulated in fp32 after multiplying by the row scales of a
+and the column-block scales of b, as DeepSeek's fp8_gemm does. A column's b scale is read by column (col // 128),
+so BLOCK_N need not divide 128. Partial blocks at the ends of M, N and K are masked (zeros). `block_scaled_tile`
+is shared with the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -14,20 +15,24 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import BLOCK
+from moeserve.kernels.triton_ops.tile_order import grouped_order
 
-DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
+def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
                       stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
-    rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends."""
+    a_ptr / as_ptr point at the tile's first row, b_ptr at its first column (n0) of the expert's weight, bs_ptr at
+    the expert's scales; rows / cols: int32 offsets within the tile (the 64-bit part of the address is the scalar
+    base), masks for the ragged ends. K runs in steps of GROUP = 128, the scale blocks: one fp8 dot per step, scaled
+    once on the fp32 accumulator."""
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
     as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + (cols // GROUP) * stride_bsn
+    bs_ptrs = bs_ptr + ((n0 + cols) // GROUP) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, GROUP)):
         k_ok = ks < K - kb * GROUP
@@ -35,7 +40,7 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         a_ptrs += GROUP
         b_ptrs += GROUP
     return acc
@@ -43,13 +48,16 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
-                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_ok, col_ok = rows < M, cols < N
-    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
-                            stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
+                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                     GROUP: tl.constexpr):
+    pid_m, pid_n = grouped_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
+    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M - m0, cols < N - n0
+    acc = block_scaled_tile(a_ptr + m0.to(tl.int64) * stride_am, as_ptr + m0.to(tl.int64) * stride_asm,
+                            b_ptr + n0.to(tl.int64) * stride_bn, bs_ptr, rows, row_ok, cols, col_ok, n0, K,
+                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    c_ptrs = c_ptr + m0.to(tl.int64) * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -64,8 +72,8 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     if m == 0 or n == 0:
         return out
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0), w.stride(0),
-                           w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                           w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
+                           GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
