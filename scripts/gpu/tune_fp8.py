@@ -41,14 +41,18 @@ MAX_REL = 1e-2  # bf16 output against the fp32 reference: a wrong tile is off by
 
 def candidates(rows_per_expert: int) -> list[dict]:
     """Launch configurations worth timing: thin tiles when experts hold few rows, tensor-core tiles at prefill."""
-    def cfg(bm, bn, w, st, g=8):
-        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st)
+    def cfg(bm, bn, w, st, g=8, tma=False):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st, **({"TMA": True} if tma else {}))
 
     if rows_per_expert <= 64:
-        return [cfg(bm, bn, 4, st) for bm, bn in ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128)) for st in (3, 4)]
+        return ([cfg(bm, bn, 4, st) for bm, bn in ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128)) for st in (3, 4)]
+                + [cfg(bm, bn, 4, 4, tma=True) for bm, bn in ((32, 128), (64, 128))])
     out = [cfg(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4),
                                                  (128, 128, 8), (128, 256, 8)) for st in (3, 4)]
     out += [cfg(128, 128, 8, 3, g) for g in (1, 16, 32)]
+    out += [cfg(bm, bn, w, st, tma=True) for bm, bn, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4),
+                                                                (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4),
+                                                                (128, 256, 8, 3))]
     out.append(cfg(64, 128, 4, 3, 1))  # the launch before the tables: 64 x 128, 4 warps, 3 stages, row-major order
     return out
 

@@ -147,3 +147,31 @@ def test_triton_grouped_masked_matches_reference(device):
     for i, mm in enumerate(masked_m.tolist()):
         if mm:
             assert _rel(got[i, :mm], ref[i, :mm]) < KERNEL_REL
+
+
+def test_triton_grouped_tma_reads_match_reference(device):
+    """The tensor-memory-accelerator variant (K a multiple of 16): a tile's rows past its expert's segment and its
+    columns past N read the next expert's rows (or zeros at the ends), which the store masks."""
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import (
+        fp8_grouped_gemm,
+        fp8_grouped_gemm_masked,
+        tma_usable,
+    )
+
+    tma = dict(SMALL, TMA=True)
+    args = _contiguous_inputs([0, 37, 1, 0, 18], 1, 150, 256, seed=5)
+    assert tma_usable(args[0].to(device), args[2].to(device))
+    ref = fp8_grouped_gemm_reference(*args, torch.float32)
+    got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=tma).cpu()
+    assert _rel(got, ref) < KERNEL_REL
+    assert (got[ref == 0] == 0).all()
+    gen = torch.Generator().manual_seed(12)
+    xq, xs = quantize_activations_reference(torch.randn(3, 40, 256, generator=gen))
+    wq, ws = quantize_weight(torch.randn(3, 150, 256, generator=gen))
+    masked_m = torch.tensor([17, 0, 40], dtype=torch.int32)
+    ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
+    got = fp8_grouped_gemm_masked(*(t.to(device) for t in (xq, xs, wq, ws, masked_m)), torch.float32,
+                                  config=tma).cpu()
+    for i, mm in enumerate(masked_m.tolist()):
+        if mm:
+            assert _rel(got[i, :mm], ref[i, :mm]) < KERNEL_REL

@@ -47,6 +47,24 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 
 
 @triton.jit
+def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
+                          stride_asm, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """`block_scaled_tile` with a and b read by the tensor-memory accelerator: a_desc over a [rows, K] with blocks
+    [BLOCK_M, GROUP], b_desc over b [rows, K] with blocks [BLOCK_N, GROUP]; the tile starts at row a_row0 of a and
+    b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store)."""
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = bs_ptr + ((n0 + cols) // GROUP) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, GROUP)):
+        a = a_desc.load([a_row0, kb * GROUP])
+        b = b_desc.load([b_row0, kb * GROUP])
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b.T) * (a_s[:, None] * b_s[None, :])
+    return acc
+
+
+@triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
                      stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                      GROUP: tl.constexpr):

@@ -8,7 +8,8 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
   zeroed (padding rows are 0);
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
 Addresses: a 64-bit scalar base per tile (the expert's weight, the tile's first row and column) plus 32-bit offsets
-inside the tile. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
+inside the tile; or, with "TMA": true in the configuration (and K a multiple of 16 on a Hopper-class GPU, else the
+pointer path runs), a and b read through tensor descriptors. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
 `fp8_grouped_gemm` and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
-from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile
+from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
 
 OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
@@ -37,7 +38,7 @@ def default_config(M: int, E: int) -> dict:
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
                         num_m, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr):
+                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
                                         BLOCK_M)
@@ -48,10 +49,15 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
-    acc = block_scaled_tile(a_ptr + m0 * stride_am, as_ptr + m0 * stride_asm,
-                            b_ptr + e64 * stride_be + n0.to(tl.int64) * stride_bn, bs_ptr + e64 * stride_bse,
-                            rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm, stride_bn, stride_bsn,
-                            BLOCK_M, BLOCK_N, GROUP)
+    if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * N, K]
+        acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
+                                    stride_asm, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    else:
+        acc = block_scaled_tile(a_ptr + m0 * stride_am, as_ptr + m0 * stride_asm,
+                                b_ptr + e64 * stride_be + n0.to(tl.int64) * stride_bn, bs_ptr + e64 * stride_bse,
+                                rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm, stride_bn, stride_bsn,
+                                BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -66,12 +72,30 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     num_m = e * tiles_per_expert if masked else triton.cdiv(m, bm) + min(e, m)
     if num_m == 0 or n == 0:
         return out
+    tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
+    a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        xq, x_scale, w, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
+        a, x_scale, b, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), w.stride(0), w.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn,
-        GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
+
+
+def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor-memory-accelerator reads need 16-byte aligned bases and row strides (K a multiple of 16 in e4m3) and
+    a Hopper-class GPU (or the interpreter)."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0 for t in (xq, w)) and w.is_contiguous()
+    return aligned and (not xq.is_cuda or torch.cuda.get_device_capability(xq.device)[0] >= 9)
+
+
+def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, n, k = w.shape
+    return (TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK]),
+            TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK]))
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
