@@ -45,15 +45,13 @@ def candidates(rows_per_expert: int) -> list[dict]:
         return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st, **({"TMA": True} if tma else {}))
 
     if rows_per_expert <= 64:
-        return ([cfg(bm, bn, 4, st) for bm, bn in ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128)) for st in (3, 4)]
-                + [cfg(bm, bn, 4, 4, tma=True) for bm, bn in ((32, 128), (64, 128))])
-    out = [cfg(bm, bn, w, st) for bm, bn, w in ((64, 128, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4),
-                                                 (128, 128, 8), (128, 256, 8)) for st in (3, 4)]
-    out += [cfg(128, 128, 8, 3, g) for g in (1, 16, 32)]
-    out += [cfg(bm, bn, w, st, tma=True) for bm, bn, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4),
-                                                                (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4),
-                                                                (128, 256, 8, 3))]
-    out.append(cfg(64, 128, 4, 3, 1))  # the launch before the tables: 64 x 128, 4 warps, 3 stages, row-major order
+        return [cfg(16, 64, 4, 4), cfg(64, 64, 4, 4), cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True),
+                cfg(64, 128, 4, 4, 1, tma=True)]
+    # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
+    out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison
+    out += [cfg(64, 128, 4, st, g, tma=True) for st in (3, 4, 5) for g in (1, 8)]
+    out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
+    out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
     return out
 
 

@@ -28,10 +28,9 @@ OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables
 
 
 def default_config(M: int, E: int) -> dict:
-    """Without a table: thin tiles when experts hold few rows (decode), tensor-core tiles at prefill sizes."""
-    if M / max(E, 1) <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+    """Without a table: 64 x 128 tiles read through tensor descriptors, 4 warps, 4 stages, the best of the sweep at
+    every size of DeepSeek-V3's expert GEMMs on an H200 (docs/BENCHMARKS.md, 2026-12-01)."""
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True)
 
 
 @triton.jit
