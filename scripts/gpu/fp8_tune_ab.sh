@@ -7,7 +7,7 @@ set -uo pipefail
 BASE=$(realpath "$1"); cd "$(dirname "$0")/../.."
 [ -d .whl ] || cp -r ../../.whl . 2>/dev/null; source scripts/gpu/setup.sh
 echo "== tests $(date -u +%T)"
-timeout 150 python3 -m pytest -o addopts="" -q -x -p no:cacheprovider tests/kernels/test_fp8_kernels.py tests/kernels/test_moe_gemm.py 2>&1 | tail -4
+timeout 150 python3 -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/kernels/test_fp8_kernels.py tests/kernels/test_moe_gemm.py 2>&1 | tail -12
 echo "== before (main) $(date -u +%T)"
 (cd "$BASE" && PYTHONPATH=$PWD:/tmp/site timeout 120 python3 scripts/gpu/fp8_bench.py --result-file $OUT/before.jsonl)
 echo "== sweep $(date -u +%T)"

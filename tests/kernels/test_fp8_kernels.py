@@ -22,6 +22,10 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)  # several tiles
 GROUPED_2 = dict(SMALL, GROUP_M=2)
 FP8_REL = 0.07  # relative error of an e4m3 GEMM against fp32 (3 mantissa bits on both operands)
 KERNEL_REL = 1e-5  # Triton against the reference: the same products, summed in another order
+# Hopper's FP8 warpgroup MMA (tiles of 64 rows or more) sums each 128-wide K block at reduced precision before the
+# kernel adds it to the fp32 accumulator, as DeepSeek's recipe expects (promotion every 128): 1.1e-4 to 1.3e-4 was
+# measured on an H200 (2026-12-01) with pointer and descriptor reads alike; 16-row tiles measure 3e-7
+WGMMA_REL = 5e-4
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -117,13 +121,14 @@ def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int)
                                                      ([200, 3, 0, 130], 1, None)])
 def test_triton_grouped_contiguous_matches_reference(device, counts, align, config):
     """SMALL: several tiles; GROUPED_2: row tiles in groups of 2 (partial groups at the end); None: the default
-    launch configuration (128 x 128 tiles at these rows per expert, a partial N tile)."""
-    from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm
+    launch configuration (64 x 128 tiles, a partial N tile; K 200 takes the pointer path)."""
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import default_config, fp8_grouped_gemm
 
     args = _contiguous_inputs(counts, align, 150, 200, seed=len(counts) + align)
     ref = fp8_grouped_gemm_reference(*args, torch.float32)
     got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=config).cpu()
-    assert _rel(got, ref) < KERNEL_REL
+    wide = (config or default_config(len(args[0]), len(counts)))["BLOCK_M"] >= 64
+    assert _rel(got, ref) < (WGMMA_REL if device == "cuda" and wide else KERNEL_REL)
     assert (got[ref == 0] == 0).all()  # padding rows are zero in both
 
 

@@ -1,11 +1,11 @@
 """Triton block-scaled FP8 GEMM (moeserve/kernels/fp8_gemm.py): a [M, K] e4m3 with per-row scales per 128 columns,
 b [N, K] e4m3 with one scale per 128 x 128 block.
 
-A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of
-128, the scale group: each step's fp8 dot product is accumulated in fp32 after multiplying by the row scales of a
-and the column-block scales of b, as DeepSeek's fp8_gemm does. A column's b scale is read by column (col // 128),
-so BLOCK_N need not divide 128. Partial blocks at the ends of M, N and K are masked (zeros). `block_scaled_tile`
-is shared with the grouped GEMMs.
+A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale group: each step's fp8 dot product
+is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
+fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
+at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
+`block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors.
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
+def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
                       stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
-    a_ptr / as_ptr point at the tile's first row, b_ptr at its first column (n0) of the expert's weight, bs_ptr at
-    the expert's scales; rows / cols: int32 offsets within the tile (the 64-bit part of the address is the scalar
-    base), masks for the ragged ends. K runs in steps of GROUP = 128, the scale blocks: one fp8 dot per step, scaled
-    once on the fp32 accumulator."""
+    rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends."""
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
     as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + ((n0 + cols) // GROUP) * stride_bsn
+    bs_ptrs = bs_ptr + (cols // GROUP) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, GROUP)):
         k_ok = ks < K - kb * GROUP
@@ -39,7 +36,7 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += GROUP
         b_ptrs += GROUP
     return acc
@@ -66,15 +63,12 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
                      stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    # row tiles vary fastest: the programs resident together share a column tile of b (measured faster on an H200
-    # than grouped-M order for q_b_proj-shaped GEMMs, 2026-12-01)
-    m0, n0 = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N
-    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M - m0, cols < N - n0
-    acc = block_scaled_tile(a_ptr + m0.to(tl.int64) * stride_am, as_ptr + m0.to(tl.int64) * stride_asm,
-                            b_ptr + n0.to(tl.int64) * stride_bn, bs_ptr, rows, row_ok, cols, col_ok, n0, K,
-                            stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
-    c_ptrs = c_ptr + m0.to(tl.int64) * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok, col_ok = rows < M, cols < N
+    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
+                            stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 

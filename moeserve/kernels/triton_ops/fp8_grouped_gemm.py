@@ -7,9 +7,9 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
   row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). The output starts
   zeroed (padding rows are 0);
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
-Addresses: a 64-bit scalar base per tile (the expert's weight, the tile's first row and column) plus 32-bit offsets
-inside the tile; or, with "TMA": true in the configuration (and K a multiple of 16 on a Hopper-class GPU, else the
-pointer path runs), a and b read through tensor descriptors. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
+Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
+the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); else pointers
+with 64-bit row and column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
 `fp8_grouped_gemm` and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
@@ -52,11 +52,10 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
                                     start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
                                     stride_asm, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
-    else:
-        acc = block_scaled_tile(a_ptr + m0 * stride_am, as_ptr + m0 * stride_asm,
-                                b_ptr + e64 * stride_be + n0.to(tl.int64) * stride_bn, bs_ptr + e64 * stride_bse,
-                                rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm, stride_bn, stride_bsn,
-                                BLOCK_M, BLOCK_N, GROUP)
+    else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
+        acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
+                                m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, K, stride_am, stride_asm,
+                                stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
