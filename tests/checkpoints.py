@@ -185,35 +185,43 @@ def deepseek_quantized(key: str, tensor: torch.Tensor) -> bool:
 
 
 def build_fp8_checkpoint(name: str, out_dir: str | Path, seed: int = 0) -> tuple[str, str]:
-    """Checkpoint `name` quantized with DeepSeek's recipe, in DeepSeek's key layout (`X.weight` e4m3 beside
-    `X.weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], quantization_config in config.json) under out/fp8,
-    and the same model holding the dequantized weights in float32 (no quantization_config) under out/dequantized.
-    Returns (fp8 dir, dequantized dir)."""
+    """Checkpoint `name` (random weights, see SPECS) through `quantize_checkpoint`. Returns (fp8 dir, dequantized dir)."""
+    out = Path(out_dir)
+    ref = build_checkpoint(name, out / "plain", seed=seed)
+    return quantize_checkpoint(ref, out)
+
+
+def quantize_checkpoint(src: str | Path, out_dir: str | Path) -> tuple[str, str]:
+    """The single-file checkpoint in `src` quantized with DeepSeek's recipe, in DeepSeek's key layout (`X.weight` e4m3
+    beside `X.weight_scale_inv` float32 [ceil(N/128), ceil(K/128)], quantization_config in config.json) under
+    out/fp8, and the same model holding the dequantized weights in float32 (no quantization_config; the dequantized
+    values q * scale are not all representable in bf16) under out/dequantized; the other tensors keep their dtype.
+    config.json, generation_config.json and the tokenizer files are copied. Returns (fp8 dir, dequantized dir)."""
     import json
+    import shutil
 
     from safetensors.torch import load_file, save_file
 
     from moeserve.kernels.fp8_quant import dequantize_weight, quantize_weight
 
-    out = Path(out_dir)
-    ref = Path(build_checkpoint(name, out / "dequantized", seed=seed))
-    fp8 = out / "fp8"
-    fp8.mkdir(parents=True, exist_ok=True)
-    plain = load_file(str(ref / "model.safetensors"))
+    src, out = Path(src), Path(out_dir)
+    fp8, ref = out / "fp8", out / "dequantized"
     quantized, dequantized = {}, {}
-    for key, t in plain.items():
+    for key, t in load_file(str(src / "model.safetensors")).items():
         if deepseek_quantized(key, t):
             q, scale_inv = quantize_weight(t)
             quantized[key], quantized[key + "_scale_inv"] = q, scale_inv
             dequantized[key] = dequantize_weight(q, scale_inv)
         else:
             quantized[key] = dequantized[key] = t
-    save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((ref / "config.json").read_text())
-    config["quantization_config"] = FP8_QUANTIZATION_CONFIG
-    (fp8 / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in ("generation_config.json",):
-        if (ref / extra).is_file():
-            (fp8 / extra).write_text((ref / extra).read_text())
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    for d, tensors, cfg in ((fp8, quantized, {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}),
+                            (ref, dequantized, config)):
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+        for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (src / extra).is_file():
+                shutil.copy(src / extra, d / extra)
     return str(fp8), str(ref)

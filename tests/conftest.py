@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.checkpoints import SHIPPED, build_checkpoint, build_fp8_checkpoint
+from tests.checkpoints import SHIPPED, build_checkpoint, build_fp8_checkpoint, quantize_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +40,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(FP8 checkpoint in DeepSeek's layout, the same model with the dequantized weights in float32) of v3_fp8."""
     return build_fp8_checkpoint("v3_fp8", tmp_path_factory.mktemp("v3_fp8"))
+
+
+@pytest.fixture(scope="session")
+def shipped_fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(FP8 checkpoint in DeepSeek's layout, the dequantized float32 reference) of the trained default model."""
+    from moeserve.models.default_model import default_model_path
+
+    return quantize_checkpoint(default_model_path(), tmp_path_factory.mktemp("shipped_fp8"))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,14 +59,17 @@ def default_config(M: int, E: int) -> dict:
 
 
 def get_config(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype,
-               device: torch.device | None = None) -> dict:
-    """The tuned entry nearest M for this op and shape, else `default_config` (a fresh dict each call)."""
-    return dict(_lookup(op, M, E, N, K, dtype, device_name(device)))
+               device: torch.device | None = None,
+               default: Callable[[int, int], dict] = default_config) -> dict:
+    """The tuned entry nearest M for this op and shape, else `default(M, E)` (a fresh dict each call; the FP8
+    kernels pass their own default)."""
+    return dict(_lookup(op, M, E, N, K, dtype, device_name(device), default))
 
 
 @functools.lru_cache(maxsize=4096)  # once per (op, shape, M): eager prefill steps pay this on every layer's launch
-def _lookup(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> dict:
+def _lookup(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype, device: str,
+            default: Callable[[int, int], dict]) -> dict:
     table = _load(str(config_file(op, E, N, K, dtype, device)))
     if not table:
-        return default_config(M, E)
+        return default(M, E)
     return table[min(table, key=lambda m: abs(m - M))]

@@ -30,6 +30,8 @@ def test_shipped_tables_parse():
     for path in moe_config.CONFIG_DIR.glob("*/*.json"):
         table = json.loads(path.read_text())
         assert table and all(int(m) > 0 for m in table), path
+        need = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+        if not path.parent.name.startswith("fp8_"):  # the FP8 kernels' K step is the 128-wide scale block
+            need.add("BLOCK_K")
         for cfg in table.values():
-            assert cfg == {"backend": "torch"} or {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                                   "num_stages"} <= set(cfg), path
+            assert cfg == {"backend": "torch"} or need <= set(cfg), path

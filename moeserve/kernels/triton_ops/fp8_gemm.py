@@ -4,7 +4,8 @@ b [N, K] e4m3 with one scale per 128 x 128 block.
 A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale group: each step's fp8 dot product
 is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
 fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
-at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs.
+at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
+`block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors.
 """
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += GROUP
         b_ptrs += GROUP
+    return acc
+
+
+@triton.jit
+def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
+                          stride_asm, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """`block_scaled_tile` with a and b read by the tensor-memory accelerator: a_desc over a [rows, K] with blocks
+    [BLOCK_M, GROUP], b_desc over b [rows, K] with blocks [BLOCK_N, GROUP]; the tile starts at row a_row0 of a and
+    b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store)."""
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = bs_ptr + ((n0 + cols) // GROUP) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, GROUP)):
+        a = a_desc.load([a_row0, kb * GROUP])
+        b = b_desc.load([b_row0, kb * GROUP])
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b.T) * (a_s[:, None] * b_s[None, :])
     return acc
 
 

@@ -1,11 +1,16 @@
 """Triton block-scaled FP8 grouped GEMMs over the contiguous and masked layouts (moeserve/kernels/fp8_grouped_gemm.py).
 
-A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows with `block_scaled_tile` (triton_ops/fp8_gemm.py):
-- contiguous: program m finds its (expert, tile) from the per-expert tile counts (a prefix sum over E in registers),
-  so segments need no padding to the block; the grid is the static bound cdiv(M, BLOCK_M) + min(E, M) and programs
-  past the last tile return at once (no host read: CUDA-graph safe). The output starts zeroed (padding rows are 0);
-- masked: program m is tile m % tiles of expert m // tiles; tiles at or past masked_m[e] return at once (their
-  rows stay unspecified, as the layout allows).
+A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows with `block_scaled_tile` (triton_ops/fp8_gemm.py:
+K in steps of 128, the scale blocks, one scale multiply per step on the fp32 accumulator). The 1-D grid runs in
+grouped-M order and each program finds its expert and tile with `expert_tile` (triton_ops/tile_order.py):
+- contiguous: segments need no padding to the block; the grid is the static bound cdiv(M, BLOCK_M) + min(E, M)
+  row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). The output starts
+  zeroed (padding rows are 0);
+- masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
+Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
+the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); else pointers
+with 64-bit row and column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
+`fp8_grouped_gemm` and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
 from __future__ import annotations
@@ -14,60 +19,81 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_format import BLOCK
-from moeserve.kernels.triton_ops.fp8_gemm import DEFAULT_CONFIG, block_scaled_tile
+from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
+from moeserve.kernels.moe_config import get_config
+from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
+from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
+
+OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
+
+
+def default_config(M: int, E: int) -> dict:
+    """Without a table: 64 x 128 tiles read through tensor descriptors, 4 warps, 4 stages, the best of the sweep at
+    every size of DeepSeek-V3's expert GEMMs on an H200 (docs/BENCHMARKS.md, 2026-12-01)."""
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True)
 
 
 @triton.jit
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
-                        stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
-                        E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if MASKED:
-        e = pid_m // tiles_per_expert
-        tile = pid_m % tiles_per_expert
-        start = e * cap
-        count = tl.minimum(tl.load(counts_ptr + e), cap)
-    else:
-        ei = tl.arange(0, E_P2)
-        tiles = (tl.load(counts_ptr + ei, mask=ei < E, other=0) + BLOCK_M - 1) // BLOCK_M
-        incl = tl.cumsum(tiles, 0)
-        e = tl.sum((incl <= pid_m).to(tl.int32), 0)  # the first expert whose tiles reach past pid_m
-        tile = pid_m - tl.sum(tl.where(ei < e, tiles, 0), 0)
-        e = tl.minimum(e, E - 1)  # programs past the last tile: any expert; `count` below stops them
-        start = tl.load(starts_ptr + e)
-        count = tl.where(tile < tl.sum(tl.where(ei == e, tiles, 0), 0), tl.load(counts_ptr + e), 0)
+                        num_m, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+                        E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr):
+    pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
+                                        BLOCK_M)
     if tile * BLOCK_M >= count:
         return
-    local = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = local < count
-    rows = (start + local).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = cols < N
+    m0 = (start + tile * BLOCK_M).to(tl.int64)  # the tile's first row in a and c
+    n0 = pid_n * BLOCK_N
+    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
-    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse, rows, row_ok, cols,
-                            col_ok, K, stride_am, stride_asm, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
+    if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * N, K]
+        acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
+                                    stride_asm, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
+        acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
+                                m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, K, stride_am, stride_asm,
+                                stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config):
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
     m, k = xq.shape
     e, n = w.shape[0], w.shape[1]
     assert w.shape[2] == k and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
+    cfg = config or get_config(OPS[masked], m, e, n, k, FP8_DTYPE, xq.device, default=default_config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles_per_expert = triton.cdiv(cap, bm) if masked else 0
     num_m = e * tiles_per_expert if masked else triton.cdiv(m, bm) + min(e, m)
     if num_m == 0 or n == 0:
         return out
-    _fp8_grouped_kernel[(num_m, triton.cdiv(n, bn))](
-        xq, x_scale, w, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert,
+    tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
+    a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
+    _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
+        a, x_scale, b, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), w.stride(0), w.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
+
+
+def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor-memory-accelerator reads need 16-byte aligned bases and row strides (K a multiple of 16 in e4m3) and
+    a Hopper-class GPU (or the interpreter)."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0 for t in (xq, w)) and w.is_contiguous()
+    return aligned and (not xq.is_cuda or torch.cuda.get_device_capability(xq.device)[0] >= 9)
+
+
+def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, n, k = w.shape
+    return (TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK]),
+            TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK]))
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

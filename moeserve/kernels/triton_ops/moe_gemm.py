@@ -1,10 +1,9 @@
 """Triton grouped GEMM over the MoE layouts (moeserve/kernels/moe_gemm.py), with SiLU-and-mul fused.
 
-One kernel serves both layouts. A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows:
-- contiguous: program m finds its (expert, tile) from the per-expert tile counts (a prefix sum over E in
-  registers), so segments need no padding to the block and experts without rows launch nothing that works;
-  the grid is the static bound cdiv(M, BLOCK_M) + min(E, M) (extra programs return at once: graph safe);
-- masked: program m is tile m % tiles of expert m // tiles; tiles past masked_m[e] return at once.
+One kernel serves both layouts. A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows, found by
+`expert_tile` (triton_ops/tile_order.py): contiguous, from the per-expert tile counts (segments need no padding,
+the grid is the static bound cdiv(M, BLOCK_M) + min(E, M), extra programs return at once: graph safe); masked,
+tile m % tiles of expert m // tiles, tiles past masked_m[e] return at once.
 With SILU, w is [gate; up] ([E, 2I, K]): the program accumulates the gate and up columns n and I + n together and
 writes silu(gate) * up, so the [M, 2I] intermediate never reaches memory. fp32 accumulation; output in x's dtype.
 """
@@ -17,6 +16,7 @@ import triton.language as tl
 
 from moeserve.kernels.moe_config import default_config, get_config
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
+from moeserve.kernels.triton_ops.tile_order import expert_tile
 
 
 @triton.jit
@@ -27,20 +27,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, cap, t
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if MASKED:
-        e = pid_m // tiles_per_expert
-        tile = pid_m % tiles_per_expert
-        start = e * cap
-        count = tl.minimum(tl.load(counts_ptr + e), cap)
-    else:
-        ei = tl.arange(0, E_P2)
-        tiles = (tl.load(counts_ptr + ei, mask=ei < E, other=0) + BLOCK_M - 1) // BLOCK_M
-        incl = tl.cumsum(tiles, 0)
-        e = tl.sum((incl <= pid_m).to(tl.int32), 0)  # the first expert whose tiles reach past pid_m
-        tile = pid_m - tl.sum(tl.where(ei < e, tiles, 0), 0)
-        e = tl.minimum(e, E - 1)  # programs past the last tile: any expert, `count` below stops them
-        start = tl.load(starts_ptr + e)
-        count = tl.where(tile < tl.sum(tl.where(ei == e, tiles, 0), 0), tl.load(counts_ptr + e), 0)
+    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
+                                        BLOCK_M)
     if tile * BLOCK_M >= count:
         return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)

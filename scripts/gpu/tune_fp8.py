@@ -1,0 +1,144 @@
+"""Tune the Triton block-scaled FP8 grouped GEMMs (moeserve/kernels/triton_ops/fp8_grouped_gemm.py) and write the
+tables they read (moeserve/kernels/moe_config.py; ops fp8_grouped_gemm and fp8_grouped_gemm_masked), the way
+scripts/gpu/tune_moe.py tunes the bf16 ones.
+
+For each expert shape (N x K) and rows per expert: E experts with that many rows each, activations quantized per
+token in groups of 128, weights in 128 x 128 blocks; every candidate launch configuration of the contiguous (and,
+for the first shape, the masked) kernel is checked against the torch reference (dequantize, fp32 matmul) and
+timed with triton.testing.do_bench (median; the weights are far larger than L2), beside torch._scaled_mm (one dense
+per-tensor FP8 GEMM of the same M x N x K, the ceiling) and torch._grouped_mm in bf16, in the same run.
+Prints one line per case with the best configuration, TFLOP/s and its share of _scaled_mm; writes the tables.
+
+Run on the GPU machine:
+    python3 scripts/gpu/tune_fp8.py [--experts 32] [--shapes 4096x7168 7168x2048] [--rows-per-expert 16 128 512 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
+from moeserve.kernels.fp8_quant import (  # noqa: E402
+    dequantize_activations,
+    dequantize_weight,
+    quantize_activations,
+    quantize_weight,
+)
+from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
+
+MAX_REL = 1e-2  # bf16 output against the fp32 reference: a wrong tile is off by far more
+
+
+def candidates(rows_per_expert: int) -> list[dict]:
+    """Launch configurations worth timing: thin tiles when experts hold few rows, tensor-core tiles at prefill."""
+    def cfg(bm, bn, w, st, g=8, tma=False):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st, **({"TMA": True} if tma else {}))
+
+    if rows_per_expert <= 64:
+        return [cfg(16, 64, 4, 4), cfg(64, 64, 4, 4), cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True),
+                cfg(64, 128, 4, 4, 1, tma=True)]
+    # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
+    out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison
+    out += [cfg(64, 128, 4, st, g, tma=True) for st in (3, 4, 5) for g in (1, 8)]
+    out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
+    out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
+    return out
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).norm() / ref.norm())
+
+
+def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generator) -> tuple[dict, dict]:
+    M = E * rpe
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
+    xq, xs = quantize_activations(x)
+    wq, ws = quantize_weight(w)
+    counts = torch.full((E,), rpe, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(counts, 0)
+    ref = torch.bmm(dequantize_activations(xq, xs).view(E, rpe, K), dequantize_weight(wq, ws).transpose(1, 2))
+    ref = ref.reshape(M, N)
+    if masked:
+        def run(c):
+            return fp8_grouped_gemm_masked(xq.view(E, rpe, K), xs.view(E, rpe, -1), wq, ws, counts,
+                                           torch.bfloat16, c).view(M, N)
+    else:
+        def run(c):
+            return fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16, c)
+    flops = 2 * M * N * K
+    one = torch.ones((), device="cuda")
+    wt = wq[0].t()
+    scaled_ms = bench(lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    bf16_ms = bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:]))
+    best, best_ms, rows = None, float("inf"), []
+    for c in candidates(rpe):
+        try:
+            err = rel(run(c), ref)
+            if not err < MAX_REL:
+                print(f"  WRONG {c}: rel {err:.2e}", flush=True)
+                continue
+            ms = bench(lambda c=c: run(c))
+        except Exception as e:  # does not compile or fit (shared memory, registers): skip it
+            print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        rows.append(dict(config=c, ms=ms, tflops=flops / ms / 1e9))
+        if ms < best_ms:
+            best, best_ms = c, ms
+    stats = dict(op=OPS[masked], E=E, N=N, K=K, M=M, rows_per_expert=rpe, best=best, best_ms=best_ms,
+                 best_tflops=flops / best_ms / 1e9, scaled_mm_tflops=flops / scaled_ms / 1e9,
+                 bf16_grouped_mm_tflops=flops / bf16_ms / 1e9, device=torch.cuda.get_device_name(), all=rows)
+    return best, stats
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=32, help="local experts (DeepSeek-V3 at EP 8: 32)")
+    p.add_argument("--shapes", nargs="+", default=["4096x7168", "7168x2048"], help="N x K: gate_up, down")
+    p.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 128, 512, 1024])
+    p.add_argument("--stats", default=None, help="append the measurements as JSON lines here")
+    ns = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    start = time.perf_counter()
+    for i, shape in enumerate(ns.shapes):
+        N, K = map(int, shape.split("x"))
+        for masked in (False, True) if i == 0 else (False,):
+            table = {}
+            for rpe in ns.rows_per_expert:
+                best, s = tune_case(ns.experts, N, K, rpe, masked, gen)
+                if best is None:
+                    print(f"{s['op']} N={N} K={K} M={s['M']}: no configuration ran")
+                    continue
+                table[s["M"]] = best
+                print(f"{s['op']:24s} E={ns.experts} N={N:5d} K={K:5d} M={s['M']:6d}: {s['best_tflops']:6.0f} TFLOP/s "
+                      f"= {s['best_tflops'] / s['scaled_mm_tflops']:.0%} of _scaled_mm {s['scaled_mm_tflops']:.0f} "
+                      f"(bf16 grouped {s['bf16_grouped_mm_tflops']:.0f}) | {best}", flush=True)
+                if ns.stats:
+                    with open(ns.stats, "a") as f:
+                        f.write(json.dumps(s) + "\n")
+            if table:
+                path = config_file(OPS[masked], ns.experts, N, K, FP8_DTYPE, device_name())
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
+                print(f"wrote {path}")
+    print(f"tuned in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
