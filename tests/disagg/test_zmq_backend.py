@@ -22,9 +22,11 @@ def _buffers(seed: int) -> list[torch.Tensor]:
     return [torch.randn(16 * PAGE, 3, 5, generator=g), torch.randn(16 * PAGE, 7, generator=g).to(torch.bfloat16)]
 
 
-@pytest.fixture
-def pair():
-    src, dst = ZmqBackend(_buffers(0), PAGE, api_key="k"), ZmqBackend(_buffers(1), PAGE, api_key="k")
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def pair(request):
+    """Two backends over random KV buffers on the device (CUDA: the copies go through HostStaging)."""
+    src, dst = [ZmqBackend([b.to(request.param) for b in _buffers(seed)], PAGE, api_key="k") for seed in (0, 1)]
     yield src, dst
     src.close()
     dst.close()
@@ -32,12 +34,19 @@ def pair():
 
 def test_runs_land_exactly(pair):
     src, dst = pair
+    for _ in range(2):  # twice: the second write reuses the threads' staging buffers
+        _write_and_check(src, dst)
+
+
+def _write_and_check(src: ZmqBackend, dst: ZmqBackend) -> None:
     before = [b.clone() for b in dst.buffers]
     src_pages, dst_pages = [2, 3, 4, 9, 10], [5, 6, 7, 12, 1]
     runs = merge_runs(src_pages, dst_pages)
     assert len(runs) == 3  # 2-4 -> 5-7, 9 -> 12, 10 -> 1
     peer = {**dst.endpoint(), "window": "w1"}
     dst.open_window("w1", dst_pages)
+    for b in src.buffers:  # fresh contents each time
+        b.copy_(torch.randn(b.shape, dtype=torch.float32).to(b.dtype))
     nbytes = src.write(peer, runs, timeout_s=10)
     assert nbytes == sum(len(src_pages) * pb for pb in src.page_bytes)
     for s_buf, d_buf, old in zip(src.buffers, dst.buffers, before, strict=True):

@@ -23,6 +23,7 @@ import zmq
 
 from moeserve.disagg.messages import sign
 from moeserve.disagg.transfer.base import PageRun, TransferBackend, TransferError
+from moeserve.disagg.transfer.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class ZmqBackend(TransferBackend):
         self._closed = False
         self._receiver: threading.Thread | None = None
         self._addr: str | None = None
+        self._device = self.buffers[0].device if self.buffers and self.buffers[0].is_cuda else None
+        self._recv_staging: HostStaging | None = None  # the receiver thread's (GPU pools)
 
     # ------------------------------------------------------------------ decode side
     def endpoint(self) -> dict[str, Any]:
@@ -115,17 +118,21 @@ class ZmqBackend(TransferBackend):
                 return msg_id, b"window closed (the request was freed or cancelled)"
             if any(not allowed.issuperset(range(r.dst_page, r.dst_page + r.num_pages)) for r in runs):
                 return msg_id, b"destination pages outside the request's window"
+            pairs = []
             for i, r in enumerate(runs):
                 for b in range(nbuf):
                     pb = self.page_bytes[b]
                     src = np.frombuffer(frames[i * nbuf + b].buffer, dtype=np.uint8)
                     if src.size != r.num_pages * pb:
                         return msg_id, b"frame size does not match the run"
-                    dst = self._flat[b][r.dst_page * pb : (r.dst_page + r.num_pages) * pb]
-                    if dst.is_cuda:
-                        dst.copy_(torch.from_numpy(src.copy()))
-                    else:
-                        dst.numpy()[:] = src
+                    pairs.append((self._flat[b][r.dst_page * pb : (r.dst_page + r.num_pages) * pb], src))
+            if self._device is None:
+                for dst, src in pairs:
+                    dst.numpy()[:] = src
+            else:
+                if self._recv_staging is None:
+                    self._recv_staging = HostStaging(self._device)
+                self._recv_staging.to_device(pairs)
         return msg_id, b"ok"
 
     # ------------------------------------------------------------------ prefill side
@@ -138,13 +145,16 @@ class ZmqBackend(TransferBackend):
         header = json.dumps({"id": msg_id, "window": peer["window"],
                              "runs": [[r.src_page, r.dst_page, r.num_pages] for r in runs]}).encode()
         frames: list[Any] = [sign(header, self.api_key), header]
-        nbytes = 0
-        for r in runs:
-            for b, flat in enumerate(self._flat):
-                pb = self.page_bytes[b]
-                part = flat[r.src_page * pb : (r.src_page + r.num_pages) * pb]
-                frames.append(part.cpu().numpy() if part.is_cuda else part.numpy())
-                nbytes += part.numel()
+        parts = [flat[r.src_page * pb : (r.src_page + r.num_pages) * pb]
+                 for r in runs for flat, pb in zip(self._flat, self.page_bytes, strict=True)]
+        nbytes = sum(p.numel() for p in parts)
+        if self._device is None:
+            frames += [p.numpy() for p in parts]
+        else:  # this thread's pinned buffer: reused only after the acknowledgement, when zmq has sent it all
+            staging = getattr(self._local, "staging", None)
+            if staging is None:
+                staging = self._local.staging = HostStaging(self._device)
+            frames += staging.to_host(parts)
         sock.send_multipart(frames, copy=False)
         if not sock.poll(int(timeout_s * 1000)):
             self._drop_sender(addr)  # whatever is still queued goes; the window guards decode's pages
