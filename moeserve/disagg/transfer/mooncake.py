@@ -113,6 +113,7 @@ class MooncakeBackend(TransferBackend):
         # Settings already in the environment (an operator's) win over these defaults.
         settings = {"MC_TRANSFER_TIMEOUT": str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(engine_timeout_s))),
                     **TCP_QUEUE_ENV}
+        self.engine_timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT", settings["MC_TRANSFER_TIMEOUT"]))
         with _ENV_LOCK:
             added = [k for k in settings if k not in os.environ]
             os.environ.update({k: settings[k] for k in added})
@@ -190,8 +191,13 @@ class MooncakeBackend(TransferBackend):
                 self._in_flight -= 1
                 self._state.notify_all()
         if rc != 0:
-            why = (f"timed out after {elapsed:.1f} s (limit {timeout_s:.1f} s)" if elapsed >= timeout_s
-                   else f"failed after {elapsed:.2f} s: the peer is unreachable, died, or refused the write")
+            if elapsed >= timeout_s:
+                why = f"timed out after {elapsed:.1f} s (limit {timeout_s:.1f} s)"
+            elif elapsed >= self.engine_timeout_s:
+                why = (f"failed after {elapsed:.1f} s: the engine's own transfer timeout fired (MC_TRANSFER_TIMEOUT "
+                       f"{self.engine_timeout_s:g} s; many small page runs are slow over TCP)")
+            else:
+                why = f"failed after {elapsed:.2f} s: the peer is unreachable, died, or refused the write"
             raise TransferError(f"mooncake write of {sum(lengths)} bytes ({len(runs)} page runs x "
                                 f"{len(self.buffers)} buffers) to {session} {why} "
                                 f"(batch_transfer_sync_write returned {rc})")
