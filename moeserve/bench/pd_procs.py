@@ -128,4 +128,5 @@ def get_json(url: str, timeout_s: float = 30) -> Any:
 def transfer_counters(url: str) -> dict[str, float]:
     """A PD server's cumulative KV transfer counters over its DP groups, from /get_server_info."""
     groups = [s["disagg"] for s in get_json(url + "/get_server_info")["internal_states"] if s.get("disagg")]
-    return {k: sum(g[k] for g in groups) for k in ("transfers", "transfer_bytes", "transfer_seconds", "failed")}
+    return {k: sum(g[k] for g in groups)
+            for k in ("transfers", "transfer_bytes", "transfer_seconds", "write_seconds", "failed")}

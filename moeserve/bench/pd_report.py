@@ -23,6 +23,7 @@ _ROWS: list[tuple[str, Any]] = [
     ("KV transferred (MiB)", lambda r: _transfer(r, "mib")),
     ("KV transfer latency, mean (ms)", lambda r: _transfer(r, "mean_latency_ms")),
     ("KV GB/s over transfer latency", lambda r: _sig(_transfer(r, "gb_s_over_latency"))),
+    ("KV GB/s while writing", lambda r: _sig(_transfer(r, "gb_s_while_writing"))),
     ("KV GB/s over the run", lambda r: _sig(_transfer(r, "gb_s_over_run"))),
     ("KV transfer failures", lambda r: _transfer(r, "failed")),
     ("Load average 1 min, start/end", lambda r: "/".join(f"{x:.1f}" for x in r["loadavg_1m"])),
@@ -41,11 +42,14 @@ def _sig(value: float | None) -> str | None:
 
 def transfer_summary(prefill: dict[str, float], duration_s: float) -> dict[str, Any]:
     """From the prefill server's counter growth over a run (transfers, transfer_bytes, transfer_seconds: the sum
-    of each request's time from decode's destination to its last write, failed): what the table shows."""
+    of each request's time from decode's destination to its last write, write_seconds: the sum of the time inside
+    the backend's writes, failed): what the table shows."""
     n, nbytes, seconds = int(prefill["transfers"]), prefill["transfer_bytes"], prefill["transfer_seconds"]
+    writing = prefill["write_seconds"]
     return {"transfers": n, "failed": int(prefill["failed"]), "mib": round(nbytes / 2**20, 2),
             "mean_latency_ms": round(seconds / n * 1e3, 2) if n else 0.0,
             "gb_s_over_latency": round(nbytes / seconds / 1e9, 6) if seconds else 0.0,
+            "gb_s_while_writing": round(nbytes / writing / 1e9, 6) if writing else 0.0,
             "gb_s_over_run": round(nbytes / duration_s / 1e9, 6) if duration_s else 0.0}
 
 
@@ -70,5 +74,5 @@ def side_by_side(results: dict[str, dict[str, Any]], bench: argparse.Namespace) 
     for title, get in _ROWS:
         lines.append(f"{title:<32}" + "".join(f"{_cell(get(r)):>{width}}" for r in results.values()))
     lines.append("KV transfer latency: prefill's count, from decode's destination to the last write (it includes "
-                 "the prompt's queueing and compute)")
+                 "the prompt's queueing and compute); while writing: bytes over the time inside the backend's writes")
     return "\n".join(lines)

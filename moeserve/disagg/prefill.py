@@ -107,7 +107,7 @@ class PrefillRooms:
         # rooms that ended before decode's `dest` came (aborted, timed out): decode hears `failed` when it comes
         self.ended: dict[int, tuple[float, str]] = {}
         self.pools: dict[str, ThreadPoolExecutor] = {}  # decode control address -> its transfer threads
-        self.results: queue.SimpleQueue = queue.SimpleQueue()  # this rank's writes: (seq, bytes, error)
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # this rank's writes: (seq, bytes, error, seconds)
         self.stats = TransferStats("prefill", STATES)
 
     @property
@@ -195,7 +195,8 @@ class PrefillRooms:
         ev = parts[0]
         self.now = now = ev["now"]
         for part in parts:
-            for seq, nbytes, error in part["results"]:
+            for seq, nbytes, error, seconds in part["results"]:
+                self.stats.write_seconds += seconds
                 rec = self.by_seq.get(seq)
                 if rec is None:
                     continue  # abandoned when its decode died: nothing waits for this write any more
@@ -310,6 +311,7 @@ class PrefillRooms:
 
     def _write(self, seq: int, peers: list[dict[str, Any]], runs: list[PageRun]) -> None:
         nbytes, error = 0, None
+        start = time.monotonic()
         try:
             fail = self.debug_failure_prob and self._rng.random() < self.debug_failure_prob
             if fail and self._rng.random() < 0.5:
@@ -320,7 +322,7 @@ class PrefillRooms:
                 raise TransferError("injected after the write (--disaggregation-debug-failure-prob)")
         except Exception as e:  # noqa: BLE001 - every failure fails this request only
             error = f"{type(e).__name__}: {e}"
-        self.results.put((seq, nbytes, error))
+        self.results.put((seq, nbytes, error, time.monotonic() - start))
 
     # ------------------------------------------------------------------ endings
     def _send(self, addr: str, msg: dict[str, Any]) -> None:

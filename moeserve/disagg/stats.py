@@ -8,7 +8,9 @@ from typing import Any
 
 @dataclass
 class TransferStats:
-    """Requests per state now, and cumulative KV transfers (bytes, seconds from start to acknowledgement)."""
+    """Requests per state now, and cumulative KV transfers: bytes, seconds from start to acknowledgement (a
+    request's latency, queueing included), and (prefill) seconds spent inside the backend's writes (the sum over
+    writes, which may overlap: bytes / write_seconds is the rate one write moves at)."""
 
     mode: str
     state_names: tuple[str, ...]
@@ -16,6 +18,7 @@ class TransferStats:
     transfers: int = 0
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    write_seconds: float = 0.0
     failed: int = 0
 
     def on_transfer(self, nbytes: int, seconds: float) -> None:
@@ -26,4 +29,5 @@ class TransferStats:
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "states": {s: self.states.get(s, 0) for s in self.state_names},
                 "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-                "transfer_seconds": round(self.transfer_seconds, 6), "failed": self.failed}
+                "transfer_seconds": round(self.transfer_seconds, 6), "write_seconds": round(self.write_seconds, 6),
+                "failed": self.failed}

@@ -52,7 +52,7 @@ def _fake_run(rng: random.Random, pd_side: bool) -> dict:
     run = {"summary": summary, "loadavg_1m": [rng.uniform(0, 4), rng.uniform(0, 4)]}
     if pd_side:
         prefill = {"transfers": rng.randint(5, 50), "transfer_bytes": rng.randint(10**6, 10**9),
-                   "transfer_seconds": rng.uniform(0.5, 5), "failed": 0}
+                   "transfer_seconds": rng.uniform(0.5, 5), "write_seconds": rng.uniform(0.1, 0.5), "failed": 0}
         run["transfer"] = {"prefill": prefill, "summary": transfer_summary(prefill, summary["duration_s"])}
     return run
 
@@ -74,14 +74,19 @@ def test_side_by_side_table():
     for name, cell in zip(("zmq", "mooncake"), rows["KV GB/s over transfer latency"][1:], strict=True):
         p = results[name]["transfer"]["prefill"]
         assert float(cell) == pytest.approx(p["transfer_bytes"] / p["transfer_seconds"] / 1e9, rel=0.01)
+    for name, cell in zip(("zmq", "mooncake"), rows["KV GB/s while writing"][1:], strict=True):
+        p = results[name]["transfer"]["prefill"]
+        assert float(cell) == pytest.approx(p["transfer_bytes"] / p["write_seconds"] / 1e9, rel=0.01)
 
 
 def test_transfer_summary():
-    s = transfer_summary({"transfers": 4, "transfer_bytes": 3 * 2**20, "transfer_seconds": 0.5, "failed": 1}, 2.0)
+    s = transfer_summary({"transfers": 4, "transfer_bytes": 3 * 2**20, "transfer_seconds": 0.5,
+                          "write_seconds": 0.25, "failed": 1}, 2.0)
     assert s == {"transfers": 4, "failed": 1, "mib": 3.0, "mean_latency_ms": 125.0,
-                 "gb_s_over_latency": round(3 * 2**20 / 0.5 / 1e9, 6), "gb_s_over_run": round(3 * 2**20 / 2 / 1e9, 6)}
-    assert transfer_summary({"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "failed": 0},
-                            1.0)["mean_latency_ms"] == 0.0
+                 "gb_s_over_latency": round(3 * 2**20 / 0.5 / 1e9, 6),
+                 "gb_s_while_writing": round(3 * 2**20 / 0.25 / 1e9, 6), "gb_s_over_run": round(3 * 2**20 / 2 / 1e9, 6)}
+    assert transfer_summary({"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0, "write_seconds": 0.0,
+                             "failed": 0}, 1.0)["mean_latency_ms"] == 0.0
 
 
 def _port_open(port: int) -> bool:

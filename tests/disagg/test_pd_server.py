@@ -81,6 +81,7 @@ def test_pd_servers_unequal_parallelism(tmp_path):
         metrics = httpx.get(decode.url + "/metrics").text
         assert 'moeserve:pd_requests{model_name="default",side="decode",state="transferring"} 0.0' in metrics
         assert "moeserve:pd_transfer_bytes_total" in metrics
+        assert "moeserve:pd_transfer_write_seconds_total" in httpx.get(prefill.url + "/metrics").text
 
         r = httpx.post(decode.url + "/generate", json={"input_ids": prompts[0], "sampling_params": sp})
         assert r.status_code == 400 and "bootstrap_room" in r.text

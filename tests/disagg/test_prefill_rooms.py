@@ -92,15 +92,16 @@ def test_gqa_rank_writes_its_heads_and_waits_for_every_rank():
     seq = own[0][0]
     rooms.apply([_events(101.0), {"results": own}])  # the leader's write is not back yet
     assert rooms.busy and host.finished == []
-    rooms.apply([_events(101.5, results=[(seq, 20, None)]), {"results": []}])
+    rooms.apply([_events(101.5, results=[(seq, 20, None, 0.5)]), {"results": []}])
     assert not rooms.busy and host.finished == [("req", None)] and host.released == [("req", True)]
     assert rooms.stats.transfer_bytes == 40  # both ranks' bytes
+    assert 0.5 < rooms.stats.write_seconds < 5  # the leader's 0.5 s and the follower's own (measured) write
 
 
 def test_one_ranks_failed_write_fails_the_room_everywhere():
     rooms, host, _ = _started(replicated=False)
     own = _own_results(rooms, 1)
-    rooms.apply([_events(101.0, results=[(own[0][0], 0, "TransferError: boom")]), {"results": own}])
+    rooms.apply([_events(101.0, results=[(own[0][0], 0, "TransferError: boom", 0.1)]), {"results": own}])
     assert not rooms.busy and host.released == [("req", False)]
     assert host.finished[0][1].startswith("KV transfer to decode failed: TransferError: boom")
 
@@ -110,5 +111,5 @@ def test_mla_follower_writes_nothing():
     time.sleep(0.05)
     assert backend.writes == [] and rooms.collect()["results"] == [] and not rooms.gathers
     seq = rooms.by_req[id("req")].seq
-    rooms.apply([_events(101.0, results=[(seq, 40, None)])])  # the leader wrote the latent to both decode ranks
+    rooms.apply([_events(101.0, results=[(seq, 40, None, 0.2)])])  # the leader wrote the latent to both ranks
     assert host.finished == [("req", None)] and rooms.stats.transfer_bytes == 40
