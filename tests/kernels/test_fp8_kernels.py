@@ -141,14 +141,17 @@ def test_grouped_reference_is_each_experts_gemm():
 def test_triton_grouped_masked_matches_reference(device):
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked
 
-    gen = torch.Generator().manual_seed(11)
-    e, cap, n, k = 3, 40, 150, 200
-    xq, xs = quantize_activations_reference(torch.randn(e, cap, k, generator=gen))
-    wq, ws = quantize_weight(torch.randn(e, n, k, generator=gen))
+    _check_masked(fp8_grouped_gemm_masked, device, k=200, seed=11, config=SMALL)
+
+
+def _check_masked(kernel, device: str, k: int, seed: int, config: dict) -> None:
+    """3 experts of capacity 40 (17, 0 and 40 rows used), N 150: the kernel's used rows against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    xq, xs = quantize_activations_reference(torch.randn(3, 40, k, generator=gen))
+    wq, ws = quantize_weight(torch.randn(3, 150, k, generator=gen))
     masked_m = torch.tensor([17, 0, 40], dtype=torch.int32)
     ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
-    got = fp8_grouped_gemm_masked(*(t.to(device) for t in (xq, xs, wq, ws, masked_m)), torch.float32,
-                                  config=SMALL).cpu()
+    got = kernel(*(t.to(device) for t in (xq, xs, wq, ws, masked_m)), torch.float32, config=config).cpu()
     for i, mm in enumerate(masked_m.tolist()):
         if mm:
             assert _rel(got[i, :mm], ref[i, :mm]) < KERNEL_REL
@@ -170,13 +173,4 @@ def test_triton_grouped_tma_reads_match_reference(device):
     got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=tma).cpu()
     assert _rel(got, ref) < KERNEL_REL
     assert (got[ref == 0] == 0).all()
-    gen = torch.Generator().manual_seed(12)
-    xq, xs = quantize_activations_reference(torch.randn(3, 40, 256, generator=gen))
-    wq, ws = quantize_weight(torch.randn(3, 150, 256, generator=gen))
-    masked_m = torch.tensor([17, 0, 40], dtype=torch.int32)
-    ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
-    got = fp8_grouped_gemm_masked(*(t.to(device) for t in (xq, xs, wq, ws, masked_m)), torch.float32,
-                                  config=tma).cpu()
-    for i, mm in enumerate(masked_m.tolist()):
-        if mm:
-            assert _rel(got[i, :mm], ref[i, :mm]) < KERNEL_REL
+    _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=12, config=tma)
