@@ -55,7 +55,7 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     from moeserve.rank.model_runner import ModelRunner
     from moeserve.rank.sampling_params import SamplingParams
     from moeserve.rank.scheduler import Scheduler
-    from moeserve.rank.worker import run_step
+    from moeserve.rank.steps import StepPipeline
 
     runner = runner or ModelRunner(args)
     gen = torch.Generator().manual_seed(seed)
@@ -68,17 +68,18 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
         for i, ids in enumerate(prompts):
             params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
             sched.add_request(GenerateReq(f"{tag}{i}", ids, params))
+        steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
         _sync(runner.device)
         t0 = time.perf_counter()
         prefill_steps = 0
-        while sched.waiting or sched.chunked:
-            _collect(tokens, run_step(sched, runner))
+        while sched.waiting or sched.chunked:  # (prefill steps are resolved before they return)
+            _collect(tokens, steps.step())
             prefill_steps += 1
         _sync(runner.device)
         t1 = time.perf_counter()
         decode_steps = 0
-        while sched.has_work():
-            _collect(tokens, run_step(sched, runner))
+        while sched.has_work() or steps.busy:
+            _collect(tokens, steps.step())
             decode_steps += 1
         _sync(runner.device)
         t2 = time.perf_counter()
@@ -113,9 +114,10 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.io_struct import GenerateReq
     from moeserve.rank.sampling_params import SamplingParams
     from moeserve.rank.scheduler import Scheduler
-    from moeserve.rank.worker import run_step
+    from moeserve.rank.steps import StepPipeline
 
     sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
+    steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
         sched.add_request(GenerateReq(f"profile{i}", ids, SamplingParams(max_new_tokens=64, temperature=0.0,
@@ -123,15 +125,15 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
 
     def prefill() -> None:
         while sched.waiting or sched.chunked:
-            run_step(sched, runner)
+            steps.step()
 
     prefill_trace = os.path.join(profile_dir, f"one_batch_prefill_bs{batch_size}.json.gz")
     prefill_result = profile_steps(prefill, 1, prefill_trace)
     print(format_table(f"prefill of {batch_size} x {input_len} tokens", prefill_result), flush=True)
     for _ in range(4):
-        run_step(sched, runner)
+        steps.step()
     trace = os.path.join(profile_dir, f"one_batch_bs{batch_size}.json.gz")
-    result = profile_steps(lambda: run_step(sched, runner), 5, trace)
+    result = profile_steps(steps.step, 5, trace)
     print(format_table(f"decode step at batch {batch_size}", result), flush=True)
     print(f"traces: {prefill_trace} {trace}", flush=True)
     return {"decode": result, "prefill": prefill_result}

@@ -209,14 +209,16 @@ class ModelRunner:
         return self.model(fb)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-        """Next token of each request (rows of logits in the same order)."""
+    def sample(self, logits: torch.Tensor, reqs: list[Req], to_host: bool = True) -> SampleOutput:
+        """Next token of each request (rows of logits in the same order); to_host=False leaves them on the device
+        (no logprobs then)."""
         sbatch = SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
             self.vocab_size, self.device, rng=self.rng,
         )
         top_n = [r.asked.top_logprobs_num if r.asked.return_logprob else 0 for r in reqs]
-        return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs))
+        return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs),
+                      to_host=to_host)
 
     @torch.inference_mode()
     def score_prompt(self, logits: torch.Tensor, batch: ScheduledBatch

@@ -10,6 +10,7 @@ from moeserve.rank.radix_cache import TreeNode
 from moeserve.rank.sampling_params import SamplingParams
 
 NO_POSITION = 1 << 62  # next_scored_position when no prompt position is left to score
+FUTURE_TOKEN = -1  # an output token sampled on the device whose value the host does not know yet (steps.py)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_retractions: int = 0
+    num_future: int = 0  # trailing output_ids that are FUTURE_TOKEN: sampled in a step still in flight
     # prompt logprobs (prompt_logprobs.py): the next prompt position to score (past the end: none left)
     next_scored_position: int = NO_POSITION
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -91,6 +93,32 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add_future(self) -> None:
+        """A token of this request is being sampled on the device: its place in the output, value unknown."""
+        self.output_ids.append(FUTURE_TOKEN)
+        self.num_future += 1
+
+    def resolve_future(self, token: int) -> list[int]:
+        """The oldest future token is `token`; the later ones (steps launched since) are cut off and returned, so
+        that the output ends at the token just learned: finish checks and streaming see only known tokens. Put
+        them back with restore_future unless the request finished."""
+        first = len(self.output_ids) - self.num_future
+        later = self.output_ids[first + 1:]
+        del self.output_ids[first + 1:]
+        self.output_ids[first] = token
+        self.num_future = 0
+        return later
+
+    def restore_future(self, later: list[int]) -> None:
+        self.output_ids.extend(later)
+        self.num_future = len(later)
+
+    def drop_future(self) -> None:
+        """Forget the tokens still in flight (the request ends before they arrive)."""
+        if self.num_future:
+            del self.output_ids[-self.num_future:]
+            self.num_future = 0
 
     def take_output(self) -> TokenOut:
         """The tokens (and logprobs) not yet sent, marking them sent."""

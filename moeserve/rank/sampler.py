@@ -140,8 +140,9 @@ class SamplingBatch:
             need_counts |= p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             need_seen |= p.repetition_penalty != 1.0
 
-        f = torch.tensor(floats, dtype=torch.float32).reshape(batch_size, 6).to(device)
-        i = torch.tensor(ints, dtype=torch.int64).reshape(batch_size, 4).to(device)
+        # non_blocking: a plain copy would wait for the device to finish the forward queued before it
+        f = torch.tensor(floats, dtype=torch.float32).reshape(batch_size, 6).to(device, non_blocking=True)
+        i = torch.tensor(ints, dtype=torch.int64).reshape(batch_size, 4).to(device, non_blocking=True)
         greedy_flags = [bool(row[3]) for row in ints]
         batch = cls(
             vocab_size=vocab_size,
@@ -176,7 +177,7 @@ class SamplingBatch:
 
 @dataclass
 class SampleOutput:
-    next_token_ids: list[int]  # [B]; NO_TOKEN where the row's logits were not finite
+    next_token_ids: list[int]  # [B]; NO_TOKEN where the row's logits were not finite; [] until read (to_host)
     logprobs: list[float] | None  # [B] raw log-prob of each chosen token; None unless asked for
     top_logprobs: list[list[tuple[int, float]]]  # [B][n_b] (token id, raw log-prob), largest first
     next_token_ids_device: torch.Tensor  # [B] int64 on the logits' device, for the next step's input
@@ -187,11 +188,13 @@ def sample(
     batch: SamplingBatch,
     top_logprobs_num: list[int] | int = 0,
     return_logprob: bool = True,
+    to_host: bool = True,
 ) -> SampleOutput:
     """Choose one token per row of `logits` ([B, V] float32, one row per request of `batch`).
 
     top_logprobs_num: alternatives to report per request (an int for all, or one per request; 0 = none).
     return_logprob: compute the chosen tokens' log-probs (skip it to save a log_softmax when nobody asks).
+    to_host: read the tokens on the host (a sync); False leaves them in next_token_ids_device only (no logprobs).
     The input logits are not modified.
     """
     batch_size, vocab_size = logits.shape
@@ -234,8 +237,9 @@ def sample(
             top_logprobs = [
                 list(zip(ids_host[b][:n], values_host[b][:n], strict=True)) for b, n in enumerate(nums)
             ]
+    assert to_host or not (return_logprob or max_num), "logprobs are read on the host"
     return SampleOutput(
-        next_token_ids=next_ids.tolist(),
+        next_token_ids=next_ids.tolist() if to_host else [],
         logprobs=chosen_logprobs,
         top_logprobs=top_logprobs,
         next_token_ids_device=next_ids,

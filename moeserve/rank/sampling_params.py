@@ -81,6 +81,11 @@ class SamplingParams:
         """Whether the sampler takes the argmax: temperature ~0, or top_k == 1."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far (frequency, presence or repetition penalty)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
     # ------------------------------------------------------------------ validation
 
     def validate(self, vocab_size: int | None = None) -> None:

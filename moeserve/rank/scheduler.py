@@ -132,6 +132,7 @@ class Scheduler(PDHost):
             return
         self.pd_detach(req)  # out of the waiting and running lists and the chunk slot
         self._release(req, cache=False)
+        req.drop_future()  # a step in flight may still sample for it: that token is not sent
         req.finish_reason = FinishReason("abort", message="aborted by request")
         self.pending_out.append(req.take_output())
         del self.reqs[rid]
@@ -300,10 +301,23 @@ class Scheduler(PDHost):
             return None
         return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled while the running requests' last tokens are still being sampled
+        (steps.py): only when no request would have to be retracted, since a retracted request is recomputed
+        from tokens the host must know."""
+        need = sum(self.allocator.pages_needed(r.kv_len, 1) for r in self.running)
+        return need <= self._available_pages()
+
+    def _will_finish(self, req: Req) -> bool:
+        """Its token in flight is its last (length or context): no decode slot for another one."""
+        return len(req.output_ids) >= req.params.max_new_tokens or req.seq_len >= self.context_length
+
     def _take_decode_slots(self) -> list[Req]:
         """A KV slot for the next token of every running request (written to the req table), retracting requests
-        while the pool is short; the requests that got one, shortest first."""
-        reqs = sorted(self.running, key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
+        while the pool is short; the requests that got one, shortest first. A request whose token in flight
+        finishes it by length gets none."""
+        reqs = sorted((r for r in self.running if not (r.num_future and self._will_finish(r))),
+                      key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
         while True:
             for req in list(reqs):
                 if req.kv_len == len(req.fill_ids):
@@ -328,6 +342,7 @@ class Scheduler(PDHost):
         if len(reqs) <= 1:
             return None
         victim = min(reqs, key=lambda r: len(r.output_ids))  # the least generated: the least work lost
+        assert not victim.num_future, "retraction with tokens in flight (steps.py resolves them first)"
         self.running.remove(victim)
         self._release(victim, cache=False)
         victim.num_retractions += 1
@@ -391,13 +406,17 @@ class Scheduler(PDHost):
 
     def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
                        top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
-        """Append sampled tokens (one per sampling request, in order), finish requests, return outputs."""
+        """Put the sampled tokens (one per sampling request, in order) in place of their future tokens, finish
+        requests, return outputs. A request that ended since the step was launched (it finished in the step
+        before, or was aborted) is passed over: its token of this step is dropped."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
         outs = self.pending_out
         self.pending_out = []
         if batch.mode.is_extend:
             for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                if not self._live(req):
+                    continue
                 if done and not req.samples:  # a prompt scored with max_new_tokens = 0: done, no token
                     req.finish_reason = FinishReason("length")
                     self._release(req, cache=True)
@@ -407,11 +426,14 @@ class Scheduler(PDHost):
                 elif done and req not in self.running:
                     self.running.append(req)
         for i, req in enumerate(sampled):
+            if not self._live(req):
+                continue
+            later = req.resolve_future(next_ids[i])
             if next_ids[i] == NO_TOKEN:
+                req.output_ids.pop()
                 self._fail_non_finite(req)
                 outs.append(req.take_output())
                 continue
-            req.output_ids.append(next_ids[i])
             if req.asked.return_logprob and logprobs is not None:
                 req.logprobs.append(logprobs[i])
                 req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
@@ -427,6 +449,8 @@ class Scheduler(PDHost):
                 self.stats.finished += 1
             elif req.asked.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
                 outs.append(req.take_output())
+            if not req.finished:
+                req.restore_future(later)
         if batch.mode.is_extend:
             self.stats.prefilled += batch.num_prefill_tokens
             self.stats.mixed_steps += batch.mode.is_mixed
@@ -435,6 +459,10 @@ class Scheduler(PDHost):
                     if not done:  # a chunk: its complete pages can go
                         self.pd.after_extend(req, req.kv_len, None)
         return outs
+
+    def _live(self, req: Req) -> bool:
+        """Still this scheduler's (not finished, aborted or failed since its step was launched)."""
+        return not req.finished and self.reqs.get(req.rid) is req
 
     def _fail_non_finite(self, req: Req) -> None:
         """End a request whose logits were not finite (NaN or inf): an error, not a token; its KV is not cached."""

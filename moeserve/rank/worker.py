@@ -16,7 +16,6 @@ import torch.distributed as dist
 import zmq
 
 from moeserve.args import ServerArgs
-from moeserve.core.forward_batch import ForwardBatch
 from moeserve.eplb.recorder import merge_dumps
 from moeserve.rank.io_struct import (
     AbortReq,
@@ -29,10 +28,10 @@ from moeserve.rank.io_struct import (
     GetLoadReq,
     LoadOut,
     ShutdownReq,
-    TokenOut,
     WorkerError,
 )
 from moeserve.rank.rank_sync import RankSync
+from moeserve.rank.steps import StepPipeline
 
 if TYPE_CHECKING:
     from moeserve.rank.model_runner import ModelRunner
@@ -141,48 +140,6 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     loop.run()
 
 
-def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
-             stop: bool = False) -> list[TokenOut] | None:
-    """One scheduler step on one rank: schedule, (header), rebalance, forward, sample, process. Returns the
-    TokenOuts, or None when some rank is shutting down (multi-rank: every rank learns it from the same header)."""
-    eplb = runner.rebalancer
-    if sync is not None and sync.multi:
-        batch = None if stop else scheduler.schedule()
-        num_tokens = batch.forward.num_tokens if batch else 0
-        header = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend), stop,
-                                      eplb.status() if eplb is not None else 0)
-        if header.any_stop:
-            return None
-        if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
-            eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
-        if not any(header.global_num_tokens):
-            return []
-        fb = batch.forward if batch else ForwardBatch.idle()
-        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
-        if batch is None:
-            runner.forward(fb)  # join the MoE collectives with no tokens
-            return []
-    else:
-        if stop:
-            return None
-        batch = scheduler.schedule()
-        if eplb is not None:
-            eplb.begin_pass([eplb.status()], forward=batch is not None)
-        if batch is None:
-            return []
-    logits = runner.forward(batch.forward)
-    if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
-        scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
-        logits = logits[batch.num_prompt_rows:]
-    sampling_reqs = scheduler.sampling_inputs(batch)
-    if sampling_reqs:
-        out = runner.sample(logits, sampling_reqs)
-        if sync is not None:
-            out = sync.share_sample(out)
-        return scheduler.process_result(batch, out.next_token_ids, out.logprobs, out.top_logprobs)
-    return scheduler.process_result(batch, [], None, None)
-
-
 class WorkerLoop:
     """recv -> schedule -> forward -> sample -> send, until a ShutdownReq."""
 
@@ -198,6 +155,7 @@ class WorkerLoop:
         if req_sock is not None:
             self.poller.register(req_sock, zmq.POLLIN)
         self.pd = scheduler.pd
+        self.steps = StepPipeline(scheduler, runner, sync, overlap=not args.disable_overlap_schedule)
         if self.pd is not None and self.pd.channel is not None:  # a message from the peer side wakes the loop too
             self.poller.register(self.pd.channel.sock, zmq.POLLIN)
         self.running = True
@@ -217,7 +175,7 @@ class WorkerLoop:
 
     def _loop(self) -> None:
         while True:
-            msgs = self._recv(block=not self.scheduler.has_work())
+            msgs = self._recv(block=not (self.scheduler.has_work() or self.steps.busy))
             if self.pd is None:
                 msgs = self.sync.share_messages(msgs)
             else:  # the PD events go first: the new requests' rooms start at the leader's clock of this step
@@ -229,7 +187,7 @@ class WorkerLoop:
                 self.pd.apply(parts)
             for msg in msgs:
                 self._handle(msg)
-            outs = run_step(self.scheduler, self.runner, self.sync, stop=not self.running)
+            outs = self.steps.step(stop=not self.running)
             if outs is None:
                 break
             outs += self.scheduler.drain_pending()

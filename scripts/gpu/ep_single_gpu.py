@@ -13,7 +13,7 @@ from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
-from moeserve.rank.worker import run_step
+from moeserve.rank.steps import run_step
 from moeserve.server.launch import free_port
 
 dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)

@@ -26,7 +26,7 @@ from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
-from moeserve.rank.worker import run_step
+from moeserve.rank.steps import run_step
 
 
 def _step(sched: Scheduler, runner: ModelRunner) -> float:

@@ -15,7 +15,7 @@ from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.pd_host import make_pd_rooms
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
-from moeserve.rank.worker import run_step
+from moeserve.rank.steps import run_step
 from moeserve.server.launch import free_port
 
 

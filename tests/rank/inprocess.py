@@ -7,7 +7,7 @@ from moeserve.rank.io_struct import GenerateReq, TokenOut
 from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
-from moeserve.rank.worker import run_step
+from moeserve.rank.steps import StepPipeline
 
 
 class InProcessEngine:
@@ -16,6 +16,7 @@ class InProcessEngine:
         self.runner = ModelRunner(self.args)
         self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
                                    self.runner.config.eos_token_ids, tokenizer=tokenizer)
+        self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
@@ -31,7 +32,7 @@ class InProcessEngine:
         results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": [],
                          "input_logprobs": None, "input_top_logprobs": None} for rid in rids}
         for _ in range(self.max_steps):
-            outs: list[TokenOut] = run_step(self.scheduler, self.runner) + self.scheduler.drain_pending()
+            outs: list[TokenOut] = self.steps.step() + self.scheduler.drain_pending()
             for o in outs:
                 r = results.get(o.rid)
                 if r is None:
@@ -46,6 +47,7 @@ class InProcessEngine:
                 if o.finish_reason is not None:
                     r["finish_reason"] = o.finish_reason
             if all(r["finish_reason"] is not None for r in results.values()):
+                self.steps.flush()  # a step still in flight holds only finished requests' dropped tokens
                 break
         else:
             raise AssertionError("requests did not finish")

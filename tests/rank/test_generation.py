@@ -148,7 +148,7 @@ def test_finish_reasons_and_abort(ckpt_dir):
     assert res[1]["output_ids"] == ref[1][:3] and res[1]["finish_reason"].type == "length"
     # abort mid-generation frees every page it held
     from moeserve.rank.io_struct import GenerateReq
-    from moeserve.rank.worker import run_step
+    from moeserve.rank.steps import run_step
 
     s = eng.scheduler
     free_before = s.allocator.num_free_pages + (s.cache.evictable_size if s.cache else 0)

@@ -19,7 +19,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardMode
 from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.sampling_params import SamplingParams
-from moeserve.rank.worker import run_step
+from moeserve.rank.steps import run_step
 from tests.checkpoints import VOCAB
 from tests.rank.inprocess import InProcessEngine
 from tests.rank.test_generation import assert_matches_hf

@@ -1,0 +1,222 @@
+"""Scheduler steps on one rank: launch (schedule's batch -> forward -> sample on the device) and resolve (the
+sampled tokens to the host -> the scheduler), back to back or with one step in flight (overlap scheduling).
+
+Overlap (SGLang's overlap scheduler; off with --disable-overlap-schedule): while the device runs decode step N,
+the host resolves step N-1 (its tokens, finished requests, outputs) and schedules and launches step N+1. Step N+1
+is scheduled before step N's tokens are known: each request's sampled token is a FUTURE_TOKEN in its output until
+resolved (request.py), and the next step's input ids take it from a device table indexed by request row, which
+every sampling writes. A request that finishes at step N is in step N+1 too; that token is dropped (the scheduler
+gives no slot to a request whose token in flight ends it by length). The device stream orders everything: step
+N+1's KV writes and its reads of the table come after step N's.
+
+What stays back to back (the step is resolved before the next is scheduled, or right after its launch):
+  - steps other than DECODE (prefills and mixed steps: their requests join the running set when resolved);
+  - steps that return logprobs (they are read on the host), or whose sampling has penalties (the next step's
+    sampling would read the token counts);
+  - a step whose scheduling might retract a request (recomputation needs its tokens): Scheduler.can_schedule_ahead;
+  - a group of several ranks (the leader's tokens are shared on the host), PD disaggregation and the expert
+    distribution recorder and rebalancer (they act between passes on host state): overlap is off for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.core.forward_batch import ForwardBatch
+from moeserve.rank.io_struct import TokenOut
+from moeserve.rank.sampler import SampleOutput
+from moeserve.rank.scheduled_batch import ScheduledBatch
+
+if TYPE_CHECKING:
+    from moeserve.rank.model_runner import ModelRunner
+    from moeserve.rank.rank_sync import RankSync
+    from moeserve.rank.request import Req
+    from moeserve.rank.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued; its sampled tokens may still be on their way to the host."""
+
+    batch: ScheduledBatch
+    sampled: list[Req]  # the requests that sample a token, in the logits' row order
+    out: SampleOutput | None  # None when nothing samples
+    host_ids: torch.Tensor | None = None  # [B] int64, pinned, filled by an async copy (on the device: in flight)
+    copied: torch.cuda.Event | None = None  # recorded after that copy
+
+    @property
+    def in_flight(self) -> bool:
+        return self.host_ids is not None
+
+
+def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch,
+                tokens: torch.Tensor | None = None, keep_on_device: bool = False) -> LaunchedStep:
+    """Forward and sample `batch`. tokens: the device table of each request row's last sampled token (overlap):
+    future input ids are read from it and the sampled tokens written to it. keep_on_device: leave the tokens on
+    the device and start their copy to the host (the caller checked the step may stay in flight)."""
+    fb = batch.forward
+    if tokens is not None:
+        fb = _with_known_inputs(fb, batch, tokens, runner.device)
+    logits = runner.forward(fb)
+    if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
+        scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
+        logits = logits[batch.num_prompt_rows:]
+    sampled = scheduler.sampling_inputs(batch)
+    if not sampled:
+        return LaunchedStep(batch, sampled, None)
+    out = runner.sample(logits, sampled, to_host=not keep_on_device)
+    ids = out.next_token_ids_device
+    if tokens is not None:
+        rows = torch.tensor([r.row for r in sampled], dtype=torch.int64).to(ids.device, non_blocking=True)
+        tokens.index_copy_(0, rows, ids)
+    for r in sampled:
+        r.add_future()
+    step = LaunchedStep(batch, sampled, out)
+    if keep_on_device:
+        if ids.device.type == "cuda":
+            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            step.host_ids.copy_(ids, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        else:
+            step.host_ids = ids
+    return step
+
+
+def _with_known_inputs(fb: ForwardBatch, batch: ScheduledBatch, tokens: torch.Tensor,
+                       device: torch.device) -> ForwardBatch:
+    """The batch on the device, its FUTURE_TOKEN input ids replaced by the table's tokens of their rows."""
+    future = fb.input_ids < 0
+    if not bool(future.any()):  # (a host tensor: no sync)
+        return fb
+    rows = torch.repeat_interleave(torch.tensor([r.row for r in batch.reqs], dtype=torch.int64),
+                                   torch.tensor(batch.extend_lens, dtype=torch.int64))
+    dev = fb.to(device)
+    dev.input_ids = torch.where(dev.input_ids >= 0, dev.input_ids, tokens[rows.to(device, non_blocking=True)])
+    return dev
+
+
+def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None = None) -> list[TokenOut]:
+    """Wait for the step's tokens on the host and hand them to the scheduler: the step's outputs."""
+    if step.out is None:
+        return scheduler.process_result(step.batch, [], None, None)
+    out = step.out
+    if step.in_flight:
+        if step.copied is not None:
+            step.copied.synchronize()
+        out.next_token_ids = step.host_ids.tolist()
+    if sync is not None:
+        out = sync.share_sample(out)
+    return scheduler.process_result(step.batch, out.next_token_ids, out.logprobs, out.top_logprobs)
+
+
+def can_stay_in_flight(batch: ScheduledBatch, sampled: list[Req]) -> bool:
+    """A decode step whose results nobody reads on the host before the next step launches."""
+    return batch.mode.is_decode and not any(r.asked.return_logprob or r.params.uses_penalties for r in sampled)
+
+
+def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
+             stop: bool = False) -> list[TokenOut] | None:
+    """One scheduler step on one rank, back to back: schedule, (header), rebalance, forward, sample, process.
+    Returns the TokenOuts, or None when some rank is shutting down (multi-rank: every rank learns it from the
+    same header)."""
+    eplb = runner.rebalancer
+    if sync is not None and sync.multi:
+        batch = None if stop else scheduler.schedule()
+        num_tokens = batch.forward.num_tokens if batch else 0
+        header = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend), stop,
+                                      eplb.status() if eplb is not None else 0)
+        if header.any_stop:
+            return None
+        if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
+            eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
+        if not any(header.global_num_tokens):
+            return []
+        fb = batch.forward if batch else ForwardBatch.idle()
+        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+        if batch is None:
+            runner.forward(fb)  # join the MoE collectives with no tokens
+            return []
+    else:
+        if stop:
+            return None
+        batch = scheduler.schedule()
+        if eplb is not None:
+            eplb.begin_pass([eplb.status()], forward=batch is not None)
+        if batch is None:
+            return []
+    return resolve_step(scheduler, launch_step(scheduler, runner, batch), sync)
+
+
+def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None) -> str | None:
+    """Why this rank cannot overlap its steps, or None."""
+    if sync is not None and sync.multi:
+        return "several ranks run each step (their tokens are shared on the host)"
+    if scheduler.pd is not None:
+        return "PD disaggregation"
+    if runner.expert_recorder is not None:
+        return "the expert distribution recorder (and the rebalancer) act between passes"
+    return None
+
+
+class StepPipeline:
+    """Steps with at most one decode step in flight (module docstring), or back to back (run_step)."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
+                 overlap: bool = True):
+        self.scheduler, self.runner, self.sync = scheduler, runner, sync
+        why = overlap_refusal(scheduler, runner, sync) if overlap else None
+        if why is not None:
+            logger.info("overlap scheduling is off: %s", why)
+        self.overlap = overlap and why is None
+        self.in_flight: LaunchedStep | None = None
+        self.num_overlapped = 0  # steps launched while the one before was still in flight
+        self.tokens = (torch.zeros(scheduler.req_table.table.shape[0], dtype=torch.int64, device=runner.device)
+                       if self.overlap else None)
+
+    @property
+    def busy(self) -> bool:
+        """A step is in flight: its outputs come with the next call."""
+        return self.in_flight is not None
+
+    def step(self, stop: bool = False) -> list[TokenOut] | None:
+        """One step; its outputs, the in-flight step's, or both. None when the rank stops."""
+        if not self.overlap:
+            return run_step(self.scheduler, self.runner, self.sync, stop)
+        prev, self.in_flight = self.in_flight, None
+        outs: list[TokenOut] = []
+        if prev is not None and (stop or not self.scheduler.can_schedule_ahead()):
+            outs, prev = resolve_step(self.scheduler, prev), None
+        if stop:
+            return None
+        batch = self.scheduler.schedule()
+        if batch is not None and prev is not None and _reads_outputs(self.scheduler.sampling_inputs(batch)):
+            outs, prev = resolve_step(self.scheduler, prev), None  # the sampling reads known tokens only
+        if batch is None:
+            return outs + (resolve_step(self.scheduler, prev) if prev is not None else [])
+        sampled = self.scheduler.sampling_inputs(batch)
+        stay = can_stay_in_flight(batch, sampled)
+        cur = launch_step(self.scheduler, self.runner, batch, self.tokens, keep_on_device=stay)
+        if prev is not None:  # while the device runs `cur`
+            self.num_overlapped += 1
+            outs += resolve_step(self.scheduler, prev)
+        if stay:
+            self.in_flight = cur
+        else:
+            outs += resolve_step(self.scheduler, cur)
+        return outs
+
+    def flush(self) -> list[TokenOut]:
+        """Resolve the step in flight, if any."""
+        prev, self.in_flight = self.in_flight, None
+        return resolve_step(self.scheduler, prev) if prev is not None else []
+
+
+def _reads_outputs(sampled: list[Req]) -> bool:
+    return any(r.params.uses_penalties for r in sampled)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Overlap scheduling on one GPU, off (--disable-overlap-schedule) beside on, in one call, on the same tree.
+#   bash scripts/gpu/overlap_ab.sh onebatch   tests on CUDA; one-batch decode at batch 1/64/256 (V2-Lite-shaped
+#                                             dummy model) and batch 128 (V3-layer-shaped), then the per-part
+#                                             profile of a batch-1 and a batch-64 step with overlap
+#   bash scripts/gpu/overlap_ab.sh serving    `moeserve serve` + `bench serving` at concurrency 64 (random
+#                                             256-768-token prompts, 128-384 out), overlap off / on / on with
+#                                             --enable-mixed-chunk
+# Results: $OUT/*.jsonl and $OUT/log.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/gpu/setup.sh
+M="--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --context-length 4096"
+OFF_ON=("--disable-overlap-schedule" "")
+case "${1:-onebatch}" in
+onebatch)
+  echo "== tests $(date -u +%T)"
+  timeout 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/rank/test_overlap.py \
+    tests/rank/test_cuda_graph.py tests/models/test_gpu.py ${EXTRA_TESTS:-} -k "not v2_lite_dummy" 2>&1 \
+    | grep -E "FAIL|Error|passed|failed" | tail -20
+  for flag in "${OFF_ON[@]}"; do
+    echo "== V2-Lite one-batch ${flag:-overlap} $(date -u +%T)"
+    timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 256 \
+      --repeat 3 --input-len 128 --output-len 64 --batch-size 1 64 256 $flag \
+      --result-file "$OUT/v2lite_one_batch${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  done
+  for flag in "${OFF_ON[@]}"; do
+    echo "== V3-layer one-batch ${flag:-overlap} $(date -u +%T)"
+    timeout 100 python3 -m moeserve.cli bench one-batch --model-path benchmarks/configs/deepseek-v3-4layer \
+      --load-format dummy --dtype bfloat16 --context-length 4096 --mem-fraction-static 0.85 \
+      --max-running-requests 128 --repeat 3 --batch-size 128 --input-len 128 --output-len 64 $flag \
+      --result-file "$OUT/v3layer_one_batch${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  done
+  echo "== profile $(date -u +%T)"
+  timeout 120 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 64 \
+    --input-len 128 --output-len 16 --batch-size 1 64 --profile --profile-dir /tmp/prof \
+    --result-file "$OUT/profile.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+  ;;
+serving)
+  TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
+  for cfg in off on mixed; do
+    case $cfg in off) F="--disable-overlap-schedule";; on) F="";; mixed) F="--enable-mixed-chunk";; esac
+    echo "== serving $cfg $(date -u +%T)"
+    python3 -m moeserve.cli serve $M --tokenizer-path "$TOK" --port 30000 --max-running-requests 128 \
+      --cuda-graph-max-bs 128 --mem-fraction-static 0.8 $F > "$OUT/server_$cfg.log" 2>&1 &
+    SERVER=$!
+    for i in $(seq 1 150); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    timeout ${SERVE_S:-140} python3 -m moeserve.cli bench serving --port 30000 --dataset random \
+      --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --num-prompts ${PROMPTS:-192} \
+      --request-rate inf --max-concurrency 64 --warmup-requests 8 --seed 1 --disable-tqdm \
+      --output-file "$OUT/serving_$cfg.json" 2>&1 | grep -E "throughput|ITL|TTFT|TPOT|Successful|Error|error" | head -14
+    kill -INT $SERVER; wait $SERVER
+    grep -E "overlap|Error|Traceback" "$OUT/server_$cfg.log" | head -3
+  done
+  ;;
+esac
+echo "== done $(date -u +%T)"
