@@ -17,11 +17,11 @@ from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 
 @triton.jit
-def _rotate(x_ptrs, partner_ptrs, cos, sin, mask, out_dtype: tl.constexpr):
-    """x * cos + partner * sin in float32, rounded to the activations' dtype."""
+def _rotate(x_ptrs, partner_ptrs, cos, sin, mask):
+    """x * cos + partner * sin in float32 (the caller rounds it to the activations' dtype)."""
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return (x * cos + partner * sin).to(out_dtype)
+    return x * cos + partner * sin
 
 
 @triton.jit
@@ -56,17 +56,17 @@ def _mla_rope_cache_kernel(q_ptr, ckv_ptr, krope_ptr, w_ptr, rope_ptr, loc_ptr, 
     sin = tl.load(rope_ptr + t * stride_rope_t + stride_rope_c + d, mask=d_ok, other=0.0)
 
     k_base = krope_ptr + t * stride_krope
-    k = _rotate(k_base + d, k_base + partner, cos, sin, d_ok, act)
-    tl.store(cache_ptr + row + R_LORA + d, k.to(cache_ptr.dtype.element_ty), mask=d_ok)
+    k = _rotate(k_base + d, k_base + partner, cos, sin, d_ok)
+    tl.store(cache_ptr + row + R_LORA + d, k.to(act).to(cache_ptr.dtype.element_ty), mask=d_ok)
 
     heads = tl.arange(0, BLOCK_H)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + heads
         ok2 = (h < H)[:, None] & d_ok[None, :]
         q_base = q_ptr + t * stride_qt + h[:, None].to(tl.int64) * stride_qh
-        q = _rotate(q_base + d[None, :], q_base + partner[None, :], cos[None, :], sin[None, :], ok2,
-                    qo_ptr.dtype.element_ty)
-        tl.store(qo_ptr + t * stride_qot + h[:, None].to(tl.int64) * stride_qoh + d[None, :], q, mask=ok2)
+        q = _rotate(q_base + d[None, :], q_base + partner[None, :], cos[None, :], sin[None, :], ok2)
+        tl.store(qo_ptr + t * stride_qot + h[:, None].to(tl.int64) * stride_qoh + d[None, :],
+                 q.to(qo_ptr.dtype.element_ty), mask=ok2)
 
 
 _MLA_ROPE_CACHE = DirectLauncher(_mla_rope_cache_kernel)
