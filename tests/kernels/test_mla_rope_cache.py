@@ -134,3 +134,18 @@ def test_mla_rope_cache_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(q_out, want_q) and torch.equal(args["cache"], want_cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T, H, interleaved", [(8192, 16, False), (300, 128, True)])  # V2-Lite prefill, V3 heads
+def test_mla_rope_cache_real_shapes(T, H, interleaved):
+    from moeserve.kernels.triton_ops.mla_rope_cache import mla_rope_cache
+
+    args = _on(_inputs(T, H, 512, 64, interleaved, torch.bfloat16, torch.bfloat16, T + H), "cuda")
+    want_cache = args["cache"].clone()
+    want_q = mla_rope_cache_reference(**{**args, "cache": want_cache})
+    got_q = mla_rope_cache(**args)
+    _assert_rotation_equal(got_q, want_q, exact=True)
+    _assert_rotation_equal(args["cache"][:, 512:], want_cache[:, 512:], exact=True)
+    torch.testing.assert_close(args["cache"][:, :512], want_cache[:, :512], rtol=1.6e-2, atol=1e-5)

@@ -1,6 +1,6 @@
-"""Triton `mla_rope_cache` (moeserve/kernels/mla_rope_cache.py): one program per token normalises its latent,
-rotates its key's rope part and writes both into its cache row, then rotates its query's rope part head block by
-head block into a new dense tensor.
+"""Triton `mla_rope_cache` (moeserve/kernels/mla_rope_cache.py): program (t, b) rotates token t's query rope part
+for one block of heads into a new dense tensor; the first block's program also normalises the token's latent,
+rotates its key's rope part and writes both into the token's cache row.
 
 Floating-point contraction is off for this kernel (enable_fp_fusion=False): torch computes x * cos + partner * sin
 as two rounded products and a rounded sum, and an FMA would round once fewer, so the rotations would drift from
@@ -31,18 +31,10 @@ def _mla_rope_cache_kernel(q_ptr, ckv_ptr, krope_ptr, w_ptr, rope_ptr, loc_ptr, 
                            stride_cache, stride_qot, stride_qoh,
                            INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_H: tl.constexpr):
+    """Program (t, b): token t's query heads [b * BLOCK_H, (b + 1) * BLOCK_H); block 0 also writes its cache row."""
     t = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
     act = ckv_ptr.dtype.element_ty  # the activations' dtype: what the unfused ops round to
-    row = tl.load(loc_ptr + t).to(tl.int64) * stride_cache
-
-    # the latent: RMSNorm with rms_norm's rounding (x / rms to the activations' dtype, then times the weight)
-    cols = tl.arange(0, BLOCK_R)
-    ok = cols < R_LORA
-    xf = tl.load(ckv_ptr + t * stride_ckv + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / R_LORA + eps)
-    normed = (xf * rstd).to(act).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(cache_ptr + row + cols, (normed * w).to(act).to(cache_ptr.dtype.element_ty), mask=ok)
 
     # the rotation of this token: cos and signed sin per rope column, and each column's partner in its pair
     d = tl.arange(0, BLOCK_D)
@@ -55,18 +47,27 @@ def _mla_rope_cache_kernel(q_ptr, ckv_ptr, krope_ptr, w_ptr, rope_ptr, loc_ptr, 
     cos = tl.load(rope_ptr + t * stride_rope_t + d, mask=d_ok, other=0.0)
     sin = tl.load(rope_ptr + t * stride_rope_t + stride_rope_c + d, mask=d_ok, other=0.0)
 
-    k_base = krope_ptr + t * stride_krope
-    k = _rotate(k_base + d, k_base + partner, cos, sin, d_ok)
-    tl.store(cache_ptr + row + R_LORA + d, k.to(act).to(cache_ptr.dtype.element_ty), mask=d_ok)
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok2 = (h < H)[:, None] & d_ok[None, :]
+    q_base = q_ptr + t * stride_qt + h[:, None].to(tl.int64) * stride_qh
+    q = _rotate(q_base + d[None, :], q_base + partner[None, :], cos[None, :], sin[None, :], ok2)
+    tl.store(qo_ptr + t * stride_qot + h[:, None].to(tl.int64) * stride_qoh + d[None, :],
+             q.to(qo_ptr.dtype.element_ty), mask=ok2)
 
-    heads = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + heads
-        ok2 = (h < H)[:, None] & d_ok[None, :]
-        q_base = q_ptr + t * stride_qt + h[:, None].to(tl.int64) * stride_qh
-        q = _rotate(q_base + d[None, :], q_base + partner[None, :], cos[None, :], sin[None, :], ok2)
-        tl.store(qo_ptr + t * stride_qot + h[:, None].to(tl.int64) * stride_qoh + d[None, :],
-                 q.to(qo_ptr.dtype.element_ty), mask=ok2)
+    if head_block == 0:
+        row = tl.load(loc_ptr + t).to(tl.int64) * stride_cache
+        # the latent: RMSNorm with rms_norm's rounding (x / rms to the activations' dtype, then times the weight)
+        cols = tl.arange(0, BLOCK_R)
+        ok = cols < R_LORA
+        xf = tl.load(ckv_ptr + t * stride_ckv + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / R_LORA + eps)
+        normed = (xf * rstd).to(act).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(cache_ptr + row + cols, (normed * w).to(act).to(cache_ptr.dtype.element_ty), mask=ok)
+
+        k_base = krope_ptr + t * stride_krope
+        k = _rotate(k_base + d, k_base + partner, cos, sin, d_ok)
+        tl.store(cache_ptr + row + R_LORA + d, k.to(act).to(cache_ptr.dtype.element_ty), mask=d_ok)
 
 
 _MLA_ROPE_CACHE = DirectLauncher(_mla_rope_cache_kernel)
@@ -93,8 +94,9 @@ def mla_rope_cache(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
     if T == 0:
         return q_out
     block_d = triton.next_power_of_2(R)
-    block_h = max(1, min(triton.next_power_of_2(H), 1024 // block_d))  # ~1k query elements per loop step
-    _MLA_ROPE_CACHE((T,), q_rope, c_kv, k_rope, norm_weight, rope, loc, cache, q_out,
+    # ~1k query elements a program; V3's 128 heads spread over 8 programs a token, so a decode step stays short
+    block_h = max(1, min(triton.next_power_of_2(H), 1024 // block_d))
+    _MLA_ROPE_CACHE((T, triton.cdiv(H, block_h)), q_rope, c_kv, k_rope, norm_weight, rope, loc, cache, q_out,
                     H, r, R, eps,
                     q_rope.stride(0), q_rope.stride(1), c_kv.stride(0), k_rope.stride(0), rope.stride(0),
                     rope.stride(1), cache.stride(0), q_out.stride(0), q_out.stride(1),
