@@ -38,6 +38,7 @@ from torch import nn
 from moeserve.core.model_config import ModelConfig
 from moeserve.kernels import cpu_mla_decode
 from moeserve.kernels.mla_decode import mla_decode
+from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.triton_available import use_triton
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
@@ -92,10 +93,10 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_rope = self.rotary.apply(q_rope, meta.rope)
-        k_rope = self.rotary.apply(k_rope[:, None, :], meta.rope)[:, 0]
-        meta.kv_pool.set_latent(self.layer_id, meta.out_cache_loc, c_kv, k_rope)
+        # cache[loc] = [norm(c_kv) | rope(k_rope)] and q_rope roped, in one kernel on CUDA
+        norm = self.kv_a_layernorm
+        q_rope = mla_rope_cache(q_rope, c_kv, k_rope, norm.weight, norm.eps, meta.rope, self.rotary.interleaved,
+                                meta.kv_pool.get_latent(self.layer_id), meta.out_cache_loc)
 
         o = attend_parts(meta, self._attend, q_nope, q_rope)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
