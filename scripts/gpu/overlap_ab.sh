@@ -1,29 +1,43 @@
 #!/usr/bin/env bash
-# Overlap scheduling on one GPU, off (--disable-overlap-schedule) beside on, in one call, on the same tree.
-#   bash scripts/gpu/overlap_ab.sh onebatch   tests on CUDA; one-batch decode at batch 1/64/256 (V2-Lite-shaped
-#                                             dummy model) and batch 128 (V3-layer-shaped), then the per-part
-#                                             profile of a batch-1 and a batch-64 step with overlap
-#   bash scripts/gpu/overlap_ab.sh serving    `moeserve serve` + `bench serving` at concurrency 64 (random
-#                                             256-768-token prompts, 128-384 out), overlap off / on / on with
-#                                             --enable-mixed-chunk
+# Overlap scheduling (and the fused MLA rotary + cache write) on one GPU: overlap off (--disable-overlap-schedule)
+# beside on, in one call, on the same tree. Usage: bash scripts/gpu/overlap_ab.sh PART... with PARTs
+#   tests      the CUDA tests of both, and the rotary + cache-write kernel beside the ops it replaced
+#   onebatch   one-batch decode at batch 1/64/256 (V2-Lite-shaped dummy model): BASE=DIR (a `git archive` of the
+#              commit before, the baseline), this tree with overlap off, this tree with overlap on
+#   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
+#   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
+#   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
+#              overlap off / on / on with --enable-mixed-chunk
 # Results: $OUT/*.jsonl and $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/gpu/setup.sh
 M="--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --context-length 4096"
 OFF_ON=("--disable-overlap-schedule" "")
-case "${1:-onebatch}" in
-onebatch)
+for part in "$@"; do
+case $part in
+tests)
   echo "== tests $(date -u +%T)"
-  timeout 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/rank/test_overlap.py \
-    tests/rank/test_cuda_graph.py tests/models/test_gpu.py ${EXTRA_TESTS:-} -k "not v2_lite_dummy" 2>&1 \
-    | grep -E "FAIL|Error|passed|failed" | tail -20
-  for flag in "${OFF_ON[@]}"; do
-    echo "== V2-Lite one-batch ${flag:-overlap} $(date -u +%T)"
-    timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 256 \
-      --repeat 3 --input-len 128 --output-len 64 --batch-size 1 64 256 $flag \
-      --result-file "$OUT/v2lite_one_batch${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  timeout 170 python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/rank/test_overlap.py \
+    tests/rank/test_cuda_graph.py tests/models/test_gpu.py tests/kernels/test_mla_rope_cache.py \
+    tests/kernels/test_mla_decode.py -k "not v2_lite_dummy" 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -20
+  timeout 60 python3 scripts/gpu/bench_mla_rope_cache.py --result-file "$OUT/rope.jsonl" 2>&1 | tail -8
+  timeout 60 python3 scripts/gpu/bench_mla_rope_cache.py --interleaved --heads 128 --result-file "$OUT/rope.jsonl" \
+    2>&1 | tail -8
+  ;;
+onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree overlap off; this tree overlap on
+  SITE=${PYTHONPATH#*:}
+  for side in base off on; do
+    tree=$PWD; flag=""
+    [ $side = base ] && tree=$(realpath "$BASE")
+    [ $side = off ] && flag="--disable-overlap-schedule"
+    echo "== V2-Lite one-batch $side $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 110 python3 -m moeserve.cli bench one-batch $M \
+      --mem-fraction-static 0.5 --max-running-requests 256 --repeat 3 --input-len 128 --output-len 64 \
+      --batch-size 1 64 256 $flag --result-file "$OUT/v2lite_one_batch_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
   done
+  ;;
+v3)
   for flag in "${OFF_ON[@]}"; do
     echo "== V3-layer one-batch ${flag:-overlap} $(date -u +%T)"
     timeout 100 python3 -m moeserve.cli bench one-batch --model-path benchmarks/configs/deepseek-v3-4layer \
@@ -31,6 +45,8 @@ onebatch)
       --max-running-requests 128 --repeat 3 --batch-size 128 --input-len 128 --output-len 64 $flag \
       --result-file "$OUT/v3layer_one_batch${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error"
   done
+  ;;
+profile)
   echo "== profile $(date -u +%T)"
   timeout 120 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 64 \
     --input-len 128 --output-len 16 --batch-size 1 64 --profile --profile-dir /tmp/prof \
@@ -54,4 +70,5 @@ serving)
   done
   ;;
 esac
+done
 echo "== done $(date -u +%T)"
