@@ -7,7 +7,7 @@
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
-#              overlap off / on / on with --enable-mixed-chunk
+#              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens)
 # Results: $OUT/*.jsonl and $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -54,8 +54,9 @@ profile)
   ;;
 serving)
   TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
-  for cfg in off on mixed; do
-    case $cfg in off) F="--disable-overlap-schedule";; on) F="";; mixed) F="--enable-mixed-chunk";; esac
+  for cfg in ${CFGS:-off on mixed}; do
+    case $cfg in off) F="--disable-overlap-schedule";; on) F="";; mixed) F="--enable-mixed-chunk";;
+      mixed2k) F="--enable-mixed-chunk --chunked-prefill-size 2048";; esac
     echo "== serving $cfg $(date -u +%T)"
     python3 -m moeserve.cli serve $M --tokenizer-path "$TOK" --port 30000 --max-running-requests 128 \
       --cuda-graph-max-bs 128 --mem-fraction-static 0.8 $F > "$OUT/server_$cfg.log" 2>&1 &

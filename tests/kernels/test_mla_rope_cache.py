@@ -23,24 +23,27 @@ YARN = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position
 
 
 def _inputs(T: int, H: int, r: int, R: int, interleaved: bool, dtype: torch.dtype, cache_dtype: torch.dtype,
-            seed: int) -> dict:
-    """Strided views as the model has them: q_rope a slice of q, c_kv and k_rope slices of one projection."""
+            seed: int, device: str = "cpu") -> dict:
+    """Strided views as the model has them: q_rope a slice of q, c_kv and k_rope slices of one projection (made
+    on `device`: moving a view to another device would copy it densely)."""
     gen = torch.Generator().manual_seed(seed)
     nope, N = 24, 3 * T + 11
-    q = torch.randn(T, H, nope + R, generator=gen).to(dtype)
-    kv = (3 * torch.randn(T, r + R, generator=gen)).to(dtype)
+    q = torch.randn(T, H, nope + R, generator=gen).to(device, dtype)
+    kv = (3 * torch.randn(T, r + R, generator=gen)).to(device, dtype)
     c_kv, k_rope = kv.split([r, R], dim=-1)
     rotary = RotaryEmbedding(R, RopeConfig(**{**YARN.__dict__, "interleaved": interleaved}))
     positions = torch.randint(0, 8192, (T,), generator=gen)
     return dict(q_rope=q[..., nope:], c_kv=c_kv, k_rope=k_rope,
-                norm_weight=(1 + 0.1 * torch.randn(r, generator=gen)).to(dtype), eps=1e-6,
-                rope=rotary(positions), interleaved=interleaved,
-                cache=torch.randn(N, r + R, generator=gen).to(cache_dtype),  # every row random: stray writes show
-                loc=torch.randperm(N, generator=gen)[:T])  # scattered, unordered slots
+                norm_weight=(1 + 0.1 * torch.randn(r, generator=gen)).to(device, dtype), eps=1e-6,
+                rope=rotary(positions).to(device), interleaved=interleaved,
+                # every row random: stray writes show
+                cache=torch.randn(N, r + R, generator=gen).to(device, cache_dtype),
+                loc=torch.randperm(N, generator=gen)[:T].to(device))  # scattered, unordered slots
 
 
-def _on(args: dict, device: str) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+def _on_cpu(args: dict) -> dict:
+    """A CPU copy, with q_rope, c_kv and k_rope views of the same layout (the reference's inputs)."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 def test_reference_rotation_is_the_models():
@@ -73,10 +76,10 @@ def test_reference_rotation_is_the_models():
 def test_mla_rope_cache_matches_reference(T, H, r, R, interleaved, dtype, cache_dtype, device):
     from moeserve.kernels.triton_ops.mla_rope_cache import mla_rope_cache
 
-    args = _inputs(T, H, r, R, interleaved, dtype, cache_dtype, T * 1000 + H * 10 + r + interleaved)
+    dev = _inputs(T, H, r, R, interleaved, dtype, cache_dtype, T * 1000 + H * 10 + r + interleaved, device)
+    args = _on_cpu(dev)
     want_cache = args["cache"].clone()
     want_q = mla_rope_cache_reference(**{**args, "cache": want_cache})
-    dev = _on(args, device)
     assert dev["q_rope"].stride(-1) == 1 and not dev["q_rope"].is_contiguous()  # the kernel reads the view
     got_q = mla_rope_cache(**dev)
     got_cache = dev["cache"].cpu()
@@ -105,7 +108,7 @@ def test_mla_rope_cache_dispatch_keeps_q_and_writes_only_loc(device):
     the result the reference's (on CPU the reference runs; on CUDA the kernel)."""
     from moeserve.kernels.mla_rope_cache import mla_rope_cache
 
-    args = _on(_inputs(9, 16, 64, 16, True, torch.float32, torch.float32, 7), device)
+    args = _inputs(9, 16, 64, 16, True, torch.float32, torch.float32, 7, device)
     q_before = args["q_rope"].clone()
     want_cache = args["cache"].clone()
     want_q = mla_rope_cache_reference(**{**args, "cache": want_cache})
@@ -121,12 +124,12 @@ def test_mla_rope_cache_in_a_cuda_graph():
     """Captured once, replayed on new inputs written into the same buffers: the eager kernel's results."""
     from moeserve.kernels.triton_ops.mla_rope_cache import mla_rope_cache
 
-    args = _on(_inputs(33, 16, 512, 64, False, torch.bfloat16, torch.bfloat16, 3), "cuda")
+    args = _inputs(33, 16, 512, 64, False, torch.bfloat16, torch.bfloat16, 3, "cuda")
     mla_rope_cache(**{**args, "cache": args["cache"].clone()})  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         q_out = mla_rope_cache(**args)
-    fresh = _on(_inputs(33, 16, 512, 64, False, torch.bfloat16, torch.bfloat16, 4), "cuda")
+    fresh = _inputs(33, 16, 512, 64, False, torch.bfloat16, torch.bfloat16, 4, "cuda")
     for k in ("q_rope", "c_kv", "k_rope", "rope", "loc", "cache"):
         args[k].copy_(fresh[k])
     want_cache = fresh["cache"].clone()
@@ -142,7 +145,7 @@ def test_mla_rope_cache_in_a_cuda_graph():
 def test_mla_rope_cache_real_shapes(T, H, interleaved):
     from moeserve.kernels.triton_ops.mla_rope_cache import mla_rope_cache
 
-    args = _on(_inputs(T, H, 512, 64, interleaved, torch.bfloat16, torch.bfloat16, T + H), "cuda")
+    args = _inputs(T, H, 512, 64, interleaved, torch.bfloat16, torch.bfloat16, T + H, "cuda")
     want_cache = args["cache"].clone()
     want_q = mla_rope_cache_reference(**{**args, "cache": want_cache})
     got_q = mla_rope_cache(**args)
