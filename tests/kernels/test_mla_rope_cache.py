@@ -130,7 +130,7 @@ def test_mla_rope_cache_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         q_out = mla_rope_cache(**args)
     fresh = _inputs(33, 16, 512, 64, False, torch.bfloat16, torch.bfloat16, 4, "cuda")
-    for k in ("q_rope", "c_kv", "k_rope", "rope", "loc", "cache"):
+    for k in ("q_rope", "c_kv", "k_rope", "norm_weight", "rope", "loc", "cache"):
         args[k].copy_(fresh[k])
     want_cache = fresh["cache"].clone()
     want_q = mla_rope_cache(**{**fresh, "cache": want_cache})

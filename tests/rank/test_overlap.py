@@ -30,6 +30,7 @@ def tokenizer():
 
 
 def _engines(tokenizer, **kw):
+    kw.setdefault("max_total_tokens", 8192)  # two engines side by side (on a GPU: not a share of its memory each)
     return [InProcessEngine(tokenizer, model_path=default_model_path(), dtype="float32",
                             disable_overlap_schedule=off, **kw) for off in (False, True)]
 
