@@ -52,6 +52,24 @@ def _kernel_events(prof) -> list[tuple[str, float]]:
     return out
 
 
+# Host calls that wait for the device (or may): where a step's host time goes when the device idles beside it.
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+         "aten::_local_scalar_dense", "aten::nonzero", "aten::item", "cudaHostAlloc", "cudaMalloc")
+
+
+def _host_waits(prof) -> dict[str, tuple[int, float]]:
+    """{name: (calls, host microseconds)} of the WAITS calls in the profile."""
+    out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is None:
+        return {}
+    for ev in raw.events():
+        if ev.device_type() != torch.autograd.DeviceType.CUDA and ev.name() in WAITS:
+            out[ev.name()][0] += 1
+            out[ev.name()][1] += ev.duration_ns() / 1e3
+    return {k: (n, us) for k, (n, us) in out.items()}
+
+
 def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | None) -> dict:
     """Run `step` num_steps times under the profiler; per-part milliseconds per step, plus the trace (gzipped)."""
     from torch.profiler import ProfilerActivity, profile
@@ -79,9 +97,11 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
         with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
             shutil.copyfileobj(f, g)
         os.remove(raw)
+    waits = {k: (n / num_steps, us / 1e3 / num_steps) for k, (n, us) in _host_waits(prof).items()}
     return {"step_ms": wall_ms, "device_ms": device_ms, "host_ms": max(wall_ms - device_ms, 0.0),
             "kernels_per_step": len(kernels) / num_steps, "parts_ms": dict(parts),
-            "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8])}
+            "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8]),
+            "host_waits": dict(sorted(waits.items(), key=lambda kv: -kv[1][1]))}
 
 
 def format_table(label: str, r: dict) -> str:
@@ -93,6 +113,8 @@ def format_table(label: str, r: dict) -> str:
         lines.append(f"  {part:12s} {ms:8.3f} ms  {100 * ms / max(r['step_ms'], 1e-9):5.1f}%")
     lines.append(f"  {'host':12s} {r['host_ms']:8.3f} ms  {100 * r['host_ms'] / max(r['step_ms'], 1e-9):5.1f}%"
                  "  (wall time the device was not running kernels)")
+    for name, (calls, ms) in r.get("host_waits", {}).items():
+        lines.append(f"    host calls: {name} x{calls:.0f} a step, {ms:.3f} ms")
     for name, ms in r["other_top"].items():
         lines.append(f"    other: {ms:.3f} ms  {name[:100]}")
     return "\n".join(lines)
