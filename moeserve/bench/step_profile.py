@@ -21,6 +21,7 @@ import torch
 
 # (part, regex over the kernel name), in order. Names: Triton kernels by function name, torch's by their C++ name.
 PARTS: list[tuple[str, str]] = [
+    ("attention", r"_mla_decode_|_mla_rope_cache"),  # moeserve's MLA kernels (their names hold "combine", "split")
     ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
     ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|index_select|indexSelect|index_put|scatter|gather|"
                  r"sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),

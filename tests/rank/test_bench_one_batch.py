@@ -46,6 +46,8 @@ def test_profile_parts_name_the_decode_kernels():
     assert classify("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Gemm"
                     "UniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS") == "experts"  # torch._grouped_mm
     assert classify("_rms_norm_kernel") == "norms"
+    assert classify("_mla_decode_combine_kernel") == "attention" and classify("_combine_kernel") == "dispatch"
+    assert classify("_mla_rope_cache_kernel") == "attention"
     assert classify("void cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_sliced1x2_nn_align8") == "attention"
     assert classify("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "dense GEMMs"
     assert classify("vectorized_elementwise_kernel") == "other"

@@ -22,7 +22,7 @@ MAX_SPLITS = 128  # batch 1 at 4,096 tokens: 128 programs of 32 rows (64 left th
 
 
 @triton.jit
-def _split_kernel(q_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr, H, split_len, scale,
+def _mla_decode_split_kernel(q_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr, H, split_len, scale,
                   stride_qb, stride_qh, stride_c, stride_sb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -75,7 +75,7 @@ def _split_kernel(q_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr, H, 
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+def _mla_decode_combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     stride_outb, stride_outh, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -95,8 +95,8 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, stride_ob, stride_oh, s
     tl.store(out_ptr + b * stride_outb + h * stride_outh + cv, acc.to(out_ptr.dtype.element_ty), mask=vm)
 
 
-_SPLIT = DirectLauncher(_split_kernel)
-_COMBINE = DirectLauncher(_combine_kernel)
+_SPLIT = DirectLauncher(_mla_decode_split_kernel)
+_COMBINE = DirectLauncher(_mla_decode_combine_kernel)
 
 
 @functools.cache
