@@ -109,7 +109,7 @@ def format_table(label: str, r: dict) -> str:
     """The per-part table, one line a part, in the order of PARTS. label: e.g. 'decode step at batch 64'."""
     lines = [f"{label}: {r['step_ms']:.2f} ms wall, {r['device_ms']:.2f} ms of kernels "
              f"({r['kernels_per_step']:.0f} a step)"]
-    for part in [p for p, _ in PARTS] + ["other"]:
+    for part in dict.fromkeys([p for p, _ in PARTS] + ["other"]):  # (a part may have several rules)
         ms = r["parts_ms"].get(part, 0.0)
         lines.append(f"  {part:12s} {ms:8.3f} ms  {100 * ms / max(r['step_ms'], 1e-9):5.1f}%")
     lines.append(f"  {'host':12s} {r['host_ms']:8.3f} ms  {100 * r['host_ms'] / max(r['step_ms'], 1e-9):5.1f}%"

@@ -55,6 +55,7 @@ def test_profile_parts_name_the_decode_kernels():
         "step_ms": 10.0, "device_ms": 8.0, "host_ms": 2.0, "kernels_per_step": 100,
         "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0}})
     assert "experts" in table and "50.0%" in table and "host" in table and "20.0%" in table
+    assert table.count("attention") == 1
 
 
 def test_profile_is_refused_without_cuda(capsys):
