@@ -1,0 +1,132 @@
+"""What a scheduler does with a step's results: the sampled tokens in place of their future tokens, the prompt
+logprobs, finish checks (stop tokens, length, context, stop strings), finished requests out and their KV back.
+
+Mixed into Scheduler (scheduler.py), whose state it uses: the request table `reqs`, `running`, `pending_out`,
+`stats`, `pd`, `args`, `tokenizer`, `context_length` and `_release`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moeserve.rank.io_struct import FinishReason, TokenOut
+from moeserve.rank.request import Req
+from moeserve.rank.sampler import NO_TOKEN
+from moeserve.rank.scheduled_batch import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+class StepResults:
+    """Mixed into Scheduler: a step's results in, outputs out."""
+
+    def sampling_inputs(self, batch: ScheduledBatch) -> list[Req]:
+        """The requests of the batch that sample a token this step (full prefill or decode)."""
+        return [r for r, f in zip(batch.reqs, batch.finishes_prefill, strict=True) if f and r.samples]
+
+    def add_prompt_logprobs(self, batch: ScheduledBatch, logprobs: list[float],
+                            top_logprobs: list[list[tuple[int, float]]]) -> None:
+        """Store the scores of the batch's prompt rows (the first batch.num_prompt_rows rows of its logits)."""
+        assert len(logprobs) == len(top_logprobs) == batch.num_prompt_rows
+        start = 0
+        for req, n in zip(batch.prompt_reqs, batch.prompt_counts, strict=True):
+            req.input_logprobs.extend(logprobs[start:start + n])
+            req.input_top_logprobs.extend(top_logprobs[start:start + n])
+            start += n
+
+    def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
+                       top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
+        """Put the sampled tokens (one per sampling request, in order) in place of their future tokens, finish
+        requests, return outputs. A request that ended since the step was launched (it finished in the step
+        before, or was aborted) is passed over: its token of this step is dropped."""
+        sampled = self.sampling_inputs(batch)
+        assert len(sampled) == len(next_ids)
+        outs = self.pending_out
+        self.pending_out = []
+        if batch.mode.is_extend:
+            for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                if not self._live(req):
+                    continue
+                if done and not req.samples:  # a prompt scored with max_new_tokens = 0: done, no token
+                    req.finish_reason = FinishReason("length")
+                    self._release(req, cache=True)
+                    del self.reqs[req.rid]
+                    outs.append(req.take_output())
+                    self.stats.finished += 1
+                elif done and req not in self.running:
+                    self.running.append(req)
+        for i, req in enumerate(sampled):
+            if not self._live(req):
+                continue
+            later = req.resolve_future(next_ids[i])
+            if next_ids[i] == NO_TOKEN:
+                req.output_ids.pop()
+                self._fail_non_finite(req)
+                outs.append(req.take_output())
+                continue
+            if req.asked.return_logprob and logprobs is not None:
+                req.logprobs.append(logprobs[i])
+                req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
+            self.stats.generated += 1
+            self._check_finish(req)
+            if req.finished and self.pd is not None and self.pd.holds(req):  # prefill: decode gets it first
+                self.pd.after_extend(req, req.kv_len, self.pd_first(req))
+            elif req.finished:
+                self.running.remove(req)
+                self._release(req, cache=True)
+                del self.reqs[req.rid]
+                outs.append(req.take_output())
+                self.stats.finished += 1
+            elif req.asked.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+                outs.append(req.take_output())
+            if not req.finished:
+                req.restore_future(later)
+        if batch.mode.is_extend:
+            self.stats.prefilled += batch.num_prefill_tokens
+            self.stats.mixed_steps += batch.mode.is_mixed
+            if self.pd is not None and self.args.disaggregation_mode == "prefill":
+                for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
+                    if not done:  # a chunk: its complete pages can go
+                        self.pd.after_extend(req, req.kv_len, None)
+        return outs
+
+    def _live(self, req: Req) -> bool:
+        """Still this scheduler's (not finished, aborted or failed since its step was launched)."""
+        return not req.finished and self.reqs.get(req.rid) is req
+
+    def _fail_non_finite(self, req: Req) -> None:
+        """End a request whose logits were not finite (NaN or inf): an error, not a token; its KV is not cached."""
+        logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; failing it",
+                     req.rid, len(req.output_ids))
+        req.finish_reason = FinishReason(
+            "abort", status_code=500, message=f"the model computed non-finite logits (NaN or inf) at output token "
+            f"{len(req.output_ids)}; no token could be sampled")
+        if self.pd is not None and self.pd.holds(req):  # prefill: decode hears `failed`, KV freed after writes
+            del self.reqs[req.rid]
+            self.pd.abort(req)
+            return
+        self.running.remove(req)
+        self._release(req, cache=False)
+        del self.reqs[req.rid]
+
+    def drain_pending(self) -> list[TokenOut]:
+        outs, self.pending_out = self.pending_out, []
+        return outs
+
+    def _check_finish(self, req: Req) -> None:
+        token = req.output_ids[-1]
+        p = req.params
+        if token in req.stop_token_ids:
+            req.finish_reason = FinishReason("stop", matched=token)
+        elif len(req.output_ids) >= p.max_new_tokens:
+            req.finish_reason = FinishReason("length")
+        elif req.seq_len >= self.context_length:
+            req.finish_reason = FinishReason("length", message="reached the context length")
+        elif p.stop and self.tokenizer is not None:
+            stops = [p.stop] if isinstance(p.stop, str) else p.stop
+            longest = max(len(s) for s in stops)
+            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=False)
+            for s in stops:
+                if s and s in tail:
+                    req.finish_reason = FinishReason("stop", matched=s)
+                    break
