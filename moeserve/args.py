@@ -109,8 +109,8 @@ class ServerArgs:
         "stall them; the prefill's token budget shrinks by one token per decode.")
     disable_overlap_schedule: bool = _flag(
         False, "Run each step's host work (scheduling the next batch, sending the last one's tokens) after the device "
-        "finished the step, instead of while it runs. Overlap is off anyway with several ranks in a group, PD "
-        "disaggregation, or the expert-distribution recorder (the log says so).")
+        "finished the step, instead of while it runs. Overlap is off anyway with several ranks in a group or the "
+        "expert-distribution recorder (the log says so).")
     new_token_ratio: float = _flag(
         0.4, "Admission reserves this fraction of each running request's remaining max_new_tokens."
     )

@@ -14,8 +14,10 @@ What stays back to back (the step is resolved before the next is scheduled, or r
   - steps that return logprobs (they are read on the host), or whose sampling has penalties (the next step's
     sampling would read the token counts);
   - a step whose scheduling might retract a request (recomputation needs its tokens): Scheduler.can_schedule_ahead;
-  - a group of several ranks (the leader's tokens are shared on the host), PD disaggregation and the expert
-    distribution recorder and rebalancer (they act between passes on host state): overlap is off for the server.
+  - a group of several ranks (the leader's tokens are shared on the host), and the expert distribution recorder
+    and rebalancer (they act between passes on host state): overlap is off for the server.
+With PD disaggregation the decode side overlaps its decode steps (a request joins the running set once its KV and
+first token arrived: nothing of it is in flight before); a prefill server's steps are prefills, never in flight.
 """
 
 from __future__ import annotations
@@ -158,8 +160,6 @@ def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | 
     """Why this rank cannot overlap its steps, or None."""
     if sync is not None and sync.multi:
         return "several ranks run each step (their tokens are shared on the host)"
-    if scheduler.pd is not None:
-        return "PD disaggregation"
     if runner.expert_recorder is not None:
         return "the expert distribution recorder (and the rebalancer) act between passes"
     return None

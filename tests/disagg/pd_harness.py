@@ -15,7 +15,7 @@ from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.pd_host import make_pd_rooms
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
-from moeserve.rank.steps import run_step
+from moeserve.rank.steps import StepPipeline
 from moeserve.server.launch import free_port
 
 
@@ -24,11 +24,12 @@ class Side:
     args: ServerArgs
     runner: ModelRunner
     scheduler: Scheduler
+    steps: StepPipeline
     outs: dict[str, list[TokenOut]] = field(default_factory=dict)
 
     def step(self) -> None:
         self.scheduler.pd.poll()
-        for o in run_step(self.scheduler, self.runner) + self.scheduler.drain_pending():
+        for o in self.steps.step() + self.scheduler.drain_pending():
             self.outs.setdefault(o.rid, []).append(o)
 
     def free_pages(self) -> int:
@@ -54,7 +55,7 @@ class PDPair:
         runner = ModelRunner(args)
         sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids)
         sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0)
-        return Side(args, runner, sched)
+        return Side(args, runner, sched, StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule))
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
                top_logprobs_num: int = 0, to_prefill: bool = True, to_decode: bool = True,
@@ -111,7 +112,8 @@ class PDPair:
 
     def idle(self) -> bool:
         return not (self.prefill.scheduler.pd.busy or self.decode.scheduler.pd.busy
-                    or self.prefill.scheduler.has_work() or self.decode.scheduler.has_work())
+                    or self.prefill.scheduler.has_work() or self.decode.scheduler.has_work()
+                    or self.prefill.steps.busy or self.decode.steps.busy)
 
     def close(self) -> None:
         for side in (self.prefill, self.decode):

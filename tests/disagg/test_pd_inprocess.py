@@ -67,6 +67,9 @@ def test_pd_tokens_equal_colocated(name, backend, tiny_checkpoint):
         assert got_second[0]["cached_tokens"] == 16 and got_second[1]["cached_tokens"] == 28
         stats = pair.decode.scheduler.pd.stats
         assert stats.transfers == 6 and stats.transfer_bytes > 0
+        # without logprobs the decode side overlaps its steps (rank/steps.py): the same tokens
+        assert [g["output_ids"] for g in pair.run(first, GREEDY)] == [w["output_ids"] for w in ref_first]
+        assert pair.decode.steps.num_overlapped > 0
         assert (pair.prefill.free_pages(), pair.decode.free_pages()) == start
     finally:
         pair.close()
