@@ -32,7 +32,7 @@ token's probability is far below 1e-6, well under what float32 softmax resolves.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -181,6 +181,20 @@ class SampleOutput:
     logprobs: list[float] | None  # [B] raw log-prob of each chosen token; None unless asked for
     top_logprobs: list[list[tuple[int, float]]]  # [B][n_b] (token id, raw log-prob), largest first
     next_token_ids_device: torch.Tensor  # [B] int64 on the logits' device, for the next step's input
+    # to_host=False: the tensors the lists above are read from later ("ids", and "logprobs", "top_values",
+    # "top_ids" when asked for), on the device, and the alternatives each row reports
+    device: dict[str, torch.Tensor] = field(default_factory=dict)
+    top_logprobs_num: list[int] = field(default_factory=list)
+
+    def read(self, host: dict[str, torch.Tensor]) -> None:
+        """Fill the lists from host copies of `device` (the same keys)."""
+        self.next_token_ids = host["ids"].tolist()
+        if "logprobs" in host:
+            self.logprobs = host["logprobs"].tolist()
+        if "top_values" in host:
+            values, ids = host["top_values"].tolist(), host["top_ids"].tolist()
+            self.top_logprobs = [list(zip(ids[b][:n], values[b][:n], strict=True))
+                                 for b, n in enumerate(self.top_logprobs_num)]
 
 
 def sample(
@@ -194,7 +208,7 @@ def sample(
 
     top_logprobs_num: alternatives to report per request (an int for all, or one per request; 0 = none).
     return_logprob: compute the chosen tokens' log-probs (skip it to save a log_softmax when nobody asks).
-    to_host: read the tokens on the host (a sync); False leaves them in next_token_ids_device only (no logprobs).
+    to_host: read the tokens (and logprobs) on the host, a sync; False leaves them in `device` for SampleOutput.read.
     The input logits are not modified.
     """
     batch_size, vocab_size = logits.shape
@@ -224,26 +238,19 @@ def sample(
     finite = torch.isfinite(scores.gather(1, best[:, None]).squeeze(1))
     next_ids = torch.where(finite, best, NO_TOKEN)
 
-    chosen_logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in range(batch_size)]
+    device = {"ids": next_ids}
     max_num = max(nums, default=0)
     if return_logprob or max_num > 0:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if return_logprob:
-            chosen_logprobs = raw_logprobs.gather(1, best[:, None]).squeeze(1).tolist()
-        if max_num > 0:
-            values, ids = raw_logprobs.topk(min(max_num, vocab_size), dim=-1)  # sorted, largest first
-            values_host, ids_host = values.tolist(), ids.tolist()
-            top_logprobs = [
-                list(zip(ids_host[b][:n], values_host[b][:n], strict=True)) for b, n in enumerate(nums)
-            ]
-    assert to_host or not (return_logprob or max_num), "logprobs are read on the host"
-    return SampleOutput(
-        next_token_ids=next_ids.tolist() if to_host else [],
-        logprobs=chosen_logprobs,
-        top_logprobs=top_logprobs,
-        next_token_ids_device=next_ids,
-    )
+            device["logprobs"] = raw_logprobs.gather(1, best[:, None]).squeeze(1)
+        if max_num > 0:  # sorted, largest first
+            device["top_values"], device["top_ids"] = raw_logprobs.topk(min(max_num, vocab_size), dim=-1)
+    out = SampleOutput(next_token_ids=[], logprobs=None, top_logprobs=[[] for _ in range(batch_size)],
+                       next_token_ids_device=next_ids, device=device, top_logprobs_num=nums)
+    if to_host:
+        out.read(device)
+    return out
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -11,8 +11,8 @@ N+1's KV writes and its reads of the table come after step N's.
 
 What stays back to back (the step is resolved before the next is scheduled, or right after its launch):
   - steps other than DECODE (prefills and mixed steps: their requests join the running set when resolved);
-  - steps that return logprobs (they are read on the host), or whose sampling has penalties (the next step's
-    sampling would read the token counts);
+  - steps whose sampling has penalties (the next step's sampling would read the token counts); a step's logprobs
+    travel to the host with its tokens;
   - a step whose scheduling might retract a request (recomputation needs its tokens): Scheduler.can_schedule_ahead;
   - a group of several ranks (the leader's tokens are shared on the host), and the expert distribution recorder
     and rebalancer (they act between passes on host state): overlap is off for the server.
@@ -49,12 +49,12 @@ class LaunchedStep:
     batch: ScheduledBatch
     sampled: list[Req]  # the requests that sample a token, in the logits' row order
     out: SampleOutput | None  # None when nothing samples
-    host_ids: torch.Tensor | None = None  # [B] int64, pinned, filled by an async copy (on the device: in flight)
-    copied: torch.cuda.Event | None = None  # recorded after that copy
+    host: dict[str, torch.Tensor] | None = None  # out.device's tensors, pinned, filled by async copies
+    copied: torch.cuda.Event | None = None  # recorded after those copies
 
     @property
     def in_flight(self) -> bool:
-        return self.host_ids is not None
+        return self.host is not None
 
 
 def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch,
@@ -82,12 +82,13 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     step = LaunchedStep(batch, sampled, out)
     if keep_on_device:
         if ids.device.type == "cuda":
-            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            step.host_ids.copy_(ids, non_blocking=True)
+            step.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in out.device.items()}
+            for k, t in out.device.items():
+                step.host[k].copy_(t, non_blocking=True)
             step.copied = torch.cuda.Event()
             step.copied.record()
         else:
-            step.host_ids = ids
+            step.host = out.device
     return step
 
 
@@ -112,15 +113,15 @@ def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None
     if step.in_flight:
         if step.copied is not None:
             step.copied.synchronize()
-        out.next_token_ids = step.host_ids.tolist()
+        out.read(step.host)
     if sync is not None:
         out = sync.share_sample(out)
     return scheduler.process_result(step.batch, out.next_token_ids, out.logprobs, out.top_logprobs)
 
 
 def can_stay_in_flight(batch: ScheduledBatch, sampled: list[Req]) -> bool:
-    """A decode step whose results nobody reads on the host before the next step launches."""
-    return batch.mode.is_decode and not any(r.asked.return_logprob or r.params.uses_penalties for r in sampled)
+    """A decode step whose tokens nobody reads on the host before the next step launches."""
+    return batch.mode.is_decode and not _reads_outputs(sampled)
 
 
 def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,

@@ -29,7 +29,7 @@ class InProcessEngine:
         for rid, p, sp in zip(rids, prompts, params, strict=True):
             self.scheduler.add_request(GenerateReq(rid, p, sp, return_logprob, top_logprobs_num,
                                                    logprob_start_len=logprob_start_len))
-        results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": [],
+        results = {rid: {"output_ids": [], "finish_reason": None, "cached_tokens": 0, "logprobs": [], "top_logprobs": [],
                          "input_logprobs": None, "input_top_logprobs": None} for rid in rids}
         for _ in range(self.max_steps):
             outs: list[TokenOut] = self.steps.step() + self.scheduler.drain_pending()
@@ -41,6 +41,8 @@ class InProcessEngine:
                 r["cached_tokens"] = o.cached_tokens
                 if o.logprobs:
                     r["logprobs"].extend(o.logprobs)
+                if o.top_logprobs:
+                    r["top_logprobs"].extend(o.top_logprobs)
                 if o.input_logprobs is not None:
                     assert r["input_logprobs"] is None, "input logprobs sent twice"
                     r["input_logprobs"], r["input_top_logprobs"] = o.input_logprobs, o.input_top_logprobs

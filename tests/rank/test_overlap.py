@@ -2,8 +2,8 @@
 
 On the embedded default model (trained: requests end on EOS, so a request finishes while its next step is
 already launched), fp32 on CPU: a batch mixing stop strings, penalties (back-to-back steps), lengths of 1 to 48
-tokens and streaming; the same with logprobs; a KV pool small enough to retract; an abort while a step is in
-flight. Every request's tokens and finish reason equal those of --disable-overlap-schedule, and no KV page is
+tokens and streaming; the same with logprobs and top logprobs; a KV pool small enough to retract; an abort while
+a step is in flight. Every request's tokens and finish reason equal those of --disable-overlap-schedule, and no KV page is
 lost.
 """
 
@@ -66,11 +66,13 @@ def test_overlap_equals_back_to_back(tokenizer, logprobs):
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert [g["finish_reason"].type for g in got] == [w["finish_reason"].type for w in want]
     assert any(w["finish_reason"].type == "stop" for w in want)  # some requests end on EOS or a stop string
-    if logprobs:  # logprob steps are read on the host: nothing overlaps, the results are the same
+    if logprobs:  # they travel to the host with the tokens of a step in flight
         flat = [[x for g in side for x in g["logprobs"]] for side in (got, want)]
         assert flat[0] == pytest.approx(flat[1])
-    else:
-        assert on.steps.num_overlapped > 10 and off.steps.num_overlapped == 0
+        tops = [[alt for g in side for step in g["top_logprobs"] for alt in step] for side in (got, want)]
+        assert [i for i, _ in tops[0]] == [i for i, _ in tops[1]] and len(tops[0]) == 2 * len(flat[0])
+        assert [v for _, v in tops[0]] == pytest.approx([v for _, v in tops[1]])
+    assert on.steps.num_overlapped > 10 and off.steps.num_overlapped == 0
     for e in (on, off):
         _no_lost_pages(e)
 
