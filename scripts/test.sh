@@ -8,7 +8,7 @@ if [ "$#" -eq 0 ] && [ -x "$BIN/ruff" ]; then
   "$BIN/ruff" check moeserve tests scripts || exit 1
   "$BIN/lint-imports" --no-cache || exit 1  # the layering of pyproject.toml's [tool.importlinter]
 fi
-"$BIN/python" -m pytest "$@"
+"$BIN/python" -m pytest --durations=15 "$@"  # the slowest tests in the log: the suite must stay lean
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

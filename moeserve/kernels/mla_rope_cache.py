@@ -23,29 +23,18 @@ from __future__ import annotations
 import torch
 
 from moeserve.kernels.rms_norm import rms_norm_reference
+from moeserve.kernels.rotary import rotate
 from moeserve.kernels.triton_available import use_triton
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # casts the kernel rounds exactly as torch does
-
-
-def rotate_reference(x: torch.Tensor, rope: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [T, heads, R] rotated by its token's rope [T, 2, R]; in float32, returned in x's dtype.
-    The same arithmetic as layers/rotary.RotaryEmbedding.apply (the tests check they agree bit for bit)."""
-    dtype, (T, heads, dim) = x.dtype, x.shape
-    x = x.float()
-    if interleaved:
-        partner = x.reshape(T, heads, dim // 2, 2).flip(-1).reshape(T, heads, dim)
-    else:
-        partner = x.reshape(T, heads, 2, dim // 2).flip(-2).reshape(T, heads, dim)
-    return (x * rope[:, None, 0] + partner * rope[:, None, 1]).to(dtype)
 
 
 def mla_rope_cache_reference(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
                              norm_weight: torch.Tensor, eps: float, rope: torch.Tensor, interleaved: bool,
                              cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
     c_kv = rms_norm_reference(c_kv, norm_weight, eps)
-    q_out = rotate_reference(q_rope, rope, interleaved)
-    k_out = rotate_reference(k_rope[:, None, :], rope, interleaved)[:, 0]
+    q_out = rotate(q_rope, rope, interleaved)
+    k_out = rotate(k_rope[:, None, :], rope, interleaved)[:, 0]
     cache.index_copy_(0, loc, torch.cat((c_kv, k_out), dim=-1).to(cache.dtype))  # one copy, one scatter
     return q_out
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import RopeConfig
+from moeserve.kernels.rotary import rotate
 
 
 def rope_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -84,10 +85,4 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, dim] by its token's angles (rope from `forward`); computed in float32."""
-        dtype, (T, heads, dim) = x.dtype, x.shape
-        x = x.float()
-        if self.interleaved:
-            partner = x.reshape(T, heads, dim // 2, 2).flip(-1).reshape(T, heads, dim)
-        else:
-            partner = x.reshape(T, heads, 2, dim // 2).flip(-2).reshape(T, heads, dim)
-        return (x * rope[:, None, 0] + partner * rope[:, None, 1]).to(dtype)
+        return rotate(x, rope, self.interleaved)
