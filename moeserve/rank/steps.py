@@ -47,7 +47,6 @@ class LaunchedStep:
     """A step whose device work is queued; its sampled tokens may still be on their way to the host."""
 
     batch: ScheduledBatch
-    sampled: list[Req]  # the requests that sample a token, in the logits' row order
     out: SampleOutput | None  # None when nothing samples
     host: dict[str, torch.Tensor] | None = None  # out.device's tensors, pinned, filled by async copies
     copied: torch.cuda.Event | None = None  # recorded after those copies
@@ -71,7 +70,7 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
         logits = logits[batch.num_prompt_rows:]
     sampled = scheduler.sampling_inputs(batch)
     if not sampled:
-        return LaunchedStep(batch, sampled, None)
+        return LaunchedStep(batch, None)
     out = runner.sample(logits, sampled, to_host=not keep_on_device)
     ids = out.next_token_ids_device
     if tokens is not None:
@@ -79,7 +78,7 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
         tokens.index_copy_(0, rows, ids)
     for r in sampled:
         r.add_future()
-    step = LaunchedStep(batch, sampled, out)
+    step = LaunchedStep(batch, out)
     if keep_on_device:
         if ids.device.type == "cuda":
             step.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in out.device.items()}
@@ -190,18 +189,18 @@ class StepPipeline:
         """One step; its outputs, the in-flight step's, or both. None when the rank stops."""
         if not self.overlap:
             return run_step(self.scheduler, self.runner, self.sync, stop)
+        if stop:  # the rank stops: the step in flight, if any, is not resolved (nobody reads it)
+            return None
         prev, self.in_flight = self.in_flight, None
         outs: list[TokenOut] = []
-        if prev is not None and (stop or not self.scheduler.can_schedule_ahead()):
+        if prev is not None and not self.scheduler.can_schedule_ahead():
             outs, prev = resolve_step(self.scheduler, prev), None
-        if stop:
-            return None
         batch = self.scheduler.schedule()
-        if batch is not None and prev is not None and _reads_outputs(self.scheduler.sampling_inputs(batch)):
-            outs, prev = resolve_step(self.scheduler, prev), None  # the sampling reads known tokens only
         if batch is None:
             return outs + (resolve_step(self.scheduler, prev) if prev is not None else [])
         sampled = self.scheduler.sampling_inputs(batch)
+        if prev is not None and _reads_outputs(sampled):
+            outs, prev = resolve_step(self.scheduler, prev), None  # the sampling reads known tokens only
         stay = can_stay_in_flight(batch, sampled)
         cur = launch_step(self.scheduler, self.runner, batch, self.tokens, keep_on_device=stay)
         if prev is not None:  # while the device runs `cur`

@@ -15,6 +15,7 @@ import json
 import torch
 import triton.testing
 
+from moeserve.bench.results import append_results
 from moeserve.kernels.mla_decode import mla_decode_reference
 from moeserve.kernels.triton_ops.mla_decode import mla_decode
 from moeserve.layers.attention.ops import decode_attention, length_bias
@@ -64,10 +65,7 @@ def main() -> None:
                "num_warps": nw, "num_stages": ns, "max_err_triton": err, "max_err_torch": err_t}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if a.result_file:
-        with open(a.result_file, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_results(a.result_file, rows)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import torch
 import triton.testing
 
+from moeserve.bench.results import append_results
 from moeserve.core.kv_pool import MLAKVPool
 from moeserve.core.model_config import RopeConfig
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
@@ -91,10 +91,7 @@ def main() -> None:
         rows.append(row)
         print(f"{T:>6} {row['unfused_us']:>11} {row['fused_us']:>9} {row['speedup']:>8} {row['fused_GBps']:>11} "
               f"{q_err:>7.2g} {cache_err:>9.2g}", flush=True)
-    if a.result_file:
-        with open(a.result_file, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_results(a.result_file, rows)
 
 
 if __name__ == "__main__":
