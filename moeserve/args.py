@@ -174,8 +174,13 @@ class ServerArgs:
         None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
 
     # --- CUDA graphs, torch.compile ---
-    disable_cuda_graph: bool = _flag(False, "Run decode without CUDA graphs.")
+    disable_cuda_graph: bool = _flag(False, "Run without CUDA graphs: decode and (piecewise) extend steps eagerly.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+    disable_piecewise_cuda_graph: bool = _flag(
+        False, "Run prefill (extend) and mixed steps eagerly instead of from piecewise CUDA graphs (each layer's "
+        "work but attention, captured per token count and padded to it).")
+    piecewise_cuda_graph_max_tokens: int = _flag(
+        4096, "Largest extend step (in tokens) captured in piecewise CUDA graphs; larger steps run eagerly.")
     enable_torch_compile: bool = _flag(False, "Compile the decode forward with torch.compile (inductor; on the CPU "
                                        "it needs a C++ compiler). Compiled at start-up, one rank only.")
     torch_compile_max_bs: int = _flag(32, "Largest decode batch that runs the compiled forward.")
@@ -222,7 +227,8 @@ class ServerArgs:
             if choices and value not in choices:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
-                    "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs"]
+                    "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs",
+                    "piecewise_cuda_graph_max_tokens"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")

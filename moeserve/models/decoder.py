@@ -23,7 +23,7 @@ from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.model_config import ModelConfig
 from moeserve.core.tbo_split import should_use_tbo
 from moeserve.ep.base import Dispatcher
-from moeserve.layers.attention.ops import AttentionMetadata
+from moeserve.layers.attention.ops import AttentionMetadata, PieceSplitter
 from moeserve.layers.linear import Embedding, Linear
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.layer import ExpertRecorder, MoE
@@ -120,16 +120,26 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
+        return self.compute_logits(self.hidden_states(batch), batch)
+
+    def hidden_states(self, batch: ForwardBatch, pieces: PieceSplitter | None = None) -> torch.Tensor:
+        """The last layer's output [T, H] (before the final norm). pieces: a piecewise CUDA-graph capture, which
+        every layer's attention runs through (moeserve/rank/piecewise_graph_runner.py)."""
         rope = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
-        if (should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold, get_parallel_state().world_size)
+        if (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
+                                              get_parallel_state().world_size)
                 and not (h.is_cuda and torch.cuda.is_current_stream_capturing())):
-            h = run_two_batch_overlap(self.model.layers, batch, h, rope)
-        else:
-            meta = AttentionMetadata.build(batch, rope)
-            for layer in self.model.layers:
-                h = layer(h, meta, batch)
+            return run_two_batch_overlap(self.model.layers, batch, h, rope)
+        meta = AttentionMetadata.build(batch, rope)
+        meta.pieces = pieces
+        for layer in self.model.layers:
+            h = layer(h, meta, batch)
+        return h
+
+    def compute_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits of the rows of h [T, H] that need them: the final norm, then the LM head."""
         if not batch.return_all_logits:
             rows = batch.logits_indices if batch.logits_indices is not None else batch.qo_indptr[1:] - 1
             h = h[rows]

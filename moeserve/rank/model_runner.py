@@ -126,9 +126,31 @@ class ModelRunner:
             self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
                                                            server_args.max_running_requests))
             self.compiled.warmup(self.kv_pool, self.device)
-        if self.graph_runner is not None:  # last: the graphs capture the model as it will run
-            self.graph_runner.capture_all(progress=get_parallel_state().rank == 0)
+        self.piecewise = None
+        if (self.device.type == "cuda" and not server_args.disable_cuda_graph and self.ep.graph_safe
+                and not server_args.disable_piecewise_cuda_graph):
+            self.piecewise = self._piecewise_runner()
+        progress = get_parallel_state().rank == 0
+        if self.piecewise is not None:  # last: the graphs capture the model as it will run (the largest first)
+            self.piecewise.capture_all(progress=progress)
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all(progress=progress)
         logger.info("%s", self.memory_line())
+
+    def _piecewise_runner(self):
+        """The extend steps' piecewise CUDA graphs, or None (and a log line) where they cannot run."""
+        if self.expert_recorder is not None:
+            logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts would "
+                        "include the padding tokens): extend steps run eagerly")
+            return None
+        from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
+
+        a = self.args
+        # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt, run
+        # eagerly)
+        max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens, a.max_prefill_tokens)
+        pool = self.graph_runner.pool if self.graph_runner is not None else None
+        return PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device, pool)
 
     def memory_line(self) -> str:
         """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""
@@ -196,6 +218,8 @@ class ModelRunner:
         fb.kv_pool = self.kv_pool
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.run(fb)
+        elif self.piecewise is not None and self.piecewise.can_run(fb):
+            logits = self.piecewise.run(fb)
         else:
             logits = self._decode_forward(fb)
         if self.expert_recorder is not None:

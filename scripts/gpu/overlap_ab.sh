@@ -6,8 +6,12 @@
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
+#   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap)
+#              a failure stops the run
+#   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
-#              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens)
+#              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens; nopcg,
+#              mixednopcg: on and mixed with --disable-piecewise-cuda-graph)
 # Results: $OUT/*.jsonl and $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,6 +28,24 @@ tests)
   timeout 60 python3 scripts/gpu/bench_mla_rope_cache.py --result-file "$OUT/rope.jsonl" 2>&1 | tail -8
   timeout 60 python3 scripts/gpu/bench_mla_rope_cache.py --interleaved --heads 128 --result-file "$OUT/rope.jsonl" \
     2>&1 | tail -8
+  ;;
+pcgtests)
+  echo "== piecewise tests $(date -u +%T)"
+  timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
+    tests/rank/test_cuda_graph.py tests/rank/test_overlap.py 2>&1 \
+    | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
+  grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
+  ;;
+prefill)
+  for flag in "--disable-piecewise-cuda-graph" ""; do
+    for shape in "1 4:512" "4:2048"; do
+      echo "== prefill ${flag:-piecewise} ${shape} $(date -u +%T)"
+      timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 64 \
+        --repeat 3 --batch-size ${shape%:*} --input-len ${shape#*:} --output-len 4 --chunked-prefill-size 8192 \
+        --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 8 $flag \
+        --result-file "$OUT/prefill${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error|piecewise"
+    done
+  done
   ;;
 onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree overlap off; this tree overlap on
   SITE=${PYTHONPATH#*:}
@@ -56,7 +78,8 @@ serving)
   TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
   for cfg in ${CFGS:-off on mixed}; do
     case $cfg in off) F="--disable-overlap-schedule";; on) F="";; mixed) F="--enable-mixed-chunk";;
-      mixed2k) F="--enable-mixed-chunk --chunked-prefill-size 2048";; esac
+      mixed2k) F="--enable-mixed-chunk --chunked-prefill-size 2048";; nopcg) F="--disable-piecewise-cuda-graph";;
+      mixednopcg) F="--enable-mixed-chunk --disable-piecewise-cuda-graph";; esac
     echo "== serving $cfg $(date -u +%T)"
     python3 -m moeserve.cli serve $M --tokenizer-path "$TOK" --port 30000 --max-running-requests 128 \
       --cuda-graph-max-bs 128 --mem-fraction-static 0.8 $F > "$OUT/server_$cfg.log" 2>&1 &
@@ -67,7 +90,7 @@ serving)
       --request-rate inf --max-concurrency 64 --warmup-requests 8 --seed 1 --disable-tqdm \
       --output-file "$OUT/serving_$cfg.json" 2>&1 | grep -E "throughput|ITL|TTFT|TPOT|Successful|Error|error" | head -14
     kill -INT $SERVER; wait $SERVER
-    grep -E "overlap|Error|Traceback" "$OUT/server_$cfg.log" | head -3
+    grep -E "overlap|captured|Error|Traceback" "$OUT/server_$cfg.log" | head -4
   done
   ;;
 esac

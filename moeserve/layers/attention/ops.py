@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,14 @@ import torch.nn.functional as F
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.kv_pool import KVPool
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
+
+
+class PieceSplitter(Protocol):
+    """What a piecewise CUDA-graph capture (moeserve/rank/piecewise_graph_runner.py) puts into the metadata: every
+    layer's attention runs through `split`, which ends the graph piece before it and begins the one after it."""
+
+    def split(self, meta: AttentionMetadata, attend: Callable[..., torch.Tensor],
+              rows: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -34,7 +43,7 @@ class AttentionMetadata:
     out_cache_loc: torch.Tensor  # [T] slots written this step
     kv_indices: torch.Tensor  # [sum(seq_lens)] slots of every request's whole sequence
     kv_indptr: torch.Tensor  # [B + 1] request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
-    rope: torch.Tensor  # [T, 2, rotary_dim] float32: each token's cos and signed sin (RotaryEmbedding.forward)
+    rope: torch.Tensor | None  # [T, 2, rotary_dim] float32: each token's cos and signed sin (RotaryEmbedding.forward)
     extend_lens: list[int]  # host
     seq_lens: list[int]  # host
     decode_slots: torch.Tensor | None = None  # [B, max_len] int64 cache slots (0 = scratch where masked)
@@ -45,9 +54,12 @@ class AttentionMetadata:
     # the part has no request (a two-batch-overlap micro-batch may hold only one of them)
     extend_part: AttentionMetadata | None = None
     decode_part: AttentionMetadata | None = None
+    pieces: PieceSplitter | None = None  # set while a piecewise CUDA graph is captured (attend_parts says what for)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, rope: torch.Tensor) -> AttentionMetadata:
+    def build(cls, batch: ForwardBatch, rope: torch.Tensor | None) -> AttentionMetadata:
+        """rope None: metadata for the attention proper only (what runs between piecewise graphs, whose rotary ran
+        inside them)."""
         if batch.mode.is_mixed:
             return cls._build_mixed(batch, rope)
         # Decode reads no host lengths (torch.compile would guard on every one of them).
@@ -68,13 +80,13 @@ class AttentionMetadata:
         return meta
 
     @classmethod
-    def _build_mixed(cls, batch: ForwardBatch, rope: torch.Tensor) -> AttentionMetadata:
+    def _build_mixed(cls, batch: ForwardBatch, rope: torch.Tensor | None) -> AttentionMetadata:
         ext, dec = batch.mixed_parts()
         t = ext.num_tokens
         meta = cls(mode=batch.mode, kv_pool=batch.kv_pool, out_cache_loc=batch.out_cache_loc,
                    kv_indices=batch.kv_indices, kv_indptr=batch.kv_indptr, rope=rope, extend_lens=[], seq_lens=[])
-        meta.extend_part = cls.build(ext, rope[:t]) if ext.batch_size else None
-        meta.decode_part = cls.build(dec, rope[t:]) if dec.batch_size else None
+        meta.extend_part = cls.build(ext, None if rope is None else rope[:t]) if ext.batch_size else None
+        meta.decode_part = cls.build(dec, None if rope is None else rope[t:]) if dec.batch_size else None
         return meta
 
     @property
@@ -97,7 +109,11 @@ class AttentionMetadata:
 def attend_parts(meta: AttentionMetadata, attend: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
     """attend(*(x[part rows] for x in rows), part_meta) over the step's parts, concatenated in token order: a MIXED
     step runs its extend requests and its decodes apart (see the module doc); other steps call attend once.
-    rows: per-token tensors [T, ...]; attend returns [rows of its part, ...]."""
+    rows: per-token tensors [T, ...]; attend returns [rows of its part, ...].
+    While a piecewise CUDA graph is captured (meta.pieces), the capture takes the call over: attention is what runs
+    eagerly between the graph pieces, so every layer's projections, norms and MoE replay from graphs."""
+    if meta.pieces is not None:
+        return meta.pieces.split(meta, attend, rows)
     if not meta.mode.is_mixed:  # (reads no shape: torch.compile and CUDA graphs trace this path)
         return attend(*rows, meta)
     parts = meta.parts()
