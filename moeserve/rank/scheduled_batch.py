@@ -54,3 +54,20 @@ class SchedulerStats:
         self.last_log = time.monotonic()
         self.last_generated = 0
         self.last_prefilled = 0
+        self.launched: ForwardMode | None = None  # the mode of the step launch_step last launched
+        self.step_counts: dict[str, int] = {}  # per mode since the last log line: steps, and their wall seconds
+        self.step_seconds: dict[str, float] = {}
+
+    def add_step_time(self, mode: ForwardMode, seconds: float) -> None:
+        name = mode.name.lower()
+        self.step_counts[name] = self.step_counts.get(name, 0) + 1
+        self.step_seconds[name] = self.step_seconds.get(name, 0.0) + seconds
+
+    def take_step_times(self, interval_s: float) -> str:
+        """', steps: decode 310 x 11.6 ms, extend 21 x 18.0 ms (95% of the time)' since the last call, or ''."""
+        counts, seconds = self.step_counts, self.step_seconds
+        self.step_counts, self.step_seconds = {}, {}
+        if not counts:
+            return ""
+        parts = ", ".join(f"{m} {n} x {1e3 * seconds[m] / n:.1f} ms" for m, n in counts.items())
+        return f", steps: {parts} ({100 * sum(seconds.values()) / interval_s:.0f}% of the time)"

@@ -62,6 +62,7 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     future input ids are read from it and the sampled tokens written to it. keep_on_device: leave the tokens on
     the device and start their copy to the host (the caller checked the step may stay in flight)."""
     fb = batch.forward
+    scheduler.stats.launched = batch.mode
     if tokens is not None:
         fb = _with_known_inputs(fb, batch, tokens, runner.device)
     logits = runner.forward(fb)

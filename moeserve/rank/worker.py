@@ -187,7 +187,12 @@ class WorkerLoop:
                 self.pd.apply(parts)
             for msg in msgs:
                 self._handle(msg)
+            stats = self.scheduler.stats
+            stats.launched = None
+            start = time.perf_counter()
             outs = self.steps.step(stop=not self.running)
+            if stats.launched is not None:  # the call's wall time goes to the mode it launched
+                stats.add_step_time(stats.launched, time.perf_counter() - start)
             if outs is None:
                 break
             outs += self.scheduler.drain_pending()
@@ -269,14 +274,15 @@ class WorkerLoop:
             return
         st = self.scheduler.stats
         gen, pre = st.generated - self.last_counts[0], st.prefilled - self.last_counts[1]
+        steps = st.take_step_times(dt)
         if gen or pre or self.scheduler.has_work():
             load = self.scheduler.get_load()
             logger.info(
                 "decode %.1f tok/s, prefill %.1f tok/s, running %d, queued %d, KV %d/%d tokens (%.1f%%), "
-                "cached %d, retracted %d%s", gen / dt, pre / dt, load.num_running, load.num_waiting,
+                "cached %d, retracted %d%s%s", gen / dt, pre / dt, load.num_running, load.num_waiting,
                 load.kv_used_tokens, load.kv_total_tokens, 100 * load.kv_used_tokens / max(load.kv_total_tokens, 1),
                 load.num_cached_tokens, st.retractions,
-                f", mixed steps {st.mixed_steps}" if self.args.enable_mixed_chunk else "")
+                f", mixed steps {st.mixed_steps}" if self.args.enable_mixed_chunk else "", steps)
         util = self.runner.expert_utilization_line(dt)  # also on ranks whose own group is idle
         if util:
             logger.info("%s", util)

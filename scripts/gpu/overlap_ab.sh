@@ -91,6 +91,7 @@ serving)
       --output-file "$OUT/serving_$cfg.json" 2>&1 | grep -E "throughput|ITL|TTFT|TPOT|Successful|Error|error" | head -14
     kill -INT $SERVER; wait $SERVER
     grep -E "overlap|captured|Error|Traceback" "$OUT/server_$cfg.log" | head -4
+    grep -E "steps:" "$OUT/server_$cfg.log" | sed -E 's/^.*INFO [a-z._]+: //' | tail -8
   done
   ;;
 esac
