@@ -85,6 +85,10 @@ serving)
       --cuda-graph-max-bs 128 --mem-fraction-static 0.8 $F > "$OUT/server_$cfg.log" 2>&1 &
     SERVER=$!
     for i in $(seq 1 150); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    if [ -n "${PYSPY:-}" ]; then  # where the server's processes spend the run (py-spy wheel in .whl)
+      (sleep 12; timeout 30 /tmp/site/bin/py-spy record --subprocesses --nonblocking -p $SERVER -d 12 -r 100 -f raw \
+        -o "$OUT/pyspy_$cfg.txt" >/dev/null 2>&1) &
+    fi
     timeout ${SERVE_S:-140} python3 -m moeserve.cli bench serving --port 30000 --dataset random \
       --random-input-len 512 --random-output-len 256 --random-range-ratio 0.5 --num-prompts ${PROMPTS:-192} \
       --request-rate inf --max-concurrency 64 --warmup-requests 8 --seed 1 --disable-tqdm \
