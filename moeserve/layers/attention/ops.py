@@ -20,10 +20,13 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.kv_pool import KVPool
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
+
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _sdpa
 
 
 class PieceSplitter(Protocol):
@@ -227,8 +230,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         B, Hkv, L = k.shape[:3]
         k = k[:, :, None].expand(B, Hkv, rep, L, k.shape[-1]).reshape(B, Hkv * rep, L, k.shape[-1])
         v = v[:, :, None].expand(B, Hkv, rep, L, v.shape[-1]).reshape(B, Hkv * rep, L, v.shape[-1])
-    # NOTE: no backend is forced. For MLA's q/k head 192 with v head 128 FLASH refuses and EFFICIENT runs; cuDNN
-    # first (3.7x EFFICIENT alone, shared/research/gpu-facts.md) gave no end-to-end gain at 4 x 2048 on an H200
-    # and its bf16 accuracy is not yet checked here (docs/BENCHMARKS.md, 2026-12-01, batched prefill attention).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=rep > 1 and q.is_cuda)
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # NOTE: never cuDNN. torch picks it first on an H200 for MLA's q/k head 192 with v head 128 (FLASH refuses
+    # unequal heads), and it builds an execution plan for every new shape: 59 ms of host time per new prompt length
+    # (scripts/gpu/sdpa_backends.py), which made a serving prefill step 95 ms instead of 20. EFFICIENT runs any
+    # length at once; MATH is the fallback for what neither fused kernel takes.
+    with sdpa_kernel(_CUDA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=rep > 1)
