@@ -141,6 +141,10 @@ class ServerArgs:
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
     tbo_token_threshold: int = _flag(64, "TBO only runs on steps with at least this many tokens.")
     ep_num_redundant_experts: int = _flag(0, "Extra physical expert slots for replicas of hot experts.")
+    enable_shared_experts_fusion: bool = _flag(
+        False, "Run the shared experts as routed experts that every token picks with weight 1, in the same grouped "
+        "GEMMs (one expert per moe_intermediate_size of the shared MLP): four fewer kernels a layer, and the shared "
+        "weights read by the grouped GEMM. One EP rank, no EPLB, unquantized weights.")
     init_expert_location: str = _flag(
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
@@ -266,6 +270,13 @@ class ServerArgs:
         if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:
             raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
                              "does not run with --enable-two-batch-overlap")
+        if self.enable_shared_experts_fusion:
+            if self.ep_size > 1 or self.enable_dp_attention:
+                raise ValueError("--enable-shared-experts-fusion runs with one EP rank (--ep-size 1, no DP attention): "
+                                 "the fused shared experts would have to be on every rank")
+            if self.enable_eplb or self.ep_num_redundant_experts:
+                raise ValueError("--enable-shared-experts-fusion runs without --enable-eplb and "
+                                 "--ep-num-redundant-experts: the placement covers the routed experts only")
         self._check_disaggregation()
         if self.enable_mixed_chunk and self.disaggregation_mode != "null":
             raise ValueError(f"--enable-mixed-chunk does nothing with --disaggregation-mode {self.disaggregation_mode}: "

@@ -50,11 +50,14 @@ def dispatch_options(args: ServerArgs) -> DispatchOptions:
 
 def model_options(args: ServerArgs, config: ModelConfig) -> ModelOptions:
     """The options of `config`'s model on this rank (the EP size comes from moeserve.parallel.state)."""
+    if args.enable_shared_experts_fusion and not config.num_shared_experts:
+        raise ValueError(f"--enable-shared-experts-fusion: {config.architecture} has no shared experts")
     moe = MoEOptions(dispatch=dispatch_options(args), runner_backend=args.moe_runner_backend,
                      num_redundant_experts=args.ep_num_redundant_experts,
                      placement=expert_location(config, args, get_parallel_state().ep_size),
                      two_batch_overlap=args.enable_two_batch_overlap,
-                     dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb)
+                     dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb,
+                     fuse_shared_experts=args.enable_shared_experts_fusion)
     return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
                         tbo_token_threshold=args.tbo_token_threshold)
 

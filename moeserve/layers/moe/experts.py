@@ -56,13 +56,14 @@ class Experts(nn.Module):
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
             assert layout.x_scale is None, "an FP8 layout reached experts that are not FP8"
-            record_local_tokens(layout.masked_m)  # expert utilization, accumulated on the device (ep/stats.py)
+            # expert utilization, accumulated on the device (ep/stats.py): the routed slots'
+            record_local_tokens(layout.masked_m[:self.num_local_experts])
             # Rows past masked_m[e] are unspecified and ignored by combine (the torch path computes them too).
             gemm = moe_gemm_masked if self.use_triton else moe_gemm_masked_reference
             h = gemm(layout.x, self.w13, layout.masked_m, silu=True)
             return gemm(h, self.w2, layout.masked_m)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
-        record_local_tokens(counts)
+        record_local_tokens(counts[:self.num_local_experts])
         if self.use_cpu_kernel:
             return cpu_experts.cpu_experts(layout.x, self.w13, self.w2, offs, counts)
         gemm = moe_gemm if self.use_triton else moe_gemm_reference
@@ -89,8 +90,21 @@ class Experts(nn.Module):
                              f"on {device}" + ("" if triton_importable() else " and Triton does not import"))
         self.use_triton = on_cuda and self.runner_backend in ("auto", "triton") and triton_importable()
         if on_cpu:
-            for w in (self.w13, self.w2):
-                w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
+            self._cpu_layout()
+
+    def _cpu_layout(self) -> None:
+        for w in (self.w13, self.w2):
+            w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def add_slots(self, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        """Append slots after the routed ones (the fused shared experts, MoE._fuse_shared_experts): w13
+        [n, 2I, H], w2 [n, H, I]. Returns the first new slot. num_local_experts still counts the routed slots."""
+        first = self.w13.shape[0]
+        self.w13.data = torch.cat((self.w13.data, w13.to(self.w13.dtype)))
+        self.w2.data = torch.cat((self.w2.data, w2.to(self.w2.dtype)))
+        if self.w13.device.type == "cpu":
+            self._cpu_layout()
+        return first
 
     def expert_keys(self, prefix: str, logical: int) -> tuple[str, str, str]:
         """Checkpoint keys of one expert's gate, up and down projections."""

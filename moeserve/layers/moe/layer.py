@@ -58,6 +58,7 @@ class MoEOptions:
     two_batch_overlap: bool = False  # --enable-two-batch-overlap: micro-batch B needs a dispatcher of its own
     dynamic_dispatch: bool = False  # --ep-dispatch-algorithm dynamic: each token picks a replica at random
     rebalance: bool = False  # --enable-eplb: the placement changes while serving (maps kept, updated in place)
+    fuse_shared_experts: bool = False  # --enable-shared-experts-fusion: shared experts run as always-picked slots
 
 
 class MoE(nn.Module):
@@ -91,6 +92,11 @@ class MoE(nn.Module):
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts else None
         )
+        # --enable-shared-experts-fusion: at load the shared MLP becomes num_shared_experts more local slots
+        # (`_fuse_shared_experts`), which `route` appends to every token's choice with weight 1
+        self.num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
+        self.shared_ids: torch.Tensor | None = None  # [num_shared] their local slots, once fused
+        self._ones: torch.Tensor | None = None  # [1, num_shared] float32 ones: their weights (expanded per token)
         # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
         # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
         self.attn_tp_size, self.attn_tp_rank, self.attn_tp_group = ps.attn_tp_size, ps.attn_tp_rank, ps.attn_tp_group
@@ -137,7 +143,7 @@ class MoE(nn.Module):
         experts, the weighted sum), no dispatcher. For few rows per expert (decode)."""
         topk_ids, topk_weights = self.route(x)
         y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
-        record_local_tokens(counts)
+        record_local_tokens(counts[:self.experts.num_local_experts])
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +156,10 @@ class MoE(nn.Module):
                                                                                           device=topk_ids.device))
         elif self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
+        if self.shared_ids is not None:  # the fused shared experts: every token's last picks, weight 1
+            T, n = topk_ids.shape[0], self.num_shared
+            topk_ids = torch.cat((topk_ids, self.shared_ids[None].expand(T, n)), dim=1)
+            topk_weights = torch.cat((topk_weights, self._ones.expand(T, n)), dim=1)
         return topk_ids, topk_weights
 
     def recorded_rows(self, num_tokens: int) -> int:
@@ -189,14 +199,33 @@ class MoE(nn.Module):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).to(device))
         options, num_physical, num_local, count = self._dispatch
+        if self.num_shared:
+            self._fuse_shared_experts(device)
+            num_physical, num_local = num_physical + self.num_shared, num_local + self.num_shared
         cfg = self.experts
         self.dispatchers = tuple(
             make_dispatcher(options, num_physical, num_local, dtype=cfg.activation_dtype, device=device,
-                            hidden_size=cfg.hidden_size, top_k=self.top_k,
+                            hidden_size=cfg.hidden_size, top_k=self.top_k + self.num_shared,
                             fp8_quantize=quantize_activations if cfg.takes_fp8 else None) for _ in range(count))
         # The experts' load hook ran first (the loader runs children before parents): use_cpu_kernel is decided.
         self.fused_cpu = (self.experts.use_cpu_kernel and isinstance(self.dispatchers[0], LocalDispatcher)
                           and not self.split_tokens)
+
+    def _fuse_shared_experts(self, device: torch.device) -> None:
+        """The shared MLP (intermediate num_shared * I) as num_shared experts of intermediate I after this rank's
+        routed slots: sum_j down_j (silu(gate_j x) * up_j x) over its column blocks j is the MLP, exactly."""
+        shared, n = self.shared_experts, self.num_shared
+        if type(shared) is not GatedMLP or type(self.experts) is not Experts:
+            raise ValueError("--enable-shared-experts-fusion takes unquantized expert weights; this checkpoint's "
+                             "are quantized (run without the flag)")
+        inter, H = self.experts.intermediate_size, self.experts.hidden_size
+        gate, up = shared.gate_up_proj.data.view(2, n, inter, H).unbind(0)
+        w13 = torch.cat((gate, up), dim=1)  # [n, 2I, H]: [gate_j; up_j] as the routed experts hold them
+        w2 = shared.down_proj.data.view(H, n, inter).transpose(0, 1)  # [n, H, I]
+        first = self.experts.add_slots(w13, w2)
+        self.shared_ids = torch.arange(first, first + n, device=device)
+        self._ones = torch.ones(1, n, device=device)
+        self.shared_experts = None
 
     def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the attention group's tokens (all of them without the split)."""

@@ -1,0 +1,86 @@
+"""--enable-shared-experts-fusion: the shared MLP runs as always-picked expert slots in the routed experts' kernels.
+
+Same greedy tokens and logprobs as the unfused model on DeepSeek-V2 and V3 checkpoints (two shared experts in V2's
+tiny config, one in V3's), through the CPU experts kernel and the grouped GEMM; the layers really hold the extra
+slots and no shared MLP; the flag is refused where it would do nothing or cannot run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.args import ServerArgs
+from moeserve.rank.sampling_params import SamplingParams
+from tests.rank.inprocess import InProcessEngine
+from tests.rank.test_generation import _prompts
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(("name", "backend"), [("v2_lite", "auto"), ("v3_groups", "auto"),
+                                               ("v3_groups", "grouped_gemm")])
+def test_fused_equals_unfused(tiny_checkpoint, name, backend):
+    path = tiny_checkpoint(name)
+    prompts = _prompts(5, [3, 17, 40, 9])
+    runs = {}
+    for fused in (False, True):
+        eng = InProcessEngine(model_path=path, dtype="float32", device="cpu", moe_runner_backend=backend,
+                              enable_shared_experts_fusion=fused)
+        runs[fused] = eng.run(prompts, GREEDY, return_logprob=True)
+        moes = eng.runner.model.moe_layers()
+        n = eng.runner.config.num_shared_experts
+        assert n > 0
+        for m in moes:
+            assert (m.shared_experts is None) == fused
+            assert m.experts.w13.shape[0] == m.experts.num_local_experts + (n if fused else 0)
+    assert [r["output_ids"] for r in runs[True]] == [r["output_ids"] for r in runs[False]]
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_fused_slots_hold_the_shared_mlp(tiny_checkpoint):
+    """The extra slots' experts, summed, are the shared MLP on fresh random inputs."""
+    path = tiny_checkpoint("v2_lite")
+    plain = InProcessEngine(model_path=path, dtype="float32", device="cpu")
+    fused = InProcessEngine(model_path=path, dtype="float32", device="cpu", enable_shared_experts_fusion=True)
+    mp, mf = plain.runner.model.moe_layers()[0], fused.runner.model.moe_layers()[0]
+    x = torch.randn(7, mp.experts.hidden_size, generator=torch.Generator().manual_seed(3))
+    w13, w2 = mf.experts.w13, mf.experts.w2
+    total = torch.zeros_like(x)
+    for slot in mf.shared_ids.tolist():
+        g, u = (x @ w13[slot].T).chunk(2, dim=-1)
+        total += (torch.nn.functional.silu(g) * u) @ w2[slot].T
+    torch.testing.assert_close(total, mp.shared_experts(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(tp_size=2, ep_size=2), "one EP rank"),
+    (dict(enable_eplb=True, expert_distribution_recorder_mode="stat"), "without --enable-eplb"),
+    (dict(ep_num_redundant_experts=2), "without --enable-eplb"),
+])
+def test_refused_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path="x", enable_shared_experts_fusion=True, **kwargs)
+
+
+def test_refused_models(tiny_checkpoint):
+    with pytest.raises(ValueError, match="has no shared experts"):
+        InProcessEngine(model_path=tiny_checkpoint("mixtral"), device="cpu", enable_shared_experts_fusion=True)
+    with pytest.raises(ValueError, match="unquantized expert weights"):
+        InProcessEngine(model_path=tiny_checkpoint("v3_groups"), device="cpu", dtype="float32", quantization="fp8",
+                        enable_shared_experts_fusion=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_equals_unfused_on_cuda(tiny_checkpoint):
+    """The Triton grouped GEMMs, routing and combine with the fused slots, under decode and piecewise graphs."""
+    path = tiny_checkpoint("v2_lite")
+    prompts = _prompts(6, [5, 33, 12, 70])
+    runs = [InProcessEngine(model_path=path, dtype="float32", device="cuda", max_total_tokens=4096,
+                            cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=256,
+                            enable_shared_experts_fusion=fused).run(prompts, GREEDY, return_logprob=True)
+            for fused in (False, True)]
+    assert [r["output_ids"] for r in runs[1]] == [r["output_ids"] for r in runs[0]]
+    for a, b in zip(runs[1], runs[0], strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
