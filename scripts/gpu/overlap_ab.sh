@@ -9,6 +9,7 @@
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap)
 #              a failure stops the run
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
+#   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
 #              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens; nopcg,
 #              mixednopcg: on and mixed with --disable-piecewise-cuda-graph)
@@ -45,6 +46,18 @@ prefill)
         --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 8 $flag \
         --result-file "$OUT/prefill${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error|piecewise"
     done
+  done
+  ;;
+fusion)
+  for flag in "" "--enable-shared-experts-fusion"; do
+    echo "== V2-Lite one-batch ${flag:-unfused} $(date -u +%T)"
+    timeout 110 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 256 \
+      --repeat 3 --input-len 128 --output-len 64 --batch-size 1 64 256 $flag \
+      --result-file "$OUT/fusion_decode${flag:+_on}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+    timeout 80 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 \
+      --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
+      --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 $flag \
+      --result-file "$OUT/fusion_prefill${flag:+_on}.jsonl" 2>&1 | grep -E "^batch|Error|error"
   done
   ;;
 onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree overlap off; this tree overlap on
