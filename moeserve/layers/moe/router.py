@@ -7,7 +7,8 @@ Variants (DeepSeek names):
 - noaux_tc:              sigmoid scores plus a per-expert correction bias choose: groups ranked by the sum of
                          their best two biased scores, top-k among the kept groups; the weights are the unbiased
                          scores (DeepSeek-V3)
-Then optionally renormalize the k weights to sum to 1, and multiply by routed_scaling_factor.
+Then optionally renormalize the k weights to sum to 1, and multiply by routed_scaling_factor. The selection is
+moeserve/kernels/moe_select.py: one Triton kernel on CUDA, its torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.moe_select import select_experts
 from moeserve.layers.weights import WeightSpec
 
 
@@ -49,49 +51,3 @@ class TopKRouter(nn.Module):
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         for name, p in self.named_parameters(recurse=False):
             yield WeightSpec(f"{prefix}.{name}", tuple(p.shape), f"{prefix}.{name}")
-
-
-def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    correction_bias: torch.Tensor | None = None,
-    renormalize: bool = False,
-    routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] float32 -> (topk_ids [T, k] int64 logical ids, topk_weights [T, k] float32)."""
-    T, E = router_logits.shape
-    logits = router_logits.float()
-    if scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif scoring_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"unknown scoring_func {scoring_func!r}")
-    # The bias only chooses experts; the weights come from the unbiased scores.
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-
-    if topk_method in ("group_limited_greedy", "noaux_tc") and n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)
-        if topk_method == "noaux_tc":
-            group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
-        else:
-            group_scores = grouped.amax(dim=-1)
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-    elif topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ValueError(f"unknown topk_method {topk_method!r}")
-
-    topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
-    topk_weights = scores.gather(1, topk_ids)
-    if renormalize:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * routed_scaling_factor
-    return topk_ids, topk_weights
