@@ -4,6 +4,9 @@
                    correction_bias [E] | None, renormalize, routed_scaling_factor)
         -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)
 
+append=(first, n): n more columns, ids first .. first + n - 1 with weight 1 (the fused shared experts of
+--enable-shared-experts-fusion, as slots after the routed ones): [T, k + n].
+
 The variants are moeserve/layers/moe/router.py's (DeepSeek's names). `select_experts_reference` is the torch
 sequence (softmax or sigmoid, add, grouped top-2 sums, top-k of the groups, scatter, mask, top-k, gather, sums):
 5 kernels for a plain top-k of softmax scores, 15 for DeepSeek-V3's grouped gate. On CUDA the Triton kernel
@@ -31,11 +34,12 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     renormalize: bool = False,
     routed_scaling_factor: float = 1.0,
+    append: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Module docstring. Triton on CUDA, the reference elsewhere."""
     kwargs = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group, topk_group=topk_group,
                   correction_bias=correction_bias, renormalize=renormalize,
-                  routed_scaling_factor=routed_scaling_factor)
+                  routed_scaling_factor=routed_scaling_factor, append=append)
     E = router_logits.shape[-1]
     if (use_triton(router_logits) and router_logits.shape[0] > 0 and E <= MAX_EXPERTS
             and not torch.compiler.is_compiling()):
@@ -56,6 +60,7 @@ def select_experts_reference(
     correction_bias: torch.Tensor | None = None,
     renormalize: bool = False,
     routed_scaling_factor: float = 1.0,
+    append: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] float32 -> (topk_ids [T, k] int64 logical ids, topk_weights [T, k] float32); the k
     ids in no particular order."""
@@ -89,4 +94,8 @@ def select_experts_reference(
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
+    if append is not None:
+        first, n = append
+        topk_ids = torch.cat((topk_ids, torch.arange(first, first + n, device=topk_ids.device).expand(T, n)), dim=1)
+        topk_weights = torch.cat((topk_weights, topk_weights.new_ones(T, n)), dim=1)
     return topk_ids, topk_weights

@@ -6,7 +6,8 @@
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
-#   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap)
+#   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
+#              of the expert-selection kernel and of shared-experts fusion
 #              a failure stops the run
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
@@ -33,7 +34,8 @@ tests)
 pcgtests)
   echo "== piecewise tests $(date -u +%T)"
   timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
-    tests/rank/test_cuda_graph.py tests/rank/test_overlap.py 2>&1 \
+    tests/rank/test_cuda_graph.py tests/rank/test_overlap.py tests/kernels/test_moe_select.py \
+    tests/models/test_shared_experts_fusion.py 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
   ;;

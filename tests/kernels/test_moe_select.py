@@ -47,6 +47,27 @@ def test_select_matches_reference(name, T, device):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["V3 noaux_tc", "top-1 of 7"])
+def test_appended_columns(name, device):
+    """append=(first, n): the fused shared experts after the top k, weight 1, in both."""
+    from moeserve.kernels.triton_ops.moe_select import select_experts
+
+    v = dict(VARIANTS[name])
+    E, k, with_bias = v.pop("E"), v.pop("k"), v.pop("bias", False)
+    gen = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(4, E, generator=gen)
+    bias = torch.randn(E, generator=gen) if with_bias else None
+    ref_ids, ref_w = select_experts_reference(logits, k, correction_bias=bias, append=(E, 2), **v)
+    ids, w = select_experts(logits.to(device), k, correction_bias=None if bias is None else bias.to(device),
+                            append=(E, 2), **v)
+    ids, w = ids.cpu(), w.cpu()
+    assert ids.shape == (4, k + 2) and torch.equal(ids[:, k:], torch.tensor([[E, E + 1]] * 4))
+    assert torch.equal(w[:, k:], torch.ones(4, 2)) and torch.equal(ref_w[:, k:], torch.ones(4, 2))
+    got, ref = _sorted(ids[:, :k], w[:, :k]), _sorted(ref_ids[:, :k], ref_w[:, :k])
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1])
+
+
 def test_strided_logits(device):
     """A column slice of a wider logits buffer (what a fused gate projection could hand over)."""
     from moeserve.kernels.triton_ops.moe_select import select_experts

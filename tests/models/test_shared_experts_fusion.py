@@ -39,6 +39,22 @@ def test_fused_equals_unfused(tiny_checkpoint, name, backend):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
 
 
+def test_concatenated_shared_slots(tiny_checkpoint):
+    """Where a slot map sits between the gate and the dispatch (a placement file), the layer appends the shared
+    slots itself: the same tokens as the gate appending them."""
+    path = tiny_checkpoint("v3_groups")
+    prompts = _prompts(8, [4, 21])
+    out = []
+    for gate_appends in (True, False):
+        eng = InProcessEngine(model_path=path, dtype="float32", device="cpu", enable_shared_experts_fusion=True)
+        for m in eng.runner.model.moe_layers():
+            assert m._gate_appends and m.gate.append is not None
+            if not gate_appends:
+                m.gate.append, m._gate_appends = None, False
+        out.append([r["output_ids"] for r in eng.run(prompts, GREEDY)])
+    assert out[0] == out[1]
+
+
 def test_fused_slots_hold_the_shared_mlp(tiny_checkpoint):
     """The extra slots' experts, summed, are the shared MLP on fresh random inputs."""
     path = tiny_checkpoint("v2_lite")

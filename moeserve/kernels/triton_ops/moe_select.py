@@ -1,7 +1,8 @@
 """Triton `select_experts` (moeserve/kernels/moe_select.py): one program per token holds its E router logits as a
 [groups, experts per group] block (one group without group limits) and does the whole selection in registers:
 scores, bias, the groups' scores (best, or best two summed), the top groups by repeated argmax, then the top k
-experts likewise (the lowest id among equal scores), their unbiased scores as weights, renormalized and scaled."""
+experts likewise (the lowest id among equal scores), their unbiased scores as weights, renormalized and scaled;
+then the appended columns (fused shared experts), weight 1."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 
 @triton.jit
-def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, scale,
+def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, scale, append_first,
                    G: tl.constexpr, EG: tl.constexpr, G_P2: tl.constexpr, EG_P2: tl.constexpr,
                    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
+                   N_APPEND: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_P2)[:, None]
     j = tl.arange(0, EG_P2)[None, :]
@@ -59,8 +61,12 @@ def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_l, scale,
     if RENORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     weights = weights * scale
-    tl.store(ids_ptr + t * TOPK + slot, ids, mask=slot < TOPK)
-    tl.store(w_ptr + t * TOPK + slot, weights, mask=slot < TOPK)
+    row = t * (TOPK + N_APPEND)
+    tl.store(ids_ptr + row + slot, ids, mask=slot < TOPK)
+    tl.store(w_ptr + row + slot, weights, mask=slot < TOPK)
+    for i in tl.static_range(N_APPEND):
+        tl.store(ids_ptr + row + TOPK + i, (append_first + i).to(tl.int64))
+        tl.store(w_ptr + row + TOPK + i, 1.0)
 
 
 _SELECT = DirectLauncher(_select_kernel)
@@ -69,7 +75,8 @@ _SELECT = DirectLauncher(_select_kernel)
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
                    topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    correction_bias: torch.Tensor | None = None, renormalize: bool = False,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0,
+                   append: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature as moeserve.kernels.moe_select.select_experts_reference."""
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"unknown scoring_func {scoring_func!r}")
@@ -82,12 +89,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     logits = router_logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    first, n = append if append is not None else (0, 0)
+    ids = torch.empty(T, top_k + n, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k + n, dtype=torch.float32, device=logits.device)
     bias = correction_bias.float() if correction_bias is not None else logits  # (unread without a bias)
-    _SELECT((T,), logits, bias, ids, weights, logits.stride(0), float(routed_scaling_factor),
+    _SELECT((T,), logits, bias, ids, weights, logits.stride(0), float(routed_scaling_factor), first,
             G=G, EG=EG, G_P2=triton.next_power_of_2(G), EG_P2=triton.next_power_of_2(EG), TOPK=top_k,
             TOPK_P2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group if grouped else 1,
             SIGMOID=scoring_func == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
-            TOP2=topk_method == "noaux_tc" and EG >= 2, RENORM=renormalize, num_warps=2)
+            TOP2=topk_method == "noaux_tc" and EG >= 2, RENORM=renormalize, N_APPEND=n, num_warps=2)
     return ids, weights

@@ -97,6 +97,7 @@ class MoE(nn.Module):
         self.num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
         self.shared_ids: torch.Tensor | None = None  # [num_shared] their local slots, once fused
         self._ones: torch.Tensor | None = None  # [1, num_shared] float32 ones: their weights (expanded per token)
+        self._gate_appends = False  # the gate writes them itself (no slot mapping between): no concatenation
         # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
         # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
         self.attn_tp_size, self.attn_tp_rank, self.attn_tp_group = ps.attn_tp_size, ps.attn_tp_rank, ps.attn_tp_group
@@ -148,15 +149,15 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate -> (recorder) -> physical slots: (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        topk_ids, topk_weights = self.gate(x)
-        if self.recorder is not None:
-            self.recorder.on_select_experts(self.layer_id, topk_ids)  # logical ids: the load EPLB plans from
+        topk_ids, topk_weights = self.gate(x)  # [T, k], or [T, k + num_shared] where the gate appends them
+        if self.recorder is not None:  # logical ids: the load EPLB plans from
+            self.recorder.on_select_experts(self.layer_id, topk_ids[:, :self.top_k])
         if self.replicas is not None:  # dynamic: each token to one of the expert's replicas, at random
             topk_ids = pick_replicas(topk_ids, self.replicas, self.num_replicas, torch.rand(topk_ids.shape,
                                                                                           device=topk_ids.device))
         elif self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
-        if self.shared_ids is not None:  # the fused shared experts: every token's last picks, weight 1
+        if self.shared_ids is not None and not self._gate_appends:  # the fused shared experts, weight 1
             T, n = topk_ids.shape[0], self.num_shared
             topk_ids = torch.cat((topk_ids, self.shared_ids[None].expand(T, n)), dim=1)
             topk_weights = torch.cat((topk_weights, self._ones.expand(T, n)), dim=1)
@@ -226,6 +227,8 @@ class MoE(nn.Module):
         self.shared_ids = torch.arange(first, first + n, device=device)
         self._ones = torch.ones(1, n, device=device)
         self.shared_experts = None
+        if self.dispatch_table is None and self.replicas is None and hasattr(self.gate, "append"):
+            self.gate.append, self._gate_appends = (first, n), True
 
     def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the attention group's tokens (all of them without the split)."""

@@ -43,10 +43,12 @@ class TopKRouter(nn.Module):
         self.variant = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group,
                             topk_group=topk_group, renormalize=renormalize,
                             routed_scaling_factor=routed_scaling_factor)
+        self.append: tuple[int, int] | None = None  # (first slot, n): fused shared experts after the top k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E] router logits in float32
-        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias, **self.variant)
+        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias, append=self.append,
+                              **self.variant)
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         for name, p in self.named_parameters(recurse=False):
