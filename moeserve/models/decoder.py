@@ -4,6 +4,9 @@
     for each layer:  h = h + attn(norm1(h));  h = h + ffn(norm2(h))      (ffn: dense MLP or MoE)
     logits = lm_head(norm(h))[rows that need logits]
 
+Each residual add is left to the norm after it, which fuses it into its pass (the Triton RMSNorm on CUDA): a layer
+returns its FFN output and the residual apart, and the last one's are added once.
+
 A model file (deepseek.py, qwen3_moe.py, mixtral.py) subclasses CausalLM and says what differs: its attention
 (`attention_class`), its MoE gate (`make_gate`) and the checkpoint names of its MoE block and experts.
 Module names follow the Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj, ...), so most checkpoint
@@ -49,30 +52,40 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata, batch: ForwardBatch) -> torch.Tensor:
-        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), meta), residual=h)
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, batch: ForwardBatch,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, residual): the layer's output is out + residual, the add left to the next norm (fused into its
+        pass). residual None: h is the whole input (the first layer)."""
+        x, residual = self._attention(h, residual, meta)
         ffn = getattr(self, self.ffn_name)
-        return h + (ffn(x, batch) if self.is_moe else ffn(x))
+        return (ffn(x, batch) if self.is_moe else ffn(x)), residual
+
+    def _attention(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(h + residual) -> attention -> (the FFN's input, the residual after attention's add)."""
+        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
+        return self.post_attention_layernorm(self.self_attn(x, meta), residual=residual)
 
     def stages(self, mb: MicroBatchState, index: int) -> Generator[None, None, None]:
-        """forward as stages for two-batch overlap (moeserve/models/tbo.py): updates mb.h and yields while a
-        dispatch or combine is in flight. `index` (0 = A, 1 = B) picks the MoE layer's dispatcher.
+        """forward as stages for two-batch overlap (moeserve/models/tbo.py): updates mb.h and mb.residual (as
+        forward returns them) and yields while a dispatch or combine is in flight. `index` (0 = A, 1 = B) picks the
+        MoE layer's dispatcher.
 
             attention -> [dense MLP]                      (a dense layer: no yield)
             attention -> MoE.dispatch            | yield   (dispatch in flight)
             MoE.compute                          | yield   (combine in flight)
-            MoE.combine -> residual
+            MoE.combine
         """
-        x, h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(mb.h), mb.meta), residual=mb.h)
+        x, residual = self._attention(mb.h, mb.residual, mb.meta)
         ffn = getattr(self, self.ffn_name)
         if not self.is_moe:
-            mb.h = h + ffn(x)
+            mb.h, mb.residual = ffn(x), residual
             return
         ffn.dispatch(x, mb.batch, index)
         yield
         ffn.compute(index)
         yield
-        mb.h = h + ffn.combine(x, index)
+        mb.h, mb.residual = ffn.combine(x, index), residual
 
 
 class DecoderModel(nn.Module):
@@ -134,9 +147,10 @@ class CausalLM(nn.Module):
             return run_two_batch_overlap(self.model.layers, batch, h, rope)
         meta = AttentionMetadata.build(batch, rope)
         meta.pieces = pieces
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, meta, batch)
-        return h
+            h, residual = layer(h, meta, batch, residual)
+        return h + residual
 
     def compute_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows of h [T, H] that need them: the final norm, then the LM head."""

@@ -38,7 +38,8 @@ class MicroBatchState:
 
     batch: ForwardBatch
     meta: AttentionMetadata
-    h: torch.Tensor
+    h: torch.Tensor  # the last layer's output is h + residual (DecoderLayer.forward)
+    residual: torch.Tensor | None = None
 
 
 def execute_overlapped(programs: list[Generator[None, None, None]]) -> None:
@@ -69,4 +70,4 @@ def run_two_batch_overlap(layers: Iterable[Any], batch: ForwardBatch, h: torch.T
         states.append(MicroBatchState(part, AttentionMetadata.build(part, rope[rows]), h[rows]))
     layers = list(layers)
     execute_overlapped([_program(layers, st, i) for i, st in enumerate(states)])
-    return merge_rows(batch, states[0].h, states[1].h)
+    return merge_rows(batch, *(st.h + st.residual for st in states))
