@@ -85,7 +85,7 @@ def _time_graph(disp, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     """Mean seconds of one replay of the captured low-latency step, or why it could not be captured."""
     def step():
         disp.dispatch_a(x, topk_ids, topk_weights, batch)
-        disp.combine_a(disp.dispatch_b().x)
+        disp.combine_a(disp.dispatch_b().rows())
         return disp.combine_b()
 
     try:
@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> N
                 dist.barrier()
                 _sync(device)
                 t2 = time.perf_counter()
-                disp.combine_a(layout.x)  # identity experts
+                disp.combine_a(layout.rows())  # identity experts
                 disp.combine_b()
                 _sync(device)
                 t3 = time.perf_counter()

@@ -1,7 +1,7 @@
 """LocalDispatcher: the single-rank case, every expert is local and nothing moves between ranks.
 
 dispatch groups the (token, expert) pairs by expert into a ContiguousLayout (moeserve/kernels/moe_route.py: one
-counting pass, no sort, on CUDA); combine gathers each pair's expert output back and sums a token's k outputs
+counting pass, no sort, on CUDA) that names each row's token instead of copying it; combine gathers each pair's expert output back and sums a token's k outputs
 weighted by its top-k weights (applied here, exactly once; moeserve/kernels/moe_combine.py).
 """
 
@@ -48,12 +48,9 @@ class LocalDispatcher(Dispatcher):
         # counts, offsets and each pair's row in one routing pass (Triton on CUDA: no sort; torch elsewhere)
         plan = moe_route(ids, self.num_experts, self.align)
         self._rows = plan.dest.view(T, k)
-        src = plan.src.long()
-        if self.align == 1:  # no padding: every layout row holds a pair
-            layout_x = x.index_select(0, src // k)
-        else:  # padding rows (src -1) zero
-            layout_x = x.index_select(0, src.clamp(min=0) // k).masked_fill_((src < 0)[:, None], 0)
-        return ContiguousLayout(x=layout_x, expert_offsets=plan.offsets, num_tokens_per_expert=plan.counts)
+        # the rows stay named, not copied: the first grouped GEMM reads them from x (align 1: no padding rows)
+        return ContiguousLayout(x=x, expert_offsets=plan.offsets, num_tokens_per_expert=plan.counts, pairs=plan.src,
+                                top_k=k, padded=self.align > 1)
 
     def combine_a(self, expert_out: torch.Tensor) -> None:
         self._out = expert_out

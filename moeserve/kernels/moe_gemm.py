@@ -5,6 +5,9 @@
     moe_gemm_masked(x [E, C, K], w [E, N, K], masked_m [E] int32, silu) -> [E, C, N']
         masked layout: the first masked_m[e] rows of x[e] get x[e] @ w[e]^T
     silu=False: N' = N.  silu=True: w holds [gate; up] (N = 2I) and the result is silu(x Wg^T) * (x Wu^T), N' = I.
+    pairs [M] int32, top_k: the contiguous layout's rows are not in x but named: row r is x[pairs[r] // top_k]
+        (-1: a padding row, zeros); the Triton kernel reads them from x where it loads its tiles
+        (core/layouts.py ContiguousLayout).
 
 Rows outside the counted ones hold unspecified values (the combine never reads them). The Triton kernel
 (triton_ops/moe_gemm.py) runs for CUDA tensors; the references (torch's grouped GEMM / bmm) everywhere else.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.core.layouts import gather_rows
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.kernels.moe_config import get_config
@@ -28,7 +32,10 @@ def gemm_op(silu: bool) -> str:
 
 
 def moe_gemm_reference(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
-                       num_tokens_per_expert: torch.Tensor, silu: bool = False) -> torch.Tensor:
+                       num_tokens_per_expert: torch.Tensor, silu: bool = False, pairs: torch.Tensor | None = None,
+                       top_k: int = 1) -> torch.Tensor:
+    if pairs is not None:
+        x = gather_rows(x, pairs, top_k)
     y = grouped_gemm(x, w, expert_offsets, num_tokens_per_expert)
     return silu_and_mul(y) if silu else y
 
@@ -44,17 +51,19 @@ def _triton_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-             silu: bool = False) -> torch.Tensor:
+             silu: bool = False, pairs: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
     """Contiguous layout (module docstring). Triton on CUDA, the reference elsewhere, and torch's grouped GEMM
     where the tuned table says it was faster at this size (bf16 only: {"backend": "torch"})."""
     if _triton_ok(x, w) and not torch.compiler.is_compiling():
         E, n_w, K = w.shape
-        cfg = get_config(gemm_op(silu), x.shape[0], E, n_w // 2 if silu else n_w, K, w.dtype, w.device)
+        rows = x.shape[0] if pairs is None else pairs.shape[0]
+        cfg = get_config(gemm_op(silu), rows, E, n_w // 2 if silu else n_w, K, w.dtype, w.device)
         if cfg.get("backend") != "torch" or x.dtype != torch.bfloat16:
             from moeserve.kernels.triton_ops import moe_gemm as triton_ops
 
-            return triton_ops.moe_gemm(x.contiguous(), w, expert_offsets, num_tokens_per_expert, silu, cfg)
-    return moe_gemm_reference(x, w, expert_offsets, num_tokens_per_expert, silu)
+            return triton_ops.moe_gemm(x.contiguous(), w, expert_offsets, num_tokens_per_expert, silu, cfg,
+                                       pairs=pairs, top_k=top_k)
+    return moe_gemm_reference(x, w, expert_offsets, num_tokens_per_expert, silu, pairs, top_k)
 
 
 def moe_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor, silu: bool = False) -> torch.Tensor:

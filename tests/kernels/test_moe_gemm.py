@@ -42,6 +42,33 @@ def test_contiguous_matches_reference(dtype, silu, counts, align, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("align", [1, 8])
+def test_contiguous_gathers_named_rows(dtype, align, device):
+    """pairs (moe_route's src): the kernel reads each row from the tokens; the same as on the gathered copy."""
+    from moeserve.kernels.moe_route import moe_route_reference
+    from moeserve.kernels.triton_ops.moe_gemm import moe_gemm
+
+    gen = torch.Generator().manual_seed(11 + align)
+    T, k, E, K, N = 13, 3, 5, 40, 2 * 24
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    ids[2] = 4  # one expert takes many pairs, one none
+    ids[ids == 1] = 0
+    plan = moe_route_reference(ids, E, align)
+    tokens = torch.randn(T, K, generator=gen).to(dtype)
+    w = (torch.randn(E, N, K, generator=gen) * K**-0.5).to(dtype)
+    ref = moe_gemm_reference(tokens.float(), w.float(), plan.offsets, plan.counts, True, pairs=plan.src, top_k=k)
+    got = moe_gemm(tokens.to(device), w.to(device), plan.offsets.to(device), plan.counts.to(device), silu=True,
+                   config=SMALL, pairs=plan.src.to(device), top_k=k).cpu()
+    assert got.shape == ref.shape == (plan.num_rows, N // 2)
+    _check_rows(got, ref, plan.counts.tolist(), plan.offsets, dtype)
+    # and the reference's gather is the copy the layout used to hold
+    src = plan.src.long()
+    rows = tokens.float().index_select(0, src.clamp(min=0) // k).masked_fill_((src < 0)[:, None], 0)
+    copied = moe_gemm_reference(rows, w.float(), plan.offsets, plan.counts, True)
+    _check_rows(ref, copied, plan.counts.tolist(), plan.offsets, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("silu", [False, True])
 def test_masked_matches_reference(dtype, silu, device):
     from moeserve.kernels.triton_ops.moe_gemm import moe_gemm_masked

@@ -6,6 +6,8 @@ the grid is the static bound cdiv(M, BLOCK_M) + min(E, M), extra programs return
 tile m % tiles of expert m // tiles, tiles past masked_m[e] return at once.
 With SILU, w is [gate; up] ([E, 2I, K]): the program accumulates the gate and up columns n and I + n together and
 writes silu(gate) * up, so the [M, 2I] intermediate never reaches memory. fp32 accumulation; output in x's dtype.
+GATHER (contiguous): the rows are named by `pairs` (row r is x[pairs[r] // TOPK], -1 zeros) and loaded from the
+tokens where the tiles are read, as vLLM's and SGLang's fused MoE kernels do: no [M, K] copy of the rows.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from moeserve.kernels.triton_ops.tile_order import expert_tile
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, N, K, cap, tiles_per_expert,
                      stride_am, stride_we, stride_wn, stride_om,
                      E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -36,13 +38,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, cap, t
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (start + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
+    if GATHER:
+        pair = tl.load(pairs_ptr + start + rows, mask=row_ok, other=-1)
+        a_ok = row_ok & (pair >= 0)
+        a_rows = tl.where(a_ok, pair // TOPK, 0).to(tl.int64)
+    else:
+        a_ok = row_ok
+        a_rows = (start + rows).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
     b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = ks < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter gets bf16 dots wrong (3.9): the CPU tests multiply in fp32
             a = a.to(tl.float32)
@@ -65,7 +74,8 @@ _MOE_GEMM = DirectLauncher(_moe_gemm_kernel)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, counts: torch.Tensor, out: torch.Tensor,
-            *, masked: bool, silu: bool, cap: int, rows: int, config: dict | None) -> None:
+            *, masked: bool, silu: bool, cap: int, rows: int, config: dict | None,
+            pairs: torch.Tensor | None = None, top_k: int = 1) -> None:
     E, n_w, K = w.shape
     N = n_w // 2 if silu else n_w
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and a.shape[-1] == K, (a.shape, a.stride(), w.shape)
@@ -84,20 +94,23 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
     _MOE_GEMM((grid_m, triton.cdiv(N, bn)),
-        a, w, out, counts if starts is None else starts, counts, N, K, cap, tiles,
-        a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
+        a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs, N, K, cap,
+        tiles, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
         E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
+        GATHER=pairs is not None, TOPK=top_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-             silu: bool = False, config: dict | None = None) -> torch.Tensor:
+             silu: bool = False, config: dict | None = None, pairs: torch.Tensor | None = None,
+             top_k: int = 1) -> torch.Tensor:
     """Same signature as moeserve.kernels.moe_gemm.moe_gemm_reference (config: a launch configuration that
     overrides the table; the tuner passes it)."""
     N = w.shape[1] // 2 if silu else w.shape[1]
-    out = x.new_empty(x.shape[0], N)
-    _launch(x, w, expert_offsets, num_tokens_per_expert, out, masked=False, silu=silu, cap=0, rows=x.shape[0],
-            config=config)
+    rows = x.shape[0] if pairs is None else pairs.shape[0]
+    out = x.new_empty(rows, N)
+    _launch(x, w, expert_offsets, num_tokens_per_expert, out, masked=False, silu=silu, cap=0, rows=rows,
+            config=config, pairs=pairs, top_k=top_k)
     return out
 
 

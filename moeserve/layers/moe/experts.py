@@ -65,9 +65,10 @@ class Experts(nn.Module):
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts[:self.num_local_experts])
         if self.use_cpu_kernel:
-            return cpu_experts.cpu_experts(layout.x, self.w13, self.w2, offs, counts)
+            return cpu_experts.cpu_experts(layout.rows(), self.w13, self.w2, offs, counts)
         gemm = moe_gemm if self.use_triton else moe_gemm_reference
-        h = gemm(layout.x, self.w13, offs, counts, silu=True)  # SiLU-and-mul fused in the Triton kernel
+        # SiLU-and-mul fused in the Triton kernel, which also gathers the layout's rows from the tokens
+        h = gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k)
         return gemm(h, self.w2, offs, counts)
 
     def process_weights_after_loading(self, device: torch.device) -> None:

@@ -71,7 +71,7 @@ class Fp8Experts(Experts):
             return fp8_grouped_gemm_masked(*quantize_activations(h), self.w2, self.w2_scale_inv, layout.masked_m, dt)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
-        xq, xs = quantize_activations(layout.x)
+        xq, xs = quantize_activations(layout.rows())
         h = silu_and_mul(fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt))
         return fp8_grouped_gemm(*quantize_activations(h), self.w2, self.w2_scale_inv, offs, counts, dt)
 
@@ -86,7 +86,7 @@ class Fp8Experts(Experts):
             return torch.bmm(fake_quantize_activations(h), w2.transpose(1, 2))
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
-        h = silu_and_mul(grouped_gemm(fake_quantize_activations(layout.x), w13, offs, counts))
+        h = silu_and_mul(grouped_gemm(fake_quantize_activations(layout.rows()), w13, offs, counts))
         return grouped_gemm(fake_quantize_activations(h), w2, offs, counts)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
