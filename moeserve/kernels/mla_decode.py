@@ -2,6 +2,7 @@
 query heads), for GPUs: split over the KV length, read through the per-request slot table.
 
     mla_decode(q [B, h, D], cache [N, D], slots [B, L] int64, seq_lens [B], v_dim, scale) -> [B, h, v_dim]
+    mla_decode(q [B, h, v_dim], ..., q_rope=[B, h, D - v_dim]): the query's two parts apart (no concatenation)
 
 Request b attends over cache rows slots[b, :seq_lens[b]] (K = the whole row [c_kv | k_rope], V = its first v_dim
 columns, c_kv); the softmax is taken in fp32 and the result is in q's dtype. slots is the scheduler's padded
@@ -23,7 +24,9 @@ from moeserve.kernels.triton_available import use_triton
 
 
 def mla_decode_reference(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                         v_dim: int, scale: float) -> torch.Tensor:
+                         v_dim: int, scale: float, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    if q_rope is not None:
+        q = torch.cat((q, q_rope), dim=-1)
     B, L = slots.shape
     rows = cache.index_select(0, slots.reshape(-1)).view(B, L, -1).to(q.dtype)  # [B, L, D]
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least (fp64 stays fp64: the tests' reference)
@@ -35,10 +38,10 @@ def mla_decode_reference(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tens
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, v_dim: int,
-               scale: float) -> torch.Tensor:
+               scale: float, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Module docstring. Triton on CUDA, the reference elsewhere (and under torch.compile)."""
     if use_triton(q) and not torch.compiler.is_compiling():
         from moeserve.kernels.triton_ops.mla_decode import mla_decode as triton_mla_decode
 
-        return triton_mla_decode(q, cache, slots, seq_lens, v_dim, scale)
-    return mla_decode_reference(q, cache, slots, seq_lens, v_dim, scale)
+        return triton_mla_decode(q, cache, slots, seq_lens, v_dim, scale, q_rope)
+    return mla_decode_reference(q, cache, slots, seq_lens, v_dim, scale, q_rope)

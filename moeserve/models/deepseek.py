@@ -134,16 +134,18 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
-        q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
-        if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
-            o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
-                                                 self.scale)  # [B, h, r]
-        elif use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table
-            o_latent = mla_decode(q, cache, meta.decode_slots, meta.decode_seq_lens, self.kv_lora_rank, self.scale)
+        if use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table
+            o_latent = mla_decode(q_latent, cache, meta.decode_slots, meta.decode_seq_lens, self.kv_lora_rank,
+                                  self.scale, q_rope=q_rope)  # the query's two parts read apart: no cat
         else:
-            o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots, meta.decode_bias,
-                                        self.scale)
+            q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
+            if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
+                o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
+                                                     self.scale)  # [B, h, r]
+            else:
+                o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots,
+                                            meta.decode_bias, self.scale)
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
 
 

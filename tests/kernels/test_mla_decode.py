@@ -46,6 +46,24 @@ def test_mla_decode_matches_reference(dtype, B, H, v_dim, rope, seq_lens, L, dev
     torch.testing.assert_close(got.cpu().double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_parts_apart(dtype, device):
+    """q_rope given apart, and the latent part a per-head bmm's transposed output (what MLA decode hands over)."""
+    from moeserve.kernels.triton_ops.mla_decode import mla_decode
+
+    q, cache, slots, lens = _case(3, 20, 64, 16, [40, 1, 17], 40, dtype, 5)
+    q_latent = q[..., :64].transpose(0, 1).contiguous().transpose(0, 1)  # [B, h, r] with strides (r, B * r, 1)
+    q_rope = q[..., 64:].clone()
+    assert not q_latent.is_contiguous()
+    ref = mla_decode_reference(q.double(), cache.double(), slots, lens, 64, 0.1)
+    assert torch.equal(mla_decode_reference(q_latent, cache, slots, lens, 64, 0.1, q_rope=q_rope),
+                       mla_decode_reference(q, cache, slots, lens, 64, 0.1))
+    got = mla_decode(q_latent.to(device), cache.to(device), slots.to(device), lens.to(device), 64, 0.1,
+                     q_rope=q_rope.to(device))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.cpu().double(), ref, atol=tol, rtol=tol)
+
+
 def test_split_plan_fills_the_gpu_and_covers_every_row():
     from moeserve.kernels.triton_ops.mla_decode import MAX_SPLITS, plan_splits
 

@@ -22,8 +22,9 @@ MAX_SPLITS = 128  # batch 1 at 4,096 tokens: 128 programs of 32 rows (64 left th
 
 
 @triton.jit
-def _mla_decode_split_kernel(q_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr, H, split_len, scale,
-                  stride_qb, stride_qh, stride_c, stride_sb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+def _mla_decode_split_kernel(q_ptr, qr_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr, H, split_len, scale,
+                  stride_qb, stride_qh, stride_qrb, stride_qrh, stride_c, stride_sb, stride_ob, stride_oh, stride_os,
+                  stride_lb, stride_lh,
                   V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
@@ -39,7 +40,8 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, slots_ptr, seq_lens_ptr, o_ptr, l
     rm = cr < ROPE_DIM
     q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q_v = tl.load(q_row + cv[None, :], mask=hm[:, None] & vm[None, :], other=0.0)  # [BLOCK_H, BLOCK_V]
-    q_r = tl.load(q_row + V_DIM + cr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    qr_row = qr_ptr + b.to(tl.int64) * stride_qrb + heads[:, None] * stride_qrh  # the rope part: its own tensor
+    q_r = tl.load(qr_row + cr[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
     if UPCAST:  # Triton's interpreter gets bf16 dots wrong (3.9): the CPU tests multiply in fp32
         q_v = q_v.to(tl.float32)
         q_r = q_r.to(tl.float32)
@@ -116,14 +118,20 @@ def plan_splits(batch: int, heads: int, length: int, block_n: int, num_sms: int)
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, v_dim: int,
-               scale: float, block_n: int = 32, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               scale: float, q_rope: torch.Tensor | None = None, block_n: int = 32, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
     """Same signature as moeserve.kernels.mla_decode.mla_decode_reference (plus the launch configuration)."""
-    B, H, D = q.shape
+    if q_rope is None:
+        q, q_rope = q[..., :v_dim], q[..., v_dim:]
+    B, H = q.shape[:2]
+    D = v_dim + q_rope.shape[-1]
     L = slots.shape[1]
-    if cache.dim() != 2 or cache.shape[1] != D or not 0 < v_dim < D or slots.shape[0] != B:
-        raise ValueError(f"mla_decode: q {tuple(q.shape)}, cache {tuple(cache.shape)}, slots {tuple(slots.shape)} "
-                         f"and v_dim {v_dim} do not fit")
+    if (cache.dim() != 2 or cache.shape[1] != D or q.shape[-1] != v_dim or not 0 < v_dim < D or slots.shape[0] != B
+            or q_rope.shape[:2] != (B, H)):
+        raise ValueError(f"mla_decode: q {tuple(q.shape)}, q_rope {tuple(q_rope.shape)}, cache {tuple(cache.shape)}, "
+                         f"slots {tuple(slots.shape)} and v_dim {v_dim} do not fit")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     slots = slots if slots.stride(-1) == 1 else slots.contiguous()
     assert cache.stride(-1) == 1
     out = q.new_empty(B, H, v_dim)
@@ -134,9 +142,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_le
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     # tl.dot needs K >= 16: a narrower part (tiny test models' rope of 8) is padded with masked zeros
     bv, br = max(16, triton.next_power_of_2(v_dim)), max(16, triton.next_power_of_2(D - v_dim))
-    _SPLIT((B, triton.cdiv(H, BLOCK_H), splits), q, cache, slots, seq_lens, part, lse, H, split_len, float(scale),
-           q.stride(0), q.stride(1), cache.stride(0), slots.stride(0), part.stride(0), part.stride(1),
-           part.stride(2), lse.stride(0), lse.stride(1), V_DIM=v_dim, ROPE_DIM=D - v_dim, BLOCK_V=bv, BLOCK_R=br,
+    _SPLIT((B, triton.cdiv(H, BLOCK_H), splits), q, q_rope, cache, slots, seq_lens, part, lse, H, split_len,
+           float(scale), q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+           slots.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), V_DIM=v_dim, ROPE_DIM=D - v_dim, BLOCK_V=bv, BLOCK_R=br,
            BLOCK_H=BLOCK_H, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            UPCAST=not q.is_cuda and q.dtype != torch.float32,  # only under TRITON_INTERPRET (CPU tensors)
            num_warps=num_warps, num_stages=num_stages)
