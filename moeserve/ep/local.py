@@ -46,7 +46,7 @@ class LocalDispatcher(Dispatcher):
         x, ids = self._x, self._ids
         T, k = ids.shape
         # counts, offsets and each pair's row in one routing pass (Triton on CUDA: no sort; torch elsewhere)
-        plan = moe_route(ids, self.num_experts, self.align)
+        plan = moe_route(ids, self.num_experts, self.align, all_valid=True)  # the router's ids (and fused slots)
         self._rows = plan.dest.view(T, k)
         # the rows stay named, not copied: the first grouped GEMM reads them from x (align 1: no padding rows)
         return ContiguousLayout(x=x, expert_offsets=plan.offsets, num_tokens_per_expert=plan.counts, pairs=plan.src,

@@ -49,10 +49,12 @@ def moe_route_reference(topk_ids: torch.Tensor, num_experts: int, align: int = 1
                      src=src[:num_rows].to(torch.int32), num_rows=num_rows)
 
 
-def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutePlan:
-    """topk_ids [T, k] int -> RoutePlan (module docstring). Triton on CUDA, the reference elsewhere."""
+def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1, all_valid: bool = False) -> RoutePlan:
+    """topk_ids [T, k] int -> RoutePlan (module docstring). Triton on CUDA, the reference elsewhere.
+    all_valid: the caller vouches that every id is in [0, E) (a router's output): with align 1 every layout row
+    then holds a pair, and the Triton path skips filling src with -1 first."""
     if use_triton(topk_ids) and topk_ids.numel() > 0 and not torch.compiler.is_compiling():
         from moeserve.kernels.triton_ops.moe_route import moe_route as triton_moe_route
 
-        return triton_moe_route(topk_ids, num_experts, align)
+        return triton_moe_route(topk_ids, num_experts, align, all_valid)
     return moe_route_reference(topk_ids, num_experts, align)

@@ -8,10 +8,10 @@ import torch
 from moeserve.kernels.moe_route import moe_route_reference
 
 
-def _check(ids: torch.Tensor, num_experts: int, align: int) -> None:
+def _check(ids: torch.Tensor, num_experts: int, align: int, all_valid: bool = False) -> None:
     from moeserve.kernels.triton_ops.moe_route import moe_route
 
-    got, ref = moe_route(ids, num_experts, align), moe_route_reference(ids, num_experts, align)
+    got, ref = moe_route(ids, num_experts, align, all_valid), moe_route_reference(ids, num_experts, align)
     assert got.num_rows == ref.num_rows
     for name in ("counts", "offsets", "dest", "src"):
         torch.testing.assert_close(getattr(got, name).long(), getattr(ref, name).long(), rtol=0, atol=0, msg=name)
@@ -27,10 +27,11 @@ def _check(ids: torch.Tensor, num_experts: int, align: int) -> None:
     (300, 4, 16, 1),  # several blocks of pairs
     (29, 3, 8, 16),  # padded segments
 ])
-def test_route_matches_reference(num_tokens, k, num_experts, align, device):
+@pytest.mark.parametrize("all_valid", [False, True])
+def test_route_matches_reference(num_tokens, k, num_experts, align, all_valid, device):
     gen = torch.Generator().manual_seed(num_tokens * 31 + k)
     ids = torch.randint(0, num_experts, (num_tokens, k), generator=gen)
-    _check(ids.to(device), num_experts, align)
+    _check(ids.to(device), num_experts, align, all_valid)  # all_valid: src not pre-filled, every row still named
 
 
 def test_route_skips_masked_pairs_and_empty_experts(device):

@@ -64,8 +64,8 @@ _COUNT = DirectLauncher(_count_kernel)
 _PLACE = DirectLauncher(_place_kernel)
 
 
-def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutePlan:
-    """Same signature and outputs as moeserve.kernels.moe_route.moe_route_reference."""
+def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1, all_valid: bool = False) -> RoutePlan:
+    """Same outputs as moeserve.kernels.moe_route.moe_route_reference (all_valid: moe_route's)."""
     assert align >= 1
     flat = topk_ids.reshape(-1)
     num_pairs, device = flat.shape[0], flat.device
@@ -77,7 +77,10 @@ def moe_route(topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Route
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     dest = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    src = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=device)  # + the spare row invalid pairs name
+    if all_valid and align == 1:  # every row gets its pair: nothing to fill (the spare row is never named)
+        src = torch.empty(num_rows + 1, dtype=torch.int32, device=device)
+    else:
+        src = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=device)  # + the spare row invalid pairs name
     if num_pairs:
         _COUNT((num_blocks,), flat, hist, num_pairs, E=num_experts, E_P2=e_p2, BLOCK=block)
         _PLACE((num_blocks,), flat, hist, counts, offsets, dest, src, num_pairs, num_rows, num_blocks,
