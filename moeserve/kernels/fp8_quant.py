@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.fp8_format import (  # noqa: F401 - the format's names, for the recipe's callers
     ACT_SCALE_FLOOR,
     BLOCK,
@@ -76,6 +77,24 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x rounded through FP8 per token and group of 128, back in x's dtype: what an FP8 GEMM sees of x (for the CPU
     layers, which multiply by dequantized weights)."""
     return dequantize_activations(*quantize_activations_reference(x), x.dtype)
+
+
+def silu_and_mul_quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2I] ([gate | up]) -> quantize_activations(silu(gate) * up): the SwiGLU output straight to FP8, for
+    the FP8 GEMM after it (the experts' and the dense MLP's down projection)."""
+    return quantize_activations_reference(silu_and_mul(x))
+
+
+def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result in one Triton kernel on CUDA (the [..., I] product never reaches memory in x's
+    dtype; it is rounded to it in registers, so the bits are the unfused pair's)."""
+    if use_triton(x):
+        from moeserve.kernels.triton_ops.fp8_quant import (
+            silu_and_mul_quantize as triton_silu_and_mul_quantize,
+        )
+
+        return triton_silu_and_mul_quantize(x)
+    return silu_and_mul_quantize_reference(x)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

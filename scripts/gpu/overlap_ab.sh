@@ -7,7 +7,8 @@
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
-#              of the expert-selection kernel and of shared-experts fusion
+#              of the kernels changed since (selection, gathered rows, split query, SiLU + FP8 quant), shared-experts
+#              fusion, and greedy parity with transformers on CUDA
 #              a failure stops the run
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
@@ -35,7 +36,8 @@ pcgtests)
   echo "== piecewise tests $(date -u +%T)"
   timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
     tests/rank/test_cuda_graph.py tests/rank/test_overlap.py tests/kernels/test_moe_select.py \
-    tests/models/test_shared_experts_fusion.py 2>&1 \
+    tests/models/test_shared_experts_fusion.py tests/kernels/test_moe_gemm.py tests/kernels/test_moe_route.py \
+    tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
   ;;

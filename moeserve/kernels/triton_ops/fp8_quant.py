@@ -1,7 +1,8 @@
 """Triton per-token-group FP8 quantization of activations (moeserve/kernels/fp8_quant.py has the recipe).
 
 One program quantizes one group of 128 of one row: amax, scale = amax / 448 (floored), q = x / scale in e4m3.
-Rows are any leading shape flattened; the last dimension must be contiguous.
+Rows are any leading shape flattened; the last dimension must be contiguous. `silu_and_mul_quantize` first forms
+the group from a [gate | up] row: silu(gate) * up, each step rounded to x's dtype as torch's two ops round it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,40 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, strid
     q = tl.clamp(x / scale, -QMAX, QMAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * num_groups + g, scale)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm,
+                              FLOOR: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    gate = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_xm + K + cols, mask=ok, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)  # F.silu, in x's dtype
+    x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # * up, in x's dtype
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / QMAX
+    q = tl.clamp(x / scale, -QMAX, QMAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * num_groups + g, scale)
+
+
+def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2I] -> (q [..., I] e4m3, scale [..., ceil(I/128)] float32); the reference's signature."""
+    k = x.shape[-1] // 2
+    kb = num_blocks(k)
+    x2 = x.reshape(-1, 2 * k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m:
+        _silu_mul_quantize_kernel[(m, kb)](x2, q, s, k, kb, x2.stride(0), q.stride(0), FLOOR=ACT_SCALE_FLOOR,
+                                           QMAX=FP8_MAX, GROUP=BLOCK)
+    return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], kb)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from moeserve.kernels.fp8_quant import (
     fake_quantize_activations,
     num_blocks,
     quantize_activations,
+    silu_and_mul_quantize,
 )
 from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.layers.moe.experts import Experts
@@ -67,13 +68,13 @@ class Fp8Experts(Experts):
         if isinstance(layout, MaskedLayout):
             record_local_tokens(layout.masked_m)
             xq, xs = (layout.x, layout.x_scale) if layout.x_scale is not None else quantize_activations(layout.x)
-            h = silu_and_mul(fp8_grouped_gemm_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt))
-            return fp8_grouped_gemm_masked(*quantize_activations(h), self.w2, self.w2_scale_inv, layout.masked_m, dt)
+            h = fp8_grouped_gemm_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt)
+            return fp8_grouped_gemm_masked(*silu_and_mul_quantize(h), self.w2, self.w2_scale_inv, layout.masked_m, dt)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
         xq, xs = quantize_activations(layout.rows())
-        h = silu_and_mul(fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt))
-        return fp8_grouped_gemm(*quantize_activations(h), self.w2, self.w2_scale_inv, offs, counts, dt)
+        h = fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt)
+        return fp8_grouped_gemm(*silu_and_mul_quantize(h), self.w2, self.w2_scale_inv, offs, counts, dt)
 
     def _forward_dequantized(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """The CPU path: activations rounded through FP8, dequantized weights."""
