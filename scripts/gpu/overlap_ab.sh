@@ -37,7 +37,7 @@ pcgtests)
   timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
     tests/rank/test_cuda_graph.py tests/rank/test_overlap.py tests/kernels/test_moe_select.py \
     tests/models/test_shared_experts_fusion.py tests/kernels/test_moe_gemm.py tests/kernels/test_moe_route.py \
-    tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py 2>&1 \
+    tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
   ;;
