@@ -42,7 +42,8 @@ def test_profile_parts_name_the_decode_kernels():
     from moeserve.bench.step_profile import classify, format_table
 
     assert classify("_moe_gemm_kernel") == "experts"
-    assert classify("_place_kernel") == "dispatch"
+    assert classify("_place_kernel") == "dispatch" and classify("_select_kernel") == "dispatch"
+    assert classify("_silu_mul_quantize_kernel") == "fp8 quant"
     assert classify("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Gemm"
                     "UniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS") == "experts"  # torch._grouped_mm
     assert classify("_rms_norm_kernel") == "norms"
