@@ -4,7 +4,8 @@
 # or opentelemetry-api: download their cp312 manylinux wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VER
 # PD runs through sglang-router (scripts/gpu/pd_bench.sh) also need sglang-router==0.3.2 (one abi3 wheel, 31 MB:
-# add it only for those runs, a call's tree must stay under 64 MiB), orjson and setproctitle.
+# add it only for those runs, a call's tree must stay under 64 MiB), orjson and setproctitle. `PYSPY=1` serving
+# runs (scripts/gpu/overlap_ab.sh) need py-spy's wheel (py_spy-0.4.3, 3 MB) there too.
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
