@@ -23,30 +23,14 @@ from moeserve.kernels.triton_available import use_triton
 MAX_EXPERTS = 1024  # the Triton kernel holds a token's scores in one block
 
 
-def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    correction_bias: torch.Tensor | None = None,
-    renormalize: bool = False,
-    routed_scaling_factor: float = 1.0,
-    append: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Module docstring. Triton on CUDA, the reference elsewhere."""
-    kwargs = dict(scoring_func=scoring_func, topk_method=topk_method, n_group=n_group, topk_group=topk_group,
-                  correction_bias=correction_bias, renormalize=renormalize,
-                  routed_scaling_factor=routed_scaling_factor, append=append)
-    E = router_logits.shape[-1]
-    if (use_triton(router_logits) and router_logits.shape[0] > 0 and E <= MAX_EXPERTS
+def select_experts(router_logits: torch.Tensor, top_k: int, **variant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Module docstring; `variant`: select_experts_reference's keywords. Triton on CUDA, the reference elsewhere."""
+    if (use_triton(router_logits) and router_logits.shape[0] > 0 and router_logits.shape[-1] <= MAX_EXPERTS
             and not torch.compiler.is_compiling()):
         from moeserve.kernels.triton_ops.moe_select import select_experts as triton_select_experts
 
-        return triton_select_experts(router_logits, top_k, **kwargs)
-    return select_experts_reference(router_logits, top_k, **kwargs)
+        return triton_select_experts(router_logits, top_k, **variant)
+    return select_experts_reference(router_logits, top_k, **variant)
 
 
 def select_experts_reference(
@@ -96,6 +80,13 @@ def select_experts_reference(
         topk_weights = topk_weights * routed_scaling_factor
     if append is not None:
         first, n = append
-        topk_ids = torch.cat((topk_ids, torch.arange(first, first + n, device=topk_ids.device).expand(T, n)), dim=1)
-        topk_weights = torch.cat((topk_weights, topk_weights.new_ones(T, n)), dim=1)
+        return append_slots(topk_ids, topk_weights, torch.arange(first, first + n, device=topk_ids.device))
     return topk_ids, topk_weights
+
+
+def append_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slots: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] ids and weights -> [T, k + n]: every token also picks `slots` [n], with weight 1 (what `append` does)."""
+    T, n = topk_ids.shape[0], slots.shape[0]
+    return (torch.cat((topk_ids, slots[None].expand(T, n)), dim=1),
+            torch.cat((topk_weights, topk_weights.new_ones(T, n)), dim=1))

@@ -31,6 +31,7 @@ from moeserve.ep.stats import record_local_tokens
 from moeserve.eplb.location import ExpertLocation, pick_replicas
 from moeserve.kernels import cpu_experts
 from moeserve.kernels.fp8_quant import quantize_activations
+from moeserve.kernels.moe_select import append_slots
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.placement import layer_placement
@@ -96,7 +97,6 @@ class MoE(nn.Module):
         # (`_fuse_shared_experts`), which `route` appends to every token's choice with weight 1
         self.num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
         self.shared_ids: torch.Tensor | None = None  # [num_shared] their local slots, once fused
-        self._ones: torch.Tensor | None = None  # [1, num_shared] float32 ones: their weights (expanded per token)
         self._gate_appends = False  # the gate writes them itself (no slot mapping between): no concatenation
         # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
         # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
@@ -158,9 +158,7 @@ class MoE(nn.Module):
         elif self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
         if self.shared_ids is not None and not self._gate_appends:  # the fused shared experts, weight 1
-            T, n = topk_ids.shape[0], self.num_shared
-            topk_ids = torch.cat((topk_ids, self.shared_ids[None].expand(T, n)), dim=1)
-            topk_weights = torch.cat((topk_weights, self._ones.expand(T, n)), dim=1)
+            topk_ids, topk_weights = append_slots(topk_ids, topk_weights, self.shared_ids)
         return topk_ids, topk_weights
 
     def recorded_rows(self, num_tokens: int) -> int:
@@ -225,7 +223,6 @@ class MoE(nn.Module):
         w2 = shared.down_proj.data.view(H, n, inter).transpose(0, 1)  # [n, H, I]
         first = self.experts.add_slots(w13, w2)
         self.shared_ids = torch.arange(first, first + n, device=device)
-        self._ones = torch.ones(1, n, device=device)
         self.shared_experts = None
         if self.dispatch_table is None and self.replicas is None and hasattr(self.gate, "append"):
             self.gate.append, self._gate_appends = (first, n), True
