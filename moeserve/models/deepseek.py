@@ -126,10 +126,8 @@ class MLAttention(nn.Module):
         S = latent.shape[0]
         kv = self.kv_b_proj(c_kv).view(S, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None, :].expand(S, self.num_heads, self.rope_dim)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        return extend_attention(q, k, v, meta.extend_lens, meta.seq_lens, self.scale,
-                                plan=meta.extend_plan)  # [T, h, v]
+        return extend_attention(q_nope, k_nope, v, meta.extend_lens, meta.seq_lens, self.scale,
+                                plan=meta.extend_plan, q_rope=q_rope, k_rope=k_rope)  # [T, h, v]
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()

@@ -6,10 +6,15 @@
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
+#   prefprof   the per-part profile of a 4 x 2,048 prefill, shared-experts fusion off / on; SDPA's device time per
+#              backend at prefill shapes
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
 #              of the kernels changed since (selection, gathered rows, split query, SiLU + FP8 quant), shared-experts
 #              fusion, and greedy parity with transformers on CUDA
 #              a failure stops the run
+#   attn       the CUDA tests of the Triton extend attention and of the models through it (parity with the CPU
+#              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
+#   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
@@ -37,9 +42,27 @@ pcgtests)
   timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
     tests/rank/test_cuda_graph.py tests/rank/test_overlap.py tests/kernels/test_moe_select.py \
     tests/models/test_shared_experts_fusion.py tests/kernels/test_moe_gemm.py tests/kernels/test_moe_route.py \
-    tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
+    tests/kernels/test_extend_attention.py tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
+  ;;
+attn)
+  echo "== extend attention tests $(date -u +%T)"
+  timeout 200 python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/kernels/test_extend_attention.py \
+    tests/models/test_attention_ops.py tests/models/test_gpu.py tests/rank/test_piecewise_graph.py -k "not v2_lite_dummy" \
+    2>&1 | grep -vE "^\s*$|it/s\]" | tail -30 | tee "$OUT/attntests.log"
+  grep -qE "[0-9]+ passed" "$OUT/attntests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/attntests.log" || exit 1
+  timeout 150 python3 scripts/gpu/bench_extend_attention.py --result-file "$OUT/extend_attention.jsonl" 2>&1 \
+    | tee "$OUT/extend_attention.log" | grep -vE "Warning|warn"
+  ;;
+prefillon)
+  for shape in ${SHAPES:-"1 4:512" "4:2048"}; do
+    echo "== prefill piecewise ${shape} $(date -u +%T)"
+    timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 64 \
+      --repeat 3 --batch-size ${shape%:*} --input-len ${shape#*:} --output-len 4 --chunked-prefill-size 8192 \
+      --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 8 --result-file "$OUT/prefill.jsonl" 2>&1 \
+      | grep -E "^batch|Error|error|piecewise"
+  done
   ;;
 prefill)
   for flag in "--disable-piecewise-cuda-graph" ""; do
@@ -66,7 +89,7 @@ fusion)
   ;;
 onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree overlap off; this tree overlap on
   SITE=${PYTHONPATH#*:}
-  for side in base off on; do
+  for side in ${SIDES:-base off on}; do
     tree=$PWD; flag=""
     [ $side = base ] && tree=$(realpath "$BASE")
     [ $side = off ] && flag="--disable-overlap-schedule"
@@ -77,7 +100,7 @@ onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree over
   done
   ;;
 v3)
-  for flag in "${OFF_ON[@]}"; do
+  for flag in "${OFF_ON[@]:${V3_FROM:-0}}"; do
     echo "== V3-layer one-batch ${flag:-overlap} $(date -u +%T)"
     timeout 100 python3 -m moeserve.cli bench one-batch --model-path benchmarks/configs/deepseek-v3-4layer \
       --load-format dummy --dtype bfloat16 --context-length 4096 --mem-fraction-static 0.85 \
@@ -90,6 +113,16 @@ profile)
   timeout 120 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 64 \
     --input-len 128 --output-len 16 --batch-size 1 64 --profile --profile-dir /tmp/prof \
     --result-file "$OUT/profile.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+  ;;
+prefprof)
+  timeout 60 python3 scripts/gpu/sdpa_backends.py --device-time
+  for flag in "" "--enable-shared-experts-fusion"; do
+    echo "== prefill profile ${flag:-unfused} $(date -u +%T)"
+    timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 \
+      --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 \
+      --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof $flag --result-file "$OUT/prefprof${flag:+_on}.jsonl" 2>&1 \
+      | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" | sed -n '/prefill of/,/decode step/p'
+  done
   ;;
 serving)
   TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")

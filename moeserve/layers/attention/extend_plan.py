@@ -13,6 +13,9 @@ groups; each group runs as one padded batch q [B, H, Lq, D], k/v [B, Hkv, Lk, D]
 - a group whose requests are consecutive, in order, with equal lengths (the common all-equal prefill batch) is a
   view of q, k and v: no gather, and the output needs no scatter when it is the only group.
 All index tensors of a step travel to the device in one copy.
+
+On CUDA the step needs none of this: `ExtendPlan.build(..., kernel=True)` holds only the seqs table of
+kernels/extend_attention.py, whose one launch walks the packed requests as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from moeserve.kernels.extend_attention import extend_seqs
 
 PAD_FACTOR = 2.0  # a group may compute at most this many times its real query-key pairs...
 SMALL_AREA = 1 << 20  # ...or any number while its padded area (pairs per head) is below this
@@ -66,9 +71,27 @@ class ExtendPlan:
 
     num_tokens: int
     groups: list[ExtendGroup]
+    seqs_host: torch.Tensor | None = None  # kernel plans: [B, 4] int32 (kernels/extend_attention.py), no groups
+    max_extend: int = 0
+    device: torch.device | str = "cpu"
+    _seqs: torch.Tensor | None = None
+
+    @property
+    def seqs(self) -> torch.Tensor | None:
+        """The kernel's seqs table on the step's device, copied there by the first layer that reads it (not when
+        the plan is built: a piecewise CUDA graph's capture builds it inside the graph, where a copy from the host
+        is not allowed, and runs attention between the graph's pieces)."""
+        if self._seqs is None and self.seqs_host is not None:
+            self._seqs = self.seqs_host.to(self.device, non_blocking=True)
+        return self._seqs
 
     @classmethod
-    def build(cls, extend_lens: list[int], seq_lens: list[int], device: torch.device | str) -> ExtendPlan:
+    def build(cls, extend_lens: list[int], seq_lens: list[int], device: torch.device | str,
+              kernel: bool = False) -> ExtendPlan:
+        """kernel: for the Triton kernel (the seqs table only); else the padded groups."""
+        if kernel:
+            return cls(num_tokens=sum(extend_lens), groups=[], seqs_host=extend_seqs(extend_lens, seq_lens, "cpu"),
+                       max_extend=max(extend_lens, default=0), device=device)
         n = torch.tensor(extend_lens, dtype=torch.int64)
         s = torch.tensor(seq_lens, dtype=torch.int64)
         q_start = torch.cumsum(n, 0) - n

@@ -1,8 +1,9 @@
 """Reference attention over the paged KV cache, correct for ragged batches (torch SDPA inside).
 
 - `extend_attention`: new queries of each request attend causally over the request's whole sequence
-  (cached prefix + new tokens), batched over requests: one SDPA call per group of similar lengths
-  (extend_plan.py), with the step's plan built once in `AttentionMetadata`.
+  (cached prefix + new tokens), batched over requests: on CUDA one Triton launch over the packed requests
+  (kernels/extend_attention.py), elsewhere one SDPA call per group of similar lengths (extend_plan.py); the step's
+  plan is built once in `AttentionMetadata`.
 - `decode_attention`: one query per request over its cached tokens. The cache rows are gathered into a padded
   [B, max_len] block and masked, so a step is a few batched kernels with no per-request Python loop.
 
@@ -24,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.kv_pool import KVPool
+from moeserve.kernels import extend_attention as extend_kernel
+from moeserve.kernels.triton_available import use_triton
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _sdpa
@@ -71,7 +74,8 @@ class AttentionMetadata:
                    kv_indices=batch.kv_indices, kv_indptr=batch.kv_indptr, rope=rope, extend_lens=list(batch.extend_lens_cpu) if extend else [],
                    seq_lens=list(batch.seq_lens_cpu) if extend else [])
         if extend:
-            meta.extend_plan = ExtendPlan.build(meta.extend_lens, meta.seq_lens, batch.out_cache_loc.device)
+            meta.extend_plan = ExtendPlan.build(meta.extend_lens, meta.seq_lens, batch.out_cache_loc.device,
+                                                kernel=use_triton(batch.out_cache_loc))
         if batch.mode.is_decode and batch.seq_lens.shape[0] > 0:
             meta.decode_seq_lens = batch.seq_lens
             if batch.decode_slots is not None:  # the scheduler's padded block (static shape under CUDA graphs)
@@ -150,17 +154,26 @@ def padded_kv_slots(kv_indices: torch.Tensor, kv_indptr: torch.Tensor, seq_lens:
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
                      seq_lens: list[int], scale: float, sliding_window: int | None = None,
-                     plan: ExtendPlan | None = None) -> torch.Tensor:
+                     plan: ExtendPlan | None = None, q_rope: torch.Tensor | None = None,
+                     k_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole sequence, batched over requests.
 
     q [T, Hq, D] (request b's rows are its extend_lens[b] new tokens, positions seq_len - extend_len ..
     seq_len - 1); k [S, Hkv, D] and v [S, Hkv, Dv], S = sum(seq_lens), request b's rows are its whole sequence.
     Returns [T, Hq, Dv]. Hq must be a multiple of Hkv (GQA/MQA). plan: the step's `ExtendPlan` for these lengths
-    (AttentionMetadata builds it once for all layers); built here when not given.
-    One SDPA call per group of similar lengths (extend_plan.py), never one per request.
+    (AttentionMetadata builds it once for all layers); built here when not given. q_rope [T, Hq, R] and k_rope
+    [S, R] (one per token, every head's) or [S, Hkv, R]: MLA's rope parts, scored beside q and k.
+    A kernel plan runs the Triton kernel; otherwise one SDPA call per group of similar lengths (extend_plan.py),
+    never one per request.
     """
     if plan is None:
-        plan = ExtendPlan.build(extend_lens, seq_lens, q.device)
+        plan = ExtendPlan.build(extend_lens, seq_lens, q.device, kernel=use_triton(q))
+    if plan.seqs_host is not None:
+        return extend_kernel.extend_attention(q, k, v, plan.seqs, plan.max_extend, scale, q_rope, k_rope,
+                                              sliding_window)
+    if q_rope is not None:
+        k_rope = k_rope if k_rope.dim() == 3 else k_rope[:, None, :].expand(-1, k.shape[1], -1)
+        q, k = torch.cat((q, q_rope), dim=-1), torch.cat((k, k_rope), dim=-1)
     T, Hq, Dv = q.shape[0], q.shape[1], v.shape[-1]
     groups = plan.groups
     if len(groups) == 1 and groups[0].q_rows == (0, T):  # the whole step is one dense batch: no scatter
