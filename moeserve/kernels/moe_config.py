@@ -6,7 +6,10 @@ mapping a row count M (pairs in the layout, T * top_k) to a launch configuration
 {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} (or {"backend": "torch"} where torch's grouped GEMM
 measured faster); a launch takes the entry of the nearest M.
 N is the op's output width (I for the gate/up GEMM with SiLU fused, H for the down GEMM), K its reduction size.
-scripts/gpu/tune_moe.py writes them; without a file, `default_config` picks by the rows per expert.
+scripts/gpu/tune_moe.py writes them. A shape tuned for another expert count E' (the same op, N, K, dtype and
+device) lends its table, read at the same rows per expert (M * E' / E): shared-experts fusion runs the routed E
+plus the shared slots, and an EP rank its E / ep local experts, through kernels tuned for the model's E. Without
+any table, `default_config` picks by the rows per expert.
 """
 
 from __future__ import annotations
@@ -69,7 +72,19 @@ def get_config(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype,
 @functools.lru_cache(maxsize=4096)  # once per (op, shape, M): eager prefill steps pay this on every layer's launch
 def _lookup(op: str, M: int, E: int, N: int, K: int, dtype: torch.dtype, device: str,
             default: Callable[[int, int], dict]) -> dict:
-    table = _load(str(config_file(op, E, N, K, dtype, device)))
-    if not table:
+    tuned_e = _nearest_tuned_e(op, E, N, K, dtype, device)
+    if tuned_e is None:
         return default(M, E)
-    return table[min(table, key=lambda m: abs(m - M))]
+    table = _load(str(config_file(op, tuned_e, N, K, dtype, device)))
+    m = M * tuned_e / E  # the same rows per expert
+    return table[min(table, key=lambda t: abs(t - m))]
+
+
+@functools.cache
+def _nearest_tuned_e(op: str, E: int, N: int, K: int, dtype: torch.dtype, device: str) -> int | None:
+    """E itself if tuned, else the tuned expert count of this shape nearest to it, else None."""
+    if _load(str(config_file(op, E, N, K, dtype, device))):
+        return E
+    rest = config_file(op, E, N, K, dtype, device).name.split(",", 1)[1]
+    tuned = [int(p.name.split(",", 1)[0].removeprefix("E=")) for p in (CONFIG_DIR / op).glob(f"E=*,{rest}")]
+    return min(tuned, key=lambda e: (abs(e - E), e)) if tuned else None

@@ -13,6 +13,7 @@ def test_nearest_entry_and_default(tmp_path, monkeypatch):
     monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
     moe_config._lookup.cache_clear()
     moe_config._load.cache_clear()
+    moe_config._nearest_tuned_e.cache_clear()
     small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     path = moe_config.config_file("moe_gemm", 8, 64, 32, torch.bfloat16, moe_config.device_name())
     path.parent.mkdir(parents=True)
@@ -24,6 +25,29 @@ def test_nearest_entry_and_default(tmp_path, monkeypatch):
     got["BLOCK_M"] = 1  # callers get a copy: the cached entry stays
     assert moe_config.get_config("moe_gemm", 100, 8, 64, 32, torch.float32)["BLOCK_M"] != 1
     moe_config._lookup.cache_clear()
+    moe_config._nearest_tuned_e.cache_clear()
+
+
+def test_another_expert_count_lends_its_table(tmp_path, monkeypatch):
+    """Shared-experts fusion (64 routed + 2 shared slots) and EP ranks (32 local of 64) read the 64 experts' table
+    at the same rows per expert; another shape or dtype does not."""
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
+    small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    path = moe_config.config_file("moe_gemm", 64, 2048, 1408, torch.bfloat16, moe_config.device_name())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"8": small, "1024": big, "16384": {"backend": "torch"}}))
+    get = moe_config.get_config
+    assert get("moe_gemm", 8, 66, 2048, 1408, torch.bfloat16) == small
+    assert get("moe_gemm", 8192 * 8, 66, 2048, 1408, torch.bfloat16) == {"backend": "torch"}
+    assert get("moe_gemm", 300, 32, 2048, 1408, torch.bfloat16) == big  # 300 of 32 experts: 600 of 64
+    assert get("moe_gemm", 300, 64, 2048, 1408, torch.bfloat16) == small  # nearest to 300 itself: 8 over 1024
+    assert get("moe_gemm", 300, 66, 2048, 1024, torch.bfloat16) == moe_config.default_config(300, 66)
+    assert get("moe_gemm", 300, 66, 2048, 1408, torch.float32) == moe_config.default_config(300, 66)
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
 
 
 def test_shipped_tables_parse():
