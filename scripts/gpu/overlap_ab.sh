@@ -6,8 +6,9 @@
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
-#   prefprof   the per-part profile of a 4 x 2,048 prefill, shared-experts fusion off / on; SDPA's device time per
-#              backend at prefill shapes
+#   prefprof   the per-part profile of a 4 x 2,048 prefill, shared-experts fusion off / on (UNFUSED=1: off only)
+#   bs1spy     py-spy over a one-batch decode at batch 1 (256 steps, 3 rounds): where the host's time goes
+#              (py-spy wheel in .whl), folded stacks in $OUT/pyspy_bs1.txt
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
 #              of the kernels changed since (selection, gathered rows, split query, SiLU + FP8 quant), shared-experts
 #              fusion, and greedy parity with transformers on CUDA
@@ -115,14 +116,20 @@ profile)
     --result-file "$OUT/profile.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
   ;;
 prefprof)
-  timeout 60 python3 scripts/gpu/sdpa_backends.py --device-time
-  for flag in "" "--enable-shared-experts-fusion"; do
+  FLAGS=("" "--enable-shared-experts-fusion"); [ -n "${UNFUSED:-}" ] && FLAGS=("")
+  for flag in "${FLAGS[@]}"; do
     echo "== prefill profile ${flag:-unfused} $(date -u +%T)"
     timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 \
       --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 \
       --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof $flag --result-file "$OUT/prefprof${flag:+_on}.jsonl" 2>&1 \
       | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" | sed -n '/prefill of/,/decode step/p'
   done
+  ;;
+bs1spy)
+  echo "== py-spy, one-batch decode at batch 1 $(date -u +%T)"
+  timeout 150 /tmp/site/bin/py-spy record -r 250 -f raw -o "$OUT/pyspy_bs1.txt" -- python3 -m moeserve.cli bench \
+    one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 128 --output-len 256 \
+    --batch-size 1 --cuda-graph-max-bs 8 --result-file "$OUT/bs1spy.jsonl" 2>&1 | grep -E "^batch|Error|error"
   ;;
 serving)
   TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
