@@ -76,6 +76,11 @@ class Dispatcher(ABC):
     def combine_b(self) -> torch.Tensor:
         """Wait: [T, H] in x's dtype, sum_k w_k * expert_k(x_t)."""
 
+    def combine_b_plus(self, add: torch.Tensor) -> torch.Tensor:
+        """combine_b() + add (the shared experts' [T, H]); a dispatcher whose combine is a local kernel adds it in
+        that kernel's pass."""
+        return self.combine_b() + add
+
     def buffer_bytes(self) -> int:
         """Bytes of fixed communication buffers this instance holds (for the memory log line)."""
         return 0

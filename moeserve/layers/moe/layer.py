@@ -131,12 +131,12 @@ class MoE(nn.Module):
         d.combine_a(self.experts(d.dispatch_b()))
 
     def combine(self, x: torch.Tensor, mb: int = 0) -> torch.Tensor:
-        """The shared experts (while the combine is in flight), then combine_b (wait) and the sum."""
+        """The shared experts (while the combine is in flight), then combine_b (wait) with their sum added (in the
+        combine's own kernel where the dispatcher combines locally)."""
         num_tokens = x.shape[0]
         x = self._own_tokens(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        y = self.dispatchers[mb].combine_b()
-        y = y + shared if shared is not None else y
+        d = self.dispatchers[mb]
+        y = d.combine_b() if self.shared_experts is None else d.combine_b_plus(self.shared_experts(x))
         return self._gather_tokens(y, num_tokens) if self.split_tokens else y
 
     def forward_fused_cpu(self, x: torch.Tensor) -> torch.Tensor:
