@@ -106,22 +106,23 @@ class ForwardBatch:
         assert mode.is_mixed or num_decodes == 0
         assert num_decodes == 0 or all(e == 1 for e in extend_lens[len(extend_lens) - num_decodes:])
         prefix_lens = [s - e for s, e in zip(seq_lens, extend_lens, strict=True)]
-        positions: list[int] = []
-        for p, e in zip(prefix_lens, extend_lens, strict=True):
-            positions.extend(range(p, p + e))
         i64 = torch.int64
         ext = torch.tensor(extend_lens, dtype=i64)
         qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=i64)
         qo_indptr[1:] = torch.cumsum(ext, 0)
+        # token i of request b sits at prefix_b + (i - qo_start_b): one vector op, not a loop over the tokens
+        pre = torch.tensor(prefix_lens, dtype=i64)
+        positions = pre.clone() if mode.is_decode else (torch.arange(int(qo_indptr[-1]), dtype=i64)
+                                                + torch.repeat_interleave(pre - qo_indptr[:-1], ext))
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=i64)
         kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=i64), 0)
         return ForwardBatch(
             mode=mode,
             input_ids=torch.tensor(input_ids, dtype=i64),
-            positions=torch.tensor(positions, dtype=i64),
+            positions=positions,
             seq_lens=torch.tensor(seq_lens, dtype=i64),
             extend_lens=ext,
-            prefix_lens=torch.tensor(prefix_lens, dtype=i64),
+            prefix_lens=pre,
             out_cache_loc=torch.as_tensor(out_cache_loc, dtype=i64),
             kv_indices=torch.as_tensor(kv_indices, dtype=i64),
             kv_indptr=kv_indptr,

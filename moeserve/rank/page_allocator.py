@@ -52,6 +52,9 @@ class PageAllocator:
         pages = self.alloc_pages(self.pages_needed(cur_len, n))
         if pages is None:
             return None
+        if ps == 1:  # page p is slot p: no loop over a prompt's thousands of pages
+            slots.extend(pages)
+            return slots
         for p in pages:
             slots.extend(range(p * ps, p * ps + ps))
         return slots[:n]
