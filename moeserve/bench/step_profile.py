@@ -25,7 +25,7 @@ PARTS: list[tuple[str, str]] = [
     ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
     ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|_select_kernel|index_select|indexSelect|index_put|"
                  r"scatter|gather|sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
-    ("fp8 quant", r"_quantize_groups_kernel|_silu_mul_quantize_kernel"),
+    ("fp8 quant", r"_quantize_groups_kernel"),  # plain and SiLU-and-mul inputs: one kernel
     ("norms", r"_rms_norm_kernel|rms_norm|RowwiseMoments|norm"),
     ("attention", r"softmax|Softmax|attention|fmha|flash|cutlass_75|bmm|rotary|rope"),
     ("dense GEMMs", r"gemm|gemv|nvjet|xmma|cutlass|sm90"),
