@@ -28,6 +28,14 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
+    def expert_slots(self, n: int) -> dict[str, torch.Tensor]:
+        """This MLP as n experts of intermediate I / n, in the routed experts' parameters (w13 [n, 2I/n, H] as
+        [gate_j; up_j], w2 [n, H, I/n]): sum_j down_j (silu(gate_j x) * up_j x) over its column blocks j is the
+        MLP, exactly (--enable-shared-experts-fusion)."""
+        inter, H = self.intermediate_size // n, self.hidden_size
+        gate, up = self.gate_up_proj.data.view(2, n, inter, H).unbind(0)
+        return {"w13": torch.cat((gate, up), dim=1), "w2": self.down_proj.data.view(H, n, inter).transpose(0, 1)}
+
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         inter, H = self.intermediate_size, self.hidden_size
         yield WeightSpec(f"{prefix}.gate_proj.weight", (inter, H), f"{prefix}.gate_up_proj", dst=(slice(0, inter),))

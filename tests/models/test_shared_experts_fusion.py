@@ -83,9 +83,54 @@ def test_refused_flags(kwargs, message):
 def test_refused_models(tiny_checkpoint):
     with pytest.raises(ValueError, match="has no shared experts"):
         InProcessEngine(model_path=tiny_checkpoint("mixtral"), device="cpu", enable_shared_experts_fusion=True)
-    with pytest.raises(ValueError, match="unquantized expert weights"):
-        InProcessEngine(model_path=tiny_checkpoint("v3_groups"), device="cpu", dtype="float32", quantization="fp8",
+    with pytest.raises(ValueError, match="do not split on the 128 x 128 scale blocks"):  # 2 shared of 32
+        InProcessEngine(model_path=tiny_checkpoint("v2_lite"), device="cpu", dtype="float32", quantization="fp8",
                         enable_shared_experts_fusion=True)
+
+
+def test_fp8_fused_equals_unfused(fp8_checkpoint):
+    """A DeepSeek FP8 checkpoint (one shared expert of 192, padded to whole blocks like the routed ones): the slot
+    takes the shared MLP's FP8 weights and scales as they are; the same greedy tokens and logprobs as unfused."""
+    path, _ = fp8_checkpoint
+    prompts = _prompts(9, [6, 30, 11])
+    runs = {}
+    for fused in (False, True):
+        eng = InProcessEngine(model_path=path, dtype="float32", device="cpu", enable_shared_experts_fusion=fused)
+        runs[fused] = eng.run(prompts, GREEDY, return_logprob=True)
+        for m in eng.runner.model.moe_layers():
+            assert (m.shared_experts is None) == fused
+            assert m.experts.w13_scale_inv.shape[0] == m.experts.w13.shape[0] == m.experts.num_local_experts + fused
+    assert [r["output_ids"] for r in runs[True]] == [r["output_ids"] for r in runs[False]]
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_fp8_slots_split_on_blocks():
+    """Two FP8 shared experts of 128 each: slot j holds gate rows, up rows and down columns j of the MLP, with their
+    scale blocks; the slots' dequantized sum is the MLP's."""
+    from moeserve.kernels.fp8_quant import dequantize_weight, quantize_weight
+    from moeserve.layers.quantization.fp8_mlp import Fp8GatedMLP
+
+    gen = torch.Generator().manual_seed(2)
+    mlp = Fp8GatedMLP(200, 256)
+    gate_up, down = torch.randn(512, 200, generator=gen) * 0.1, torch.randn(200, 256, generator=gen) * 0.1
+    mlp.gate_up_proj.data, mlp.gate_up_proj_scale_inv.data = quantize_weight(gate_up)
+    mlp.down_proj.data, mlp.down_proj_scale_inv.data = quantize_weight(down)
+    slots = mlp.expert_slots(2)
+    assert slots["w13"].shape == (2, 256, 200) and slots["w13_scale_inv"].shape == (2, 2, 2)
+    assert slots["w2"].shape == (2, 200, 128) and slots["w2_scale_inv"].shape == (2, 2, 1)
+    x = torch.randn(5, 200, generator=gen)
+    dense_gu = dequantize_weight(mlp.gate_up_proj, mlp.gate_up_proj_scale_inv, torch.float32)
+    dense_d = dequantize_weight(mlp.down_proj, mlp.down_proj_scale_inv, torch.float32)
+    g, u = (x @ dense_gu.T).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(g) * u) @ dense_d.T
+    got = torch.zeros_like(want)
+    for j in range(2):
+        w13 = dequantize_weight(slots["w13"][j], slots["w13_scale_inv"][j], torch.float32)
+        w2 = dequantize_weight(slots["w2"][j], slots["w2_scale_inv"][j], torch.float32)
+        gj, uj = (x @ w13.T).chunk(2, dim=-1)
+        got += (torch.nn.functional.silu(gj) * uj) @ w2.T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -100,3 +145,15 @@ def test_fused_equals_unfused_on_cuda(tiny_checkpoint):
     assert [r["output_ids"] for r in runs[1]] == [r["output_ids"] for r in runs[0]]
     for a, b in zip(runs[1], runs[0], strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_fused_equals_unfused_on_cuda(fp8_checkpoint):
+    """The block-FP8 grouped GEMMs with the shared slot (its scales beside the routed experts'), in bf16."""
+    path, _ = fp8_checkpoint
+    prompts = _prompts(4, [5, 33, 12])
+    runs = [InProcessEngine(model_path=path, dtype="bfloat16", device="cuda", max_total_tokens=4096,
+                            cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=256,
+                            enable_shared_experts_fusion=fused).run(prompts, GREEDY) for fused in (False, True)]
+    same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs[0], runs[1], strict=True))
+    assert same >= len(prompts) - 1, same  # bf16 roundings of the slot's sum may flip a near tie

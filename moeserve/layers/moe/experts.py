@@ -97,12 +97,22 @@ class Experts(nn.Module):
         for w in (self.w13, self.w2):
             w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
 
-    def add_slots(self, w13: torch.Tensor, w2: torch.Tensor) -> int:
-        """Append slots after the routed ones (the fused shared experts, MoE._fuse_shared_experts): w13
-        [n, 2I, H], w2 [n, H, I]. Returns the first new slot. num_local_experts still counts the routed slots."""
+    slot_params = ("w13", "w2")  # the per-slot parameters, in add_slots' dict
+
+    def add_slots(self, slots: dict[str, torch.Tensor]) -> int:
+        """Append slots after the routed ones (the fused shared experts, MoE._fuse_shared_experts): each of
+        slot_params as [n, *its per-expert shape] (GatedMLP.expert_slots). Returns the first new slot.
+        num_local_experts still counts the routed slots."""
+        if set(slots) != set(self.slot_params):
+            raise ValueError(f"--enable-shared-experts-fusion: the shared experts' weights ({', '.join(slots)}) are "
+                             f"not in the routed experts' format ({', '.join(self.slot_params)})")
         first = self.w13.shape[0]
-        self.w13.data = torch.cat((self.w13.data, w13.to(self.w13.dtype)))
-        self.w2.data = torch.cat((self.w2.data, w2.to(self.w2.dtype)))
+        for name in self.slot_params:
+            p = getattr(self, name)
+            if slots[name].shape[1:] != p.shape[1:]:
+                raise ValueError(f"--enable-shared-experts-fusion: a shared slot's {name} is "
+                                 f"{tuple(slots[name].shape[1:])}, a routed expert's {tuple(p.shape[1:])}")
+            p.data = torch.cat((p.data, slots[name].to(p.dtype)))
         if self.w13.device.type == "cpu":
             self._cpu_layout()
         return first

@@ -213,15 +213,8 @@ class MoE(nn.Module):
     def _fuse_shared_experts(self, device: torch.device) -> None:
         """The shared MLP (intermediate num_shared * I) as num_shared experts of intermediate I after this rank's
         routed slots: sum_j down_j (silu(gate_j x) * up_j x) over its column blocks j is the MLP, exactly."""
-        shared, n = self.shared_experts, self.num_shared
-        if type(shared) is not GatedMLP or type(self.experts) is not Experts:
-            raise ValueError("--enable-shared-experts-fusion takes unquantized expert weights; this checkpoint's "
-                             "are quantized (run without the flag)")
-        inter, H = self.experts.intermediate_size, self.experts.hidden_size
-        gate, up = shared.gate_up_proj.data.view(2, n, inter, H).unbind(0)
-        w13 = torch.cat((gate, up), dim=1)  # [n, 2I, H]: [gate_j; up_j] as the routed experts hold them
-        w2 = shared.down_proj.data.view(H, n, inter).transpose(0, 1)  # [n, H, I]
-        first = self.experts.add_slots(w13, w2)
+        first = self.experts.add_slots(self.shared_experts.expert_slots(self.num_shared))
+        n = self.num_shared
         self.shared_ids = torch.arange(first, first + n, device=device)
         self.shared_experts = None
         if self.dispatch_table is None and self.replicas is None and hasattr(self.gate, "append"):

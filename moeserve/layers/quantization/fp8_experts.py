@@ -42,6 +42,7 @@ class Fp8Experts(Experts):
 
     fp32_params = ("w13_scale_inv", "w2_scale_inv")
     takes_fp8 = True
+    slot_params = ("w13", "w13_scale_inv", "w2", "w2_scale_inv")
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
                  checkpoint_names: tuple[str, str, str], runner_backend: str, activation_dtype: torch.dtype):
@@ -99,6 +100,12 @@ class Fp8Experts(Experts):
         self.use_cpu_kernel = False
         self._dense = None
         if torch.device(device).type == "cpu":
+            self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
+                           dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
+
+    def _cpu_layout(self) -> None:
+        """After add_slots on the CPU: the dequantized copies cover the new slots too."""
+        if self._dense is not None:
             self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
                            dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
 

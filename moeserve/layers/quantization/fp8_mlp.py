@@ -73,6 +73,26 @@ class Fp8GatedMLP(GatedMLP):
             self._dense = (dequantize_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self.activation_dtype),
                            dequantize_weight(self.down_proj, self.down_proj_scale_inv, self.activation_dtype))
 
+    def expert_slots(self, n: int) -> dict[str, torch.Tensor]:
+        """As GatedMLP.expert_slots, in FP8 with the scales: each slot's gate and up padded to whole blocks like a
+        routed FP8 expert's. The slots' rows (and down's columns) must fall on scale blocks: one slot always does,
+        several only with I / n a multiple of 128 (DeepSeek-V3's 2,048; V2-Lite's 1,408)."""
+        inter, ip = self.intermediate_size // n, self.padded_intermediate
+        if n == 1:
+            return {"w13": self.gate_up_proj.data[None], "w13_scale_inv": self.gate_up_proj_scale_inv.data[None],
+                    "w2": self.down_proj.data[None], "w2_scale_inv": self.down_proj_scale_inv.data[None]}
+        if inter % BLOCK:
+            raise ValueError(f"--enable-shared-experts-fusion with FP8 weights: {n} shared experts of intermediate "
+                             f"{inter} do not split on the 128 x 128 scale blocks (run without the flag)")
+        H, b = self.hidden_size, inter // BLOCK
+        gate, up = self.gate_up_proj.data[:ip].view(n, inter, H), self.gate_up_proj.data[ip:].view(n, inter, H)
+        gs = self.gate_up_proj_scale_inv.data
+        gate_s, up_s = gs[: ip // BLOCK].view(n, b, -1), gs[ip // BLOCK:].view(n, b, -1)
+        hb = self.down_proj_scale_inv.shape[0]
+        return {"w13": torch.cat((gate, up), dim=1), "w13_scale_inv": torch.cat((gate_s, up_s), dim=1),
+                "w2": self.down_proj.data.view(H, n, inter).transpose(0, 1),
+                "w2_scale_inv": self.down_proj_scale_inv.data.view(hb, n, b).transpose(0, 1)}
+
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         inter, H, ip = self.intermediate_size, self.hidden_size, self.padded_intermediate
         ib, hb = num_blocks(inter), num_blocks(H)
