@@ -144,7 +144,13 @@ class MLAttention(nn.Module):
             else:
                 o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots,
                                             meta.decode_bias, self.scale)
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, h, v]
+        if torch.compiler.is_compiling():  # (an out= tensor would make dynamo compile once per batch size)
+            return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        # written straight into [B, h, v] (the o_proj's input, contiguous): the per-head matrices are its strided
+        # [h, B, v] view, so no transpose copy follows
+        out = o_latent.new_empty(o_latent.shape[0], self.num_heads, self.v_dim)
+        torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
 
 def deepseek_gate(config: ModelConfig) -> TopKRouter:
