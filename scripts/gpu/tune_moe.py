@@ -2,7 +2,8 @@
 write the tables the kernels read (moeserve/kernels/moe_config.py), like SGLang's/vLLM's fused-MoE tuning.
 
 For each token count T: random top-k routing over E experts (distinct experts per token, as a gate picks them),
-the contiguous layout moe_route builds, then every candidate launch configuration of the gate/up GEMM (SiLU fused)
+the contiguous layout moe_route builds (the gate/up GEMM reading each pair's row from the tokens, as the
+single-rank dispatcher hands them over), then every candidate launch configuration of the gate/up GEMM (SiLU fused)
 and of the down GEMM, timed with triton.testing.do_bench (median, weights far larger than L2), beside torch's
 grouped GEMM (+ SiLU-and-mul) on the same layout. Prints, per T and op: the best config, its time, the weight
 bytes it streams per second and its TFLOP/s, and torch's time. Where torch wins (bf16), the entry says
@@ -26,10 +27,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from moeserve.core.layouts import gather_rows  # noqa: E402
 from moeserve.kernels.activation import silu_and_mul  # noqa: E402
 from moeserve.kernels.grouped_gemm import grouped_gemm  # noqa: E402
 from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
-from moeserve.kernels.moe_gemm import gemm_op  # noqa: E402
+from moeserve.kernels.moe_gemm import gemm_op, moe_gemm_reference  # noqa: E402
 from moeserve.kernels.moe_route import moe_route  # noqa: E402
 from moeserve.kernels.triton_ops.moe_gemm import moe_gemm  # noqa: E402
 
@@ -56,27 +58,31 @@ def candidates(rows_per_expert: float) -> list[dict]:
 
 
 def layout(T: int, E: int, k: int, H: int, dtype: torch.dtype, gen: torch.Generator):
+    """The tokens and the single-rank dispatcher's plan for them (ep/local.py): the first GEMM reads each pair's
+    row from the tokens (pairs), as at runtime."""
     ids = torch.rand(T, E, generator=gen, device="cuda").topk(k, dim=1).indices  # k distinct experts per token
-    plan = moe_route(ids, E)
-    x = torch.randn(plan.num_rows, H, device="cuda", dtype=dtype, generator=gen)
-    return x, plan.offsets, plan.counts
+    plan = moe_route(ids, E, all_valid=True)
+    x = torch.randn(T, H, device="cuda", dtype=dtype, generator=gen)
+    return x, plan.offsets, plan.counts, plan.src
 
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
-def tune_op(x, w, offsets, counts, silu: bool, T: int) -> tuple[dict, dict]:
+def tune_op(x, w, offsets, counts, silu: bool, T: int, pairs=None, top_k: int = 1) -> tuple[dict, dict]:
+    """pairs: the layout's rows named in x (the first GEMM); the torch baseline gathers them, as its runtime
+    path does (kernels/moe_gemm.py moe_gemm_reference)."""
     E, n_w, K = w.shape
-    rows = x.shape[0]
+    rows = x.shape[0] if pairs is None else pairs.shape[0]
     used = int((counts > 0).sum())
     flops = 2 * rows * n_w * K
     weight_bytes = used * n_w * K * w.element_size()
-    torch_ms = bench(lambda: (silu_and_mul if silu else (lambda y: y))(grouped_gemm(x, w, offsets, counts)))
+    torch_ms = bench(lambda: moe_gemm_reference(x, w, offsets, counts, silu, pairs, top_k))
     best, best_ms = None, float("inf")
     for cfg in candidates(rows / E):
         try:
-            ms = bench(lambda cfg=cfg: moe_gemm(x, w, offsets, counts, silu, cfg))
+            ms = bench(lambda cfg=cfg: moe_gemm(x, w, offsets, counts, silu, cfg, pairs=pairs, top_k=top_k))
         except Exception as e:  # a configuration that does not compile or fit (shared memory): skip it
             print(f"  skip {cfg}: {type(e).__name__}", flush=True)
             continue
@@ -107,11 +113,11 @@ def main() -> int:
     all_stats = []
     start = time.perf_counter()
     for T in ns.tokens:
-        x, offsets, counts = layout(T, E, k, H, dtype, gen)
-        h = silu_and_mul(grouped_gemm(x, w13, offsets, counts))
-        for silu, w, a in ((True, w13, x), (False, w2, h)):
-            entry, stats = tune_op(a, w, offsets, counts, silu, T)
-            tables[gemm_op(silu)][a.shape[0]] = entry
+        x, offsets, counts, pairs = layout(T, E, k, H, dtype, gen)
+        h = silu_and_mul(grouped_gemm(gather_rows(x, pairs, k), w13, offsets, counts))
+        for silu, w, a, p in ((True, w13, x, pairs), (False, w2, h, None)):
+            entry, stats = tune_op(a, w, offsets, counts, silu, T, p, k if p is not None else 1)
+            tables[gemm_op(silu)][stats["rows"]] = entry
             all_stats.append(stats)
             print(f"T {T:5d} {stats['op']:14s} rows {stats['rows']:6d}: triton {stats['triton_ms'] * 1e3:8.1f} us "
                   f"({stats['triton_weight_TBps']:.2f} TB/s of weights, {stats['triton_tflops']:.0f} TFLOP/s) | "
