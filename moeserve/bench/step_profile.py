@@ -23,8 +23,8 @@ import torch
 PARTS: list[tuple[str, str]] = [
     ("attention", r"_mla_decode_|_mla_rope_cache"),  # moeserve's MLA kernels (their names hold "combine", "split")
     ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
-    ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|_select_kernel|index_select|indexSelect|index_put|"
-                 r"scatter|gather|sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
+    ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|_select_kernel|_router_logits|index_select|"
+                 r"indexSelect|index_put|scatter|gather|sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
     ("fp8 quant", r"_quantize_groups_kernel"),  # plain and SiLU-and-mul inputs: one kernel
     ("norms", r"_rms_norm_kernel|rms_norm|RowwiseMoments|norm"),
     ("attention", r"softmax|Softmax|attention|fmha|flash|cutlass_75|bmm|rotary|rope"),

@@ -10,8 +10,9 @@
 #   bs1spy     py-spy over a one-batch decode at batch 1 (256 steps, 3 rounds): where the host's time goes
 #              (py-spy wheel in .whl), folded stacks in $OUT/pyspy_bs1.txt
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
-#              of the kernels changed since (selection, gathered rows, split query, SiLU + FP8 quant), shared-experts
-#              fusion, and greedy parity with transformers on CUDA
+#              of the kernels changed since (selection, gathered rows, split query, SiLU + FP8 quant, extend
+#              attention, SiLU-and-mul, router logits, combine + shared add, tables by expert count), shared-experts
+#              fusion (bf16 and FP8), and greedy parity with transformers on CUDA
 #              a failure stops the run
 #   attn       the CUDA tests of the Triton extend attention and of the models through it (parity with the CPU
 #              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
@@ -43,7 +44,9 @@ pcgtests)
   timeout ${TESTS_S:-240} python3 -m pytest -o addopts="" -q -p no:cacheprovider -x tests/rank/test_piecewise_graph.py \
     tests/rank/test_cuda_graph.py tests/rank/test_overlap.py tests/kernels/test_moe_select.py \
     tests/models/test_shared_experts_fusion.py tests/kernels/test_moe_gemm.py tests/kernels/test_moe_route.py \
-    tests/kernels/test_extend_attention.py tests/kernels/test_mla_decode.py tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
+    tests/kernels/test_extend_attention.py tests/kernels/test_activation.py tests/kernels/test_router_gemm.py \
+    tests/kernels/test_moe_combine.py tests/kernels/test_moe_config.py tests/kernels/test_mla_decode.py \
+    tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
   ;;

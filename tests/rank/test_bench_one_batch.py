@@ -45,6 +45,7 @@ def test_profile_parts_name_the_decode_kernels():
     assert classify("_place_kernel") == "dispatch" and classify("_select_kernel") == "dispatch"
     assert classify("_quantize_groups_kernel") == "fp8 quant"
     assert classify("_extend_attention_kernel") == "attention"
+    assert classify("_router_logits_kernel") == "dispatch"
     assert classify("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13Gemm"
                     "UniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS") == "experts"  # torch._grouped_mm
     assert classify("_rms_norm_kernel") == "norms"

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.moe_select import select_experts
+from moeserve.kernels.router_gemm import router_logits
 from moeserve.layers.weights import WeightSpec
 
 
@@ -46,7 +46,7 @@ class TopKRouter(nn.Module):
         self.append: tuple[int, int] | None = None  # (first slot, n): fused shared experts after the top k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] router logits in float32
+        logits = router_logits(x, self.weight)  # [T, E] router logits in float32 (one kernel on CUDA)
         return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias, append=self.append,
                               **self.variant)
 

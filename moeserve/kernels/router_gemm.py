@@ -1,0 +1,33 @@
+"""The MoE gate's logits in float32 from activations in the model's dtype, in one kernel on GPUs.
+
+    router_logits(x [T, H] (bf16 / fp16 / fp32), w [E, H] float32) -> [T, E] float32 = x W^T, summed in fp32
+
+torch's way, `F.linear(x.float(), w)`, is three kernels at decode sizes (the upcast copy of x, then cuBLAS's fp32
+GEMV in two: the dot and its reduction), each a launch of a few microseconds against less than one of work: the
+Triton kernel (triton_ops/router_gemm.py) reads x in its dtype and multiplies in fp32 (no TF32), one program per
+block of tokens and of experts. It runs for decode-sized batches (up to MAX_TOKENS); prefill-sized ones keep
+cuBLAS, whose fp32 GEMM the launch count does not bound. `router_logits_reference` runs everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.triton_available import use_triton
+
+MAX_TOKENS = 256
+
+
+def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), w.float())
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Module docstring. Triton on CUDA, the reference elsewhere (and under torch.compile)."""
+    if (use_triton(x) and w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
+            and not torch.compiler.is_compiling()):
+        from moeserve.kernels.triton_ops.router_gemm import router_logits as triton_router_logits
+
+        return triton_router_logits(x, w)
+    return router_logits_reference(x, w)
