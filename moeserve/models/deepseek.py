@@ -33,6 +33,7 @@ MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
@@ -81,18 +82,22 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
         self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
+        self._qkv_a: torch.Tensor | None = None  # [q rows; kv_a rows] of x's two projections, one GEMM: at load
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
         T = x.shape[0]
         if T == 0:
             return x.clone()
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj  # x's projections: q (or q's latent)...
+        if self._qkv_a is not None:  # ...and kv_a, in one GEMM
+            q, kv_a = F.linear(x, self._qkv_a).split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q, kv_a = first(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         # cache[loc] = [norm(c_kv) | rope(k_rope)] and q_rope roped, in one kernel on CUDA
         norm = self.kv_a_layernorm
         q_rope = mla_rope_cache(q_rope, c_kv, k_rope, norm.weight, norm.eps, meta.rope, self.rotary.interleaved,
@@ -106,8 +111,25 @@ class MLAttention(nn.Module):
         parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc)."""
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
+        self._qkv_a = self._fuse_qkv_a()
         # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
         self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
+
+    def _fuse_qkv_a(self) -> torch.Tensor | None:
+        """q_proj (or q_a_proj) and kv_a_proj_with_mqa both read x: their weights as one [q rows + kv_a rows, H]
+        matrix, the two parameters becoming views of it (no memory added), as SGLang's fused_qkv_a_proj_with_mqa.
+        Plain weights without bias only (FP8 layers keep their own GEMMs)."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        parts = (first, self.kv_a_proj_with_mqa)
+        if any(type(p)._matmul is not Linear._matmul or p.bias is not None for p in parts):  # a weight format's
+            return None
+        fused = torch.cat([p.weight.data for p in parts])
+        at = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight.data = fused[at:at + n]
+            at += n
+        return fused
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
