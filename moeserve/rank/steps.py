@@ -14,8 +14,11 @@ What stays back to back (the step is resolved before the next is scheduled, or r
   - steps whose sampling has penalties (the next step's sampling would read the token counts); a step's logprobs
     travel to the host with its tokens;
   - a step whose scheduling might retract a request (recomputation needs its tokens): Scheduler.can_schedule_ahead;
-  - a group of several ranks (the leader's tokens are shared on the host), and the expert distribution recorder
-    and rebalancer (they act between passes on host state): overlap is off for the server.
+  - an attention TP group of several ranks (the leader's tokens are shared on the host), and the expert
+    distribution recorder and rebalancer (they act between passes on host state): overlap is off for the server.
+Several ranks of one rank per attention group (DP attention) overlap: each step's header (run_step) is exchanged on
+the host while the device runs the step before, and a rank with nothing to run joins the MoE collectives with an
+IDLE batch, so every rank runs one forward per step in the same order.
 With PD disaggregation the decode side overlaps its decode steps (a request joins the running set once its KV and
 first token arrived: nothing of it is in flight before); a prefill server's steps are prefills, never in flight.
 """
@@ -159,9 +162,9 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
 
 def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None) -> str | None:
     """Why this rank cannot overlap its steps, or None."""
-    if sync is not None and sync.multi:
-        return "several ranks run each step (their tokens are shared on the host)"
-    if runner.expert_recorder is not None:
+    if sync is not None and sync.multi and sync.group_size > 1:
+        return "the ranks of an attention TP group run each step on the leader's tokens, shared on the host"
+    if runner.expert_recorder is not None or runner.rebalancer is not None:
         return "the expert distribution recorder (and the rebalancer) act between passes"
     return None
 
@@ -190,13 +193,16 @@ class StepPipeline:
         """One step; its outputs, the in-flight step's, or both. None when the rank stops."""
         if not self.overlap:
             return run_step(self.scheduler, self.runner, self.sync, stop)
-        if stop:  # the rank stops: the step in flight, if any, is not resolved (nobody reads it)
+        multi = self.sync is not None and self.sync.multi
+        if stop and not multi:  # the rank stops: the step in flight, if any, is not resolved (nobody reads it)
             return None
         prev, self.in_flight = self.in_flight, None
         outs: list[TokenOut] = []
         if prev is not None and not self.scheduler.can_schedule_ahead():
             outs, prev = resolve_step(self.scheduler, prev), None
-        batch = self.scheduler.schedule()
+        batch = None if stop else self.scheduler.schedule()
+        if multi and not self._join_group(batch, stop):
+            return None
         if batch is None:
             return outs + (resolve_step(self.scheduler, prev) if prev is not None else [])
         sampled = self.scheduler.sampling_inputs(batch)
@@ -212,6 +218,23 @@ class StepPipeline:
         else:
             outs += resolve_step(self.scheduler, cur)
         return outs
+
+    def _join_group(self, batch: ScheduledBatch | None, stop: bool) -> bool:
+        """Several ranks (DP attention groups of one rank each): this step's header, as in run_step, while the
+        device may still run the step before. A rank with nothing to run joins the MoE collectives with an IDLE
+        batch. False when some rank stops."""
+        fb = batch.forward if batch is not None else None
+        header = self.sync.exchange_header(fb.num_tokens if fb is not None else 0,
+                                           bool(batch is not None and batch.mode.is_extend), stop)
+        if header.any_stop:
+            return False
+        if fb is not None:
+            fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+        elif any(header.global_num_tokens):
+            idle = ForwardBatch.idle()
+            idle.global_num_tokens, idle.any_extend = header.global_num_tokens, header.any_extend
+            self.runner.forward(idle)
+        return True
 
     def flush(self) -> list[TokenOut]:
         """Resolve the step in flight, if any."""

@@ -110,3 +110,52 @@ def test_abort_while_in_flight(tokenizer):
     assert got["a0"] == want[0]["output_ids"] and got["a2"] == want[2]["output_ids"]
     assert FUTURE_TOKEN not in got["a1"] and got["a1"] == want[1]["output_ids"][:len(got["a1"])]
     _no_lost_pages(on)
+
+
+class _DpGroupRank:
+    """One rank of two DP attention groups (attention TP 1), as rank_sync.RankSync looks to the pipeline: the other
+    group reports `other` tokens at every step."""
+
+    multi, group_size, is_leader = True, 1, True
+
+    def __init__(self, other: int):
+        self.other, self.headers = other, []
+
+    def exchange_header(self, num_tokens, is_extend, stop=False, eplb=0):
+        from moeserve.rank.rank_sync import StepHeader
+
+        self.headers.append(num_tokens)
+        return StepHeader([num_tokens, self.other], is_extend, stop, [0, 0])
+
+    def share_sample(self, sample):
+        return sample
+
+
+def test_dp_attention_ranks_overlap(tokenizer):
+    """A DP attention rank overlaps: one header a step, the step before still in flight; the same tokens as back to
+    back; with nothing of its own it joins the other group's step with an IDLE forward. An attention TP group does
+    not overlap (its ranks share the leader's tokens on the host)."""
+    from moeserve.rank.steps import StepPipeline
+
+    on, off = _engines(tokenizer)
+    group = _DpGroupRank(other=5)
+    on.steps = StepPipeline(on.scheduler, on.runner, group, overlap=True)
+    assert on.steps.overlap
+    prompts = [tokenizer.encode(t) for t in TEXTS[:6]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    got, want = on.run(prompts, params), off.run(prompts, params)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert on.steps.num_overlapped > 5
+    modes = []
+    forward = on.runner.forward
+    on.runner.forward = lambda fb: (modes.append((fb.mode.name, fb.global_num_tokens)), forward(fb))[1]
+    steps_before = len(group.headers)
+    assert on.steps.step() == [] and on.steps.step() == []
+    assert len(group.headers) == steps_before + 2 and modes == [("IDLE", [0, 5])] * 2
+    group.other = 0
+    assert on.steps.step() == [] and len(modes) == 2  # no group has work: nobody runs
+    assert on.steps.step(stop=True) is None and len(group.headers) == steps_before + 4  # the stop goes round too
+    _no_lost_pages(on)
+    tp_group = _DpGroupRank(other=0)
+    tp_group.group_size = 2
+    assert not StepPipeline(on.scheduler, on.runner, tp_group, overlap=True).overlap
