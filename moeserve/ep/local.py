@@ -55,11 +55,14 @@ class LocalDispatcher(Dispatcher):
     def combine_a(self, expert_out: torch.Tensor) -> None:
         self._out = expert_out
 
-    def combine_b(self, add: torch.Tensor | None = None) -> torch.Tensor:
+    def combine_b(self) -> torch.Tensor:
+        return self._combine(None)
+
+    def combine_b_plus(self, add: torch.Tensor) -> torch.Tensor:
+        return self._combine(add)
+
+    def _combine(self, add: torch.Tensor | None) -> torch.Tensor:
         """[T, H] = sum_k w[t, k] * expert_out[row(t, k)] (+ add), summed in float32, returned in x's dtype."""
         y = moe_combine(self._out, self._rows, self._weights, self._x.dtype, add=add)
         self._reset()
         return y
-
-    def combine_b_plus(self, add: torch.Tensor) -> torch.Tensor:
-        return self.combine_b(add)
