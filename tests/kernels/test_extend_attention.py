@@ -63,6 +63,19 @@ def test_extend_attention_matches_reference(dtype, ext, seq_lens, hq, hkv, d, dv
     torch.testing.assert_close(got.cpu().double(), ref, atol=tol, rtol=tol)
 
 
+def test_wide_addresses(device):
+    """The 64-bit key addressing (taken where the keys span 2^31 elements) gives the same values."""
+    from moeserve.kernels.triton_ops.extend_attention import extend_attention
+
+    ext, seq_lens = [9, 20], [30, 20]
+    q, k, v, q_rope, k_rope = _case(ext, seq_lens, 4, 2, 16, 16, 8, torch.float32, 4)
+    seqs = extend_seqs(ext, seq_lens, device)
+    args = (*(t.to(device) for t in (q, k, v)), seqs, 20, 0.3, q_rope.to(device), k_rope.to(device))
+    torch.testing.assert_close(extend_attention(*args, config=(16, 16, 4, 1), wide=True).cpu(),
+                               extend_attention_reference(q, k, v, seqs.cpu(), 20, 0.3, q_rope, k_rope),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_rope_key_per_head(device):
     from moeserve.kernels.triton_ops.extend_attention import extend_attention
 

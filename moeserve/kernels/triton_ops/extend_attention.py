@@ -24,25 +24,28 @@ LOG2E = 1.4426950408889634
 def _attend_blocks(acc, m_i, l_i, q, q_r, k_ptr, kr_ptr, v_ptr, pos, lo, hi, window, scale_log2, stride_kt, stride_krt,
                    stride_vt, cd, cr, cv, D: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   WIDE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Keys [lo, hi) of one request into the running (acc, m_i, l_i); lo a multiple of BLOCK_N."""
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
+        rows = offs
+        if WIDE:  # 64-bit addresses: 128 heads x 256 columns pass 2^31 elements beyond 65k keys
+            rows = offs.to(tl.int64)
         if MASKED:
             nm = offs < hi
-            k = tl.load(k_ptr + offs[None, :] * stride_kt + cd[:, None], mask=nm[None, :] & (cd < D)[:, None],
+            k = tl.load(k_ptr + rows[None, :] * stride_kt + cd[:, None], mask=nm[None, :] & (cd < D)[:, None],
                         other=0.0)  # [BLOCK_D, BLOCK_N]
         else:
-            k = tl.load(k_ptr + offs[None, :] * stride_kt + cd[:, None], mask=(cd < D)[:, None], other=0.0)
+            k = tl.load(k_ptr + rows[None, :] * stride_kt + cd[:, None], mask=(cd < D)[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, k, input_precision=PRECISION)
         if HAS_ROPE:
             if MASKED:
-                kr = tl.load(kr_ptr + offs[None, :] * stride_krt + cr[:, None],
+                kr = tl.load(kr_ptr + rows[None, :] * stride_krt + cr[:, None],
                              mask=nm[None, :] & (cr < R)[:, None], other=0.0)
             else:
-                kr = tl.load(kr_ptr + offs[None, :] * stride_krt + cr[:, None], mask=(cr < R)[:, None], other=0.0)
+                kr = tl.load(kr_ptr + rows[None, :] * stride_krt + cr[:, None], mask=(cr < R)[:, None], other=0.0)
             if UPCAST:
                 kr = kr.to(tl.float32)
             qk += tl.dot(q_r, kr, input_precision=PRECISION)
@@ -58,10 +61,10 @@ def _attend_blocks(acc, m_i, l_i, q, q_r, k_ptr, kr_ptr, v_ptr, pos, lo, hi, win
         p = tl.math.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
-            vv = tl.load(v_ptr + offs[:, None] * stride_vt + cv[None, :], mask=nm[:, None] & (cv < DV)[None, :],
+            vv = tl.load(v_ptr + rows[:, None] * stride_vt + cv[None, :], mask=nm[:, None] & (cv < DV)[None, :],
                          other=0.0)
         else:
-            vv = tl.load(v_ptr + offs[:, None] * stride_vt + cv[None, :], mask=(cv < DV)[None, :], other=0.0)
+            vv = tl.load(v_ptr + rows[:, None] * stride_vt + cv[None, :], mask=(cv < DV)[None, :], other=0.0)
         if UPCAST:
             vv = vv.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PRECISION)
@@ -76,7 +79,8 @@ def _extend_attention_kernel(q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, o_ptr, seqs_pt
                              GROUP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROPE: tl.constexpr,
-                             WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                             WINDOW: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr,
+                             UPCAST: tl.constexpr):
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -120,10 +124,10 @@ def _extend_attention_kernel(q_ptr, qr_ptr, k_ptr, kr_ptr, v_ptr, o_ptr, seqs_pt
     free = tl.maximum(free, lo)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, q_r, k_ptr, kr_ptr, v_ptr, pos, lo, free, window,
                                    scale_log2, stride_kt, stride_krt, stride_vt, cd, cr, cv, D, R, DV, BLOCK_N, HAS_ROPE,
-                                   False, WINDOW, PRECISION, UPCAST)
+                                   False, WINDOW, WIDE, PRECISION, UPCAST)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, q_r, k_ptr, kr_ptr, v_ptr, pos, free, hi, window,
                                    scale_log2, stride_kt, stride_krt, stride_vt, cd, cr, cv, D, R, DV, BLOCK_N, HAS_ROPE,
-                                   True, WINDOW, PRECISION, UPCAST)
+                                   True, WINDOW, WIDE, PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + cv[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mm[:, None] & (cv < DV)[None, :])
@@ -146,9 +150,10 @@ def default_config(d: int, r: int, dv: int, dtype: torch.dtype, max_extend: int)
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, max_extend: int,
                      scale: float, q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None,
                      sliding_window: int | None = None,
-                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int, int] | None = None, wide: bool | None = None) -> torch.Tensor:
     """Same signature as moeserve.kernels.extend_attention.extend_attention_reference (plus the launch
-    configuration: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    configuration: BLOCK_M, BLOCK_N, num_warps, num_stages; and wide: 64-bit key addresses, by default where the
+    keys span 2^31 elements)."""
     T, Hq, D = q.shape
     S, Hkv, DV = v.shape
     has_rope = q_rope is not None
@@ -176,6 +181,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: to
             k.stride(0), k.stride(1), kr.stride(0), kr_head, v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             GROUP=Hq // Hkv, D=D, R=R, DV=DV, BLOCK_D=bd, BLOCK_R=br, BLOCK_DV=bdv, BLOCK_M=bm, BLOCK_N=bn,
             HAS_ROPE=has_rope, WINDOW=sliding_window is not None,
+            WIDE=wide if wide is not None else max(S * k.stride(0), S * v.stride(0), S * kr.stride(0)) >= 2**31,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=not q.is_cuda and q.dtype != torch.float32,  # only under TRITON_INTERPRET (CPU tensors)
             num_warps=warps, num_stages=stages)
