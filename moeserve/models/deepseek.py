@@ -32,12 +32,14 @@ MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
 from moeserve.kernels import cpu_mla_decode
+from moeserve.kernels.fp8_quant import BLOCK
 from moeserve.kernels.mla_decode import mla_decode
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.triton_available import use_triton
@@ -45,6 +47,7 @@ from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decod
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.quantization.fp8_linear import Fp8ColumnParallelLinear, Fp8Linear
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
@@ -82,7 +85,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
         self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
-        self._qkv_a: torch.Tensor | None = None  # [q rows; kv_a rows] of x's two projections, one GEMM: at load
+        self._qkv_a: Callable[[torch.Tensor], torch.Tensor] | None = None  # x's two projections in one GEMM: at load
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
@@ -91,7 +94,7 @@ class MLAttention(nn.Module):
             return x.clone()
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj  # x's projections: q (or q's latent)...
         if self._qkv_a is not None:  # ...and kv_a, in one GEMM
-            q, kv_a = F.linear(x, self._qkv_a).split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
+            q, kv_a = self._qkv_a(x).split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         else:
             q, kv_a = first(x), self.kv_a_proj_with_mqa(x)
         if self.q_lora_rank is not None:
@@ -111,25 +114,37 @@ class MLAttention(nn.Module):
         parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc)."""
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
-        self._qkv_a = self._fuse_qkv_a()
+        self._qkv_a = self._fuse_qkv_a(device)
         # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
         self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
 
-    def _fuse_qkv_a(self) -> torch.Tensor | None:
+    def _fuse_qkv_a(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """q_proj (or q_a_proj) and kv_a_proj_with_mqa both read x: their weights as one [q rows + kv_a rows, H]
-        matrix, the two parameters becoming views of it (no memory added), as SGLang's fused_qkv_a_proj_with_mqa.
-        Plain weights without bias only (FP8 layers keep their own GEMMs)."""
+        matrix, the two layers' parameters becoming views of it (no memory added), as SGLang's
+        fused_qkv_a_proj_with_mqa: one GEMM, and with FP8 one quantization of x. Plain weights, or FP8 ones whose
+        q rows are whole 128-blocks (so the scale blocks concatenate too); no bias. The fused layer's matmul, or
+        None where the two run apart."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         parts = (first, self.kv_a_proj_with_mqa)
-        if any(type(p)._matmul is not Linear._matmul or p.bias is not None for p in parts):  # a weight format's
+        plain = all(type(p)._matmul is Linear._matmul for p in parts)
+        fp8 = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in parts) and first.out_features % BLOCK == 0
+        if not (plain or fp8) or any(p.bias is not None for p in parts):
             return None
-        fused = torch.cat([p.weight.data for p in parts])
-        at = 0
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight.data = fused[at:at + n]
-            at += n
-        return fused
+        names = ("weight",) if plain else ("weight", "weight_scale_inv")
+        with torch.device("meta"):
+            fused = (Linear if plain else Fp8Linear)(first.in_features, sum(p.out_features for p in parts), **(
+                {} if plain else {"activation_dtype": first.activation_dtype}))
+        for name in names:
+            whole = torch.cat([getattr(p, name).data for p in parts])
+            setattr(fused, name, nn.Parameter(whole, requires_grad=False))
+            at = 0
+            for p in parts:
+                n = getattr(p, name).shape[0]
+                getattr(p, name).data = whole[at:at + n]
+                at += n
+        if not plain:
+            fused.process_weights_after_loading(device)
+        return fused._matmul  # a bound method: the fused layer is not a submodule (its weights are counted once)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
