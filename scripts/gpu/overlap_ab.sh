@@ -46,7 +46,7 @@ pcgtests)
     tests/models/test_shared_experts_fusion.py tests/kernels/test_moe_gemm.py tests/kernels/test_moe_route.py \
     tests/kernels/test_extend_attention.py tests/kernels/test_activation.py tests/kernels/test_router_gemm.py \
     tests/kernels/test_moe_combine.py tests/kernels/test_moe_config.py tests/kernels/test_mla_decode.py \
-    tests/kernels/test_fp8_kernels.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
+    tests/kernels/test_fp8_kernels.py tests/models/test_mla_projections.py tests/models/test_gpu.py -k "not v2_lite_dummy" 2>&1 \
     | grep -vE "^\s*$|it/s\]" | tail -40 | tee "$OUT/pcgtests.log"
   grep -qE "[0-9]+ passed" "$OUT/pcgtests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/pcgtests.log" || exit 1
   ;;

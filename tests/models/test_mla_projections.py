@@ -55,3 +55,20 @@ def test_fp8_fuses_on_whole_blocks(fp8_checkpoint, tmp_path):
         _check_views(a, ("weight", "weight_scale_inv"))
     plain = _unfused(Runner(str(tmp_path), load_format="dummy", random_seed=5))
     torch.testing.assert_close(fused.extend(PROMPTS), plain.extend(PROMPTS), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("q_lora_rank", [None, 128])
+def test_fused_on_cuda(fp8_checkpoint, tmp_path, q_lora_rank):
+    """The block-FP8 GEMM over the fused weights (with a partial last block: 128 + 160 rows), in bf16 on CUDA."""
+    config = json.loads(open(f"{fp8_checkpoint[0]}/config.json").read())
+    config["q_lora_rank"] = q_lora_rank
+    if q_lora_rank is None:
+        config.pop("quantization_config")  # plain weights, q_proj
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runs = []
+    for fuse in (True, False):
+        r = Runner(str(tmp_path), load_format="dummy", random_seed=5, dtype="bfloat16", device="cuda")
+        assert all(a._qkv_a is not None for a in _attns(r))
+        runs.append((r if fuse else _unfused(r)).extend(PROMPTS))
+    torch.testing.assert_close(runs[0], runs[1], atol=3e-2, rtol=3e-2)
