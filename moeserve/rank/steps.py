@@ -38,7 +38,7 @@ from moeserve.rank.scheduled_batch import ScheduledBatch
 
 if TYPE_CHECKING:
     from moeserve.rank.model_runner import ModelRunner
-    from moeserve.rank.rank_sync import RankSync
+    from moeserve.rank.rank_sync import RankSync, StepHeader
     from moeserve.rank.request import Req
     from moeserve.rank.scheduler import Scheduler
 
@@ -135,19 +135,13 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
     eplb = runner.rebalancer
     if sync is not None and sync.multi:
         batch = None if stop else scheduler.schedule()
-        num_tokens = batch.forward.num_tokens if batch else 0
-        header = sync.exchange_header(num_tokens, bool(batch and batch.mode.is_extend), stop,
-                                      eplb.status() if eplb is not None else 0)
+        header = group_header(sync, batch, stop, eplb.status() if eplb is not None else 0)
         if header.any_stop:
             return None
         if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
             eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
-        if not any(header.global_num_tokens):
-            return []
-        fb = batch.forward if batch else ForwardBatch.idle()
-        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
         if batch is None:
-            runner.forward(fb)  # join the MoE collectives with no tokens
+            join_idle(runner, header)
             return []
     else:
         if stop:
@@ -158,6 +152,24 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
         if batch is None:
             return []
     return resolve_step(scheduler, launch_step(scheduler, runner, batch), sync)
+
+
+def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb: int = 0) -> StepHeader:
+    """Several ranks: this step's header, exchanged by all; the batch (if any) learns every group's tokens."""
+    fb = batch.forward if batch is not None else None
+    header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
+                                  bool(batch is not None and batch.mode.is_extend), stop, eplb)
+    if fb is not None:
+        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+    return header
+
+
+def join_idle(runner: ModelRunner, header: StepHeader) -> None:
+    """A rank with nothing to run joins the MoE collectives with an IDLE batch, when some other group runs."""
+    if any(header.global_num_tokens):
+        fb = ForwardBatch.idle()
+        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+        runner.forward(fb)
 
 
 def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None) -> str | None:
@@ -201,8 +213,12 @@ class StepPipeline:
         if prev is not None and not self.scheduler.can_schedule_ahead():
             outs, prev = resolve_step(self.scheduler, prev), None
         batch = None if stop else self.scheduler.schedule()
-        if multi and not self._join_group(batch, stop):
-            return None
+        if multi:  # the header goes round while the device may still run the step before
+            header = group_header(self.sync, batch, stop)
+            if header.any_stop:
+                return None
+            if batch is None:
+                join_idle(self.runner, header)
         if batch is None:
             return outs + (resolve_step(self.scheduler, prev) if prev is not None else [])
         sampled = self.scheduler.sampling_inputs(batch)
@@ -218,23 +234,6 @@ class StepPipeline:
         else:
             outs += resolve_step(self.scheduler, cur)
         return outs
-
-    def _join_group(self, batch: ScheduledBatch | None, stop: bool) -> bool:
-        """Several ranks (DP attention groups of one rank each): this step's header, as in run_step, while the
-        device may still run the step before. A rank with nothing to run joins the MoE collectives with an IDLE
-        batch. False when some rank stops."""
-        fb = batch.forward if batch is not None else None
-        header = self.sync.exchange_header(fb.num_tokens if fb is not None else 0,
-                                           bool(batch is not None and batch.mode.is_extend), stop)
-        if header.any_stop:
-            return False
-        if fb is not None:
-            fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
-        elif any(header.global_num_tokens):
-            idle = ForwardBatch.idle()
-            idle.global_num_tokens, idle.any_extend = header.global_num_tokens, header.any_extend
-            self.runner.forward(idle)
-        return True
 
     def flush(self) -> list[TokenOut]:
         """Resolve the step in flight, if any."""

@@ -13,15 +13,22 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in up's dtype, rounded as torch's two ops round it: silu in fp32, rounded to the dtype,
+    then the product. (Also the FP8 quantizer's SiLU-and-mul input, triton_ops/fp8_quant.py.)"""
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(up.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # silu in fp32, rounded to the activations' dtype
-    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _KERNEL = DirectLauncher(_silu_and_mul_kernel)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, num_blocks
+from moeserve.kernels.triton_ops.activation import silu_mul
 
 
 @triton.jit
@@ -24,10 +25,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, strid
     ok = cols < K
     v = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0)
     if SILU:
-        up = tl.load(x_ptr + row * stride_xm + K + cols, mask=ok, other=0.0)
-        gf = v.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(v.dtype)  # F.silu, in x's dtype
-        v = (act.to(tl.float32) * up.to(tl.float32)).to(v.dtype)  # * up, in x's dtype
+        v = silu_mul(v, tl.load(x_ptr + row * stride_xm + K + cols, mask=ok, other=0.0))  # in x's dtype
     x = v.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) / QMAX
     q = tl.clamp(x / scale, -QMAX, QMAX)

@@ -100,14 +100,12 @@ class Fp8Experts(Experts):
         self.use_cpu_kernel = False
         self._dense = None
         if torch.device(device).type == "cpu":
-            self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
-                           dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
+            self._cpu_layout()
 
     def _cpu_layout(self) -> None:
-        """After add_slots on the CPU: the dequantized copies cover the new slots too."""
-        if self._dense is not None:
-            self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
-                           dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
+        """The CPU's dequantized copies (after loading, and again after add_slots: they cover the new slots)."""
+        self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
+                       dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         """Every expert's three weights and their scales; those of experts this rank does not hold are expected but
