@@ -32,6 +32,9 @@ PARTS: list[tuple[str, str]] = [
 ]
 
 
+TOP = 4  # kernels listed under each part, by time
+
+
 def classify(name: str) -> str:
     for part, pattern in PARTS:
         if re.search(pattern, name):
@@ -85,10 +88,13 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
         wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
     parts: dict[str, float] = defaultdict(float)
     misses: dict[str, float] = defaultdict(float)
+    named: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))  # part: name: [ms, n]
     kernels = _kernel_events(prof)
     for name, us in kernels:
         part = classify(name)
         parts[part] += us / 1e3 / num_steps
+        named[part][name][0] += us / 1e3 / num_steps
+        named[part][name][1] += 1 / num_steps
         if part == "other":
             misses[name] += us / 1e3 / num_steps
     device_ms = sum(parts.values())
@@ -103,6 +109,8 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
     return {"step_ms": wall_ms, "device_ms": device_ms, "host_ms": max(wall_ms - device_ms, 0.0),
             "kernels_per_step": len(kernels) / num_steps, "parts_ms": dict(parts),
             "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8]),
+            "top": {part: sorted(([n, ms, calls] for n, (ms, calls) in names.items()), key=lambda r: -r[1])[:TOP]
+                    for part, names in named.items() if part != "other"},
             "host_waits": dict(sorted(waits.items(), key=lambda kv: -kv[1][1]))}
 
 
@@ -113,6 +121,8 @@ def format_table(label: str, r: dict) -> str:
     for part in dict.fromkeys([p for p, _ in PARTS] + ["other"]):  # (a part may have several rules)
         ms = r["parts_ms"].get(part, 0.0)
         lines.append(f"  {part:12s} {ms:8.3f} ms  {100 * ms / max(r['step_ms'], 1e-9):5.1f}%")
+        for name, kms, calls in r.get("top", {}).get(part, []):
+            lines.append(f"      {kms:8.3f} ms x{calls:<4.0f} {name[:96]}")
     lines.append(f"  {'host':12s} {r['host_ms']:8.3f} ms  {100 * r['host_ms'] / max(r['step_ms'], 1e-9):5.1f}%"
                  "  (wall time the device was not running kernels)")
     for name, (calls, ms) in r.get("host_waits", {}).items():

@@ -4,9 +4,10 @@
 
 torch's way, `F.linear(x.float(), w)`, is three kernels at decode sizes (the upcast copy of x, then cuBLAS's fp32
 GEMV in two: the dot and its reduction), each a launch of a few microseconds against less than one of work: the
-Triton kernel (triton_ops/router_gemm.py) reads x in its dtype and multiplies in fp32 (no TF32), one program per
-block of tokens and of experts. It runs for decode-sized batches (up to MAX_TOKENS); prefill-sized ones keep
-cuBLAS, whose fp32 GEMM the launch count does not bound. `router_logits_reference` runs everywhere else.
+Triton kernel (triton_ops/router_gemm.py) reads x in its dtype and multiplies in fp32 (no TF32) on the CUDA cores,
+about a hundred programs sharing the experts and tokens. It runs where the work is small (T x E x H up to
+MAX_WORK multiply-adds: V2-Lite's gate up to 256 tokens, V3's up to 32); larger ones keep cuBLAS, whose fp32 GEMM
+the launch count does not bound. `router_logits_reference` runs everywhere else.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from moeserve.kernels.triton_available import use_triton
 
-MAX_TOKENS = 256
+MAX_WORK = 1 << 26
 
 
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -25,7 +26,7 @@ def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Module docstring. Triton on CUDA, the reference elsewhere (and under torch.compile)."""
-    if (use_triton(x) and w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_TOKENS
+    if (use_triton(x) and w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] * w.shape[0] * w.shape[1] <= MAX_WORK
             and not torch.compiler.is_compiling()):
         from moeserve.kernels.triton_ops.router_gemm import router_logits as triton_router_logits
 

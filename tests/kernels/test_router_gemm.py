@@ -10,7 +10,7 @@ from moeserve.kernels.router_gemm import router_logits_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,E,H", [(1, 64, 256), (5, 8, 64), (40, 20, 200), (300, 16, 96)])
+@pytest.mark.parametrize("T,E,H", [(1, 64, 256), (5, 8, 64), (40, 20, 200), (300, 16, 96), (16, 64, 512), (4, 64, 2048)])
 def test_router_logits_match_reference(dtype, T, E, H, device):
     from moeserve.kernels.triton_ops.router_gemm import router_logits
 

@@ -56,8 +56,10 @@ def test_profile_parts_name_the_decode_kernels():
     assert classify("vectorized_elementwise_kernel") == "other"
     table = format_table("decode step at batch 64", {
         "step_ms": 10.0, "device_ms": 8.0, "host_ms": 2.0, "kernels_per_step": 100,
-        "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0}})
+        "parts_ms": {"experts": 5.0, "other": 3.0}, "other_top": {"elementwise": 3.0},
+        "top": {"experts": [["_moe_gemm_kernel", 4.5, 52], ["nvjet_grouped", 0.5, 2]]}})
     assert "experts" in table and "50.0%" in table and "host" in table and "20.0%" in table
+    assert "4.500 ms x52   _moe_gemm_kernel" in table  # each part's kernels by time, under it
     assert table.count("attention") == 1
 
 
