@@ -9,6 +9,8 @@ grouped GEMM (+ SiLU-and-mul) on the same layout. Prints, per T and op: the best
 bytes it streams per second and its TFLOP/s, and torch's time. Where torch wins (bf16), the entry says
 {"backend": "torch"}.
 
+Tuning some token counts (--tokens) replaces those rows of an existing table and keeps the others.
+
 Run on the GPU machine:
     python3 scripts/gpu/tune_moe.py --model benchmarks/configs/deepseek-v2-lite [--tokens 1 64 256 ...]
 """
@@ -128,6 +130,8 @@ def main() -> int:
         K = H if op == gemm_op(True) else inter
         path = config_file(op, E, N, K, dtype, device_name())
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
+        table = {**kept, **table}  # the rows tuned now replace theirs; the table's other rows stay
         path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
         print(f"wrote {path}")
     if ns.stats:

@@ -3,9 +3,10 @@ in blocks, loading its tokens' x (upcast in registers) and its experts' fp32 wei
 fp32 on the CUDA cores (IEEE: no TF32 rounding of the weights).
 
 At decode sizes the work is a few million multiply-adds, so the time is latency: how many programs run at once and
-how many loop steps each waits on. The blocks are picked so that about `PROGRAMS` programs share the work (one
-expert a program at batch 1, whole H in one or two steps), each a [BLOCK_T, BLOCK_E, BLOCK_H] product summed over
-H, where a `tl.dot` tile (16 rows at least) would leave most of the GPU idle and loop over H in small steps."""
+how many loop steps each waits on. A program takes one expert and a quarter of the tokens (up to 16), and sums a
+[BLOCK_T, 1, BLOCK_H] product over H in steps of TILE / BLOCK_T, so V2-Lite's gate at batch 1 is 64 programs of one
+step each. A `tl.dot` tile (16 rows at least) left most of the GPU idle and looped over H in small steps; larger
+expert blocks measured slower too (scripts/gpu/bench_router.py on an H200)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import triton.language as tl
 
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
-PROGRAMS = 128  # about one a streaming multiprocessor on an H100 / H200 (132)
 TILE = 8192  # elements of a program's [BLOCK_T, BLOCK_E, BLOCK_H] product: 64 a thread at 4 warps
 
 
@@ -40,15 +40,10 @@ _KERNEL = DirectLauncher(_router_logits_kernel)
 
 
 def blocks(T: int, E: int, H: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_H): tokens in blocks (up to 32) and then experts in groups until about PROGRAMS
-    programs remain (one token and one expert a program while there are fewer), H in steps that fill a
-    TILE-element product."""
-    T = max(T, 1)
-    block_t = min(triton.next_power_of_2(triton.cdiv(T * E, PROGRAMS)), triton.next_power_of_2(T), 32)
-    share = E * triton.cdiv(T, block_t) // PROGRAMS  # experts a program for about PROGRAMS programs
-    block_e = min(1 << max(share.bit_length() - 1, 0), 16, triton.next_power_of_2(E))  # (a power of 2, at most share)
-    block_h = max(min(TILE // (block_t * block_e), triton.next_power_of_2(H)), 16)
-    return block_t, block_e, block_h
+    """(BLOCK_T, BLOCK_E, BLOCK_H): a quarter of the tokens a program (1 to 16), one expert, H in steps that fill
+    a TILE-element product. (E is the caller's; the choice does not depend on it.)"""
+    block_t = min(max(triton.next_power_of_2(max(T, 1)) // 4, 1), 16)
+    return block_t, 1, max(min(TILE // block_t, triton.next_power_of_2(H)), 16)
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] | None = None) -> torch.Tensor:
