@@ -65,6 +65,11 @@ def packed_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[
     return out
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """t is on `device` ('cuda' without an index: any GPU is)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
 @dataclass
 class ForwardBatch:
     """One step's input on one rank. Shapes: T new tokens, B requests."""
@@ -109,11 +114,12 @@ class ForwardBatch:
         """Move the tensors to the device (non-blocking); host lists stay. To a GPU they travel in one copy."""
         device = torch.device(device)
         moved = {name: getattr(self, name) for name in DEVICE_FIELDS}
-        host = {name: t for name, t in moved.items() if t is not None and t.device != device}
-        if device.type == "cuda" and len(host) > 1:
-            moved.update(packed_copy(host, device))
-        else:
-            moved.update({name: t.to(device, non_blocking=True) for name, t in host.items()})
+        elsewhere = {name: t for name, t in moved.items() if t is not None and not _on(t, device)}
+        packed = {name: t for name, t in elsewhere.items() if t.device.type == "cpu"} if device.type == "cuda" else {}
+        if len(packed) > 1:
+            moved.update(packed_copy(packed, device))
+        moved.update({name: t.to(device, non_blocking=True) for name, t in elsewhere.items()
+                      if len(packed) <= 1 or name not in packed})
         return _replace(self, **moved)
 
     @staticmethod
