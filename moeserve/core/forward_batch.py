@@ -116,10 +116,10 @@ class ForwardBatch:
         moved = {name: getattr(self, name) for name in DEVICE_FIELDS}
         elsewhere = {name: t for name, t in moved.items() if t is not None and not _on(t, device)}
         packed = {name: t for name, t in elsewhere.items() if t.device.type == "cpu"} if device.type == "cuda" else {}
-        if len(packed) > 1:
-            moved.update(packed_copy(packed, device))
-        moved.update({name: t.to(device, non_blocking=True) for name, t in elsewhere.items()
-                      if len(packed) <= 1 or name not in packed})
+        if len(packed) < 2:  # (one tensor: a plain copy)
+            packed = {}
+        moved.update(packed_copy(packed, device) if packed else {})
+        moved.update({name: t.to(device, non_blocking=True) for name, t in elsewhere.items() if name not in packed})
         return _replace(self, **moved)
 
     @staticmethod
@@ -151,7 +151,7 @@ class ForwardBatch:
         kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=i64), 0)
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.from_numpy(np.fromiter(input_ids, dtype=np.int64, count=len(input_ids))),  # (3x torch.tensor's speed)
+            input_ids=torch.from_numpy(np.fromiter(input_ids, dtype=np.int64, count=len(input_ids))),  # 3x tensor()
             positions=positions,
             seq_lens=torch.tensor(seq_lens, dtype=i64),
             extend_lens=ext,

@@ -7,7 +7,8 @@ GEMV in two: the dot and its reduction), each a launch of a few microseconds aga
 Triton kernel (triton_ops/router_gemm.py) reads x in its dtype and multiplies in fp32 (no TF32) on the CUDA cores,
 a program for each expert and block of tokens. It runs where the work is small (T x E x H under MAX_WORK
 multiply-adds: V2-Lite's gate up to 64 tokens, V2's up to 16, V3's up to 8), where it measured 1.4-3.5x faster
-than torch's three kernels in CUDA graphs; larger ones keep cuBLAS, whose fp32 GEMM it does not beat there. `router_logits_reference` runs everywhere else.
+than torch's three kernels in CUDA graphs; larger ones keep cuBLAS, whose fp32 GEMM it does not beat there.
+`router_logits_reference` runs everywhere else.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Module docstring. Triton on CUDA, the reference elsewhere (and under torch.compile)."""
-    if (use_triton(x) and w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] * w.shape[0] * w.shape[1] < MAX_WORK
-            and not torch.compiler.is_compiling()):
+    if (use_triton(x) and w.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] * w.shape[0] * w.shape[1] < MAX_WORK and not torch.compiler.is_compiling()):
         from moeserve.kernels.triton_ops.router_gemm import router_logits as triton_router_logits
 
         return triton_router_logits(x, w)
