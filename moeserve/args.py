@@ -144,8 +144,8 @@ class ServerArgs:
     enable_shared_experts_fusion: bool = _flag(
         False, "Run the shared experts as routed experts that every token picks with weight 1, in the same grouped "
         "GEMMs (one expert per moe_intermediate_size of the shared MLP): four fewer kernels a layer, and the shared "
-        "weights read by the grouped GEMM. One EP rank, no EPLB; FP8 weights where the shared experts split on the "
-        "128 x 128 scale blocks.")
+        "weights read by the grouped GEMM; steps of 512 tokens or more run them apart as a dense MLP on the same "
+        "weights. One EP rank, no EPLB; FP8 weights where the shared experts split on the 128 x 128 scale blocks.")
     init_expert_location: str = _flag(
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")

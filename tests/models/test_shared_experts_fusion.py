@@ -39,6 +39,37 @@ def test_fused_equals_unfused(tiny_checkpoint, name, backend):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
 
 
+@pytest.mark.parametrize("name", ["v2_lite", "v3_groups"])
+@pytest.mark.parametrize("apart_from", [1, 8])
+def test_fused_slots_run_apart_at_prefill_sizes(tiny_checkpoint, name, apart_from):
+    """From shared_apart_from tokens a step (SHARED_APART_TOKENS at prefill sizes) the fused slots run apart as a
+    dense MLP on their own weights, not routed: the same tokens and logprobs as unfused, with steps of both kinds
+    (apart_from 8: the prefills apart, the decodes of 4 routed) or all apart (1)."""
+    from moeserve.layers.moe.layer import SHARED_APART_TOKENS
+
+    path = tiny_checkpoint(name)
+    prompts = _prompts(5, [3, 17, 40, 9])
+    plain = InProcessEngine(model_path=path, dtype="float32", device="cpu").run(prompts, GREEDY, return_logprob=True)
+    eng = InProcessEngine(model_path=path, dtype="float32", device="cpu", enable_shared_experts_fusion=True)
+    apart, routed = [], []
+    for m in eng.runner.model.moe_layers():
+        assert m.shared_apart_from == SHARED_APART_TOKENS
+        m.shared_apart_from = apart_from
+        route = m.route
+
+        def spy(x, route=route, k=m.top_k):
+            ids, w = route(x)
+            (apart if ids.shape[1] == k else routed).append(x.shape[0])
+            return ids, w
+        m.route = spy
+    fused = eng.run(prompts, GREEDY, return_logprob=True)
+    assert apart and all(t >= apart_from for t in apart) and all(t < apart_from for t in routed)
+    assert bool(routed) == (apart_from > 4)
+    assert [r["output_ids"] for r in fused] == [r["output_ids"] for r in plain]
+    for a, b in zip(fused, plain, strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
 def test_concatenated_shared_slots(tiny_checkpoint):
     """Where a slot map sits between the gate and the dispatch (a placement file), the layer appends the shared
     slots itself: the same tokens as the gate appending them."""
@@ -100,6 +131,7 @@ def test_fp8_fused_equals_unfused(fp8_checkpoint):
         for m in eng.runner.model.moe_layers():
             assert (m.shared_experts is None) == fused
             assert m.experts.w13_scale_inv.shape[0] == m.experts.w13.shape[0] == m.experts.num_local_experts + fused
+            assert m.shared_apart_from is None  # FP8 slots stay in the grouped GEMM at every size
     assert [r["output_ids"] for r in runs[True]] == [r["output_ids"] for r in runs[False]]
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
@@ -134,14 +166,21 @@ def test_fp8_slots_split_on_blocks():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fused_equals_unfused_on_cuda(tiny_checkpoint):
-    """The Triton grouped GEMMs, routing and combine with the fused slots, under decode and piecewise graphs."""
+@pytest.mark.parametrize("apart_from", [None, 64])
+def test_fused_equals_unfused_on_cuda(tiny_checkpoint, apart_from):
+    """The Triton grouped GEMMs, routing and combine with the fused slots, under decode and piecewise graphs;
+    apart_from 64: the prefill steps run the slots apart (captured so in the piecewise graphs), the decodes routed."""
     path = tiny_checkpoint("v2_lite")
     prompts = _prompts(6, [5, 33, 12, 70])
-    runs = [InProcessEngine(model_path=path, dtype="float32", device="cuda", max_total_tokens=4096,
-                            cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=256,
-                            enable_shared_experts_fusion=fused).run(prompts, GREEDY, return_logprob=True)
-            for fused in (False, True)]
+    runs = []
+    for fused in (False, True):
+        eng = InProcessEngine(model_path=path, dtype="float32", device="cuda", max_total_tokens=4096,
+                              cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=256,
+                              enable_shared_experts_fusion=fused)
+        if fused and apart_from is not None:
+            for m in eng.runner.model.moe_layers():
+                m.shared_apart_from = apart_from
+        runs.append(eng.run(prompts, GREEDY, return_logprob=True))
     assert [r["output_ids"] for r in runs[1]] == [r["output_ids"] for r in runs[0]]
     for a, b in zip(runs[1], runs[0], strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)

@@ -30,6 +30,7 @@ from moeserve.ep.registry import DispatchOptions, make_dispatcher
 from moeserve.ep.stats import record_local_tokens
 from moeserve.eplb.location import ExpertLocation, pick_replicas
 from moeserve.kernels import cpu_experts
+from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.fp8_quant import quantize_activations
 from moeserve.kernels.moe_select import append_slots
 from moeserve.layers.mlp import GatedMLP
@@ -40,6 +41,12 @@ from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
+
+
+# --enable-shared-experts-fusion: from this many tokens a step (prefill sizes) the fused shared experts run apart, as
+# a dense MLP on their slots' weights: every token is one of their rows, and cuBLAS's dense GEMMs measured about 745
+# TFLOP/s there against about 500 for the slots inside the grouped GEMM (one H200, V2-Lite, 4 x 2,048 tokens).
+SHARED_APART_TOKENS = 512
 
 
 class ExpertRecorder(Protocol):
@@ -97,6 +104,7 @@ class MoE(nn.Module):
         # (`_fuse_shared_experts`), which `route` appends to every token's choice with weight 1
         self.num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
         self.shared_ids: torch.Tensor | None = None  # [num_shared] their local slots, once fused
+        self.shared_apart_from: int | None = None  # from this many tokens a step they run apart (plain weights)
         self._gate_appends = False  # the gate writes them itself (no slot mapping between): no concatenation
         # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
         # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
@@ -136,7 +144,8 @@ class MoE(nn.Module):
         num_tokens = x.shape[0]
         x = self._own_tokens(x)
         d = self.dispatchers[mb]
-        y = d.combine_b() if self.shared_experts is None else d.combine_b_plus(self.shared_experts(x))
+        shared = self._shared_out(x)
+        y = d.combine_b() if shared is None else d.combine_b_plus(shared)
         return self._gather_tokens(y, num_tokens) if self.split_tokens else y
 
     def forward_fused_cpu(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,11 +154,30 @@ class MoE(nn.Module):
         topk_ids, topk_weights = self.route(x)
         y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
         record_local_tokens(counts[:self.experts.num_local_experts])
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        shared = self._shared_out(x)
+        return y + shared if shared is not None else y
+
+    def _shared_apart(self, num_tokens: int) -> bool:
+        """The fused shared experts run apart (not routed) this step: a step of prefill size (SHARED_APART_TOKENS)."""
+        return self.shared_apart_from is not None and num_tokens >= self.shared_apart_from
+
+    def _shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output for x, where it is not routed: the unfused MLP, or the fused slots as a dense
+        MLP on their weights (sum_j down_j (silu(gate_j x) * up_j x), as the grouped GEMM computes them)."""
+        if self.shared_experts is not None:
+            return self.shared_experts(x)
+        if not self._shared_apart(x.shape[0]):
+            return None
+        y = None
+        for j in range(self.experts.num_local_experts, self.experts.num_local_experts + self.num_shared):
+            h = silu_and_mul(torch.nn.functional.linear(x, self.experts.w13[j]))
+            y = torch.nn.functional.linear(h, self.experts.w2[j]) if y is None else y.addmm_(h, self.experts.w2[j].t())
+        return y
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate -> (recorder) -> physical slots: (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        topk_ids, topk_weights = self.gate(x)  # [T, k], or [T, k + num_shared] where the gate appends them
+        apart = self._shared_apart(x.shape[0])  # the fused shared experts run apart: not appended
+        topk_ids, topk_weights = self.gate(x, append=False) if apart else self.gate(x)  # [T, k] (+ num_shared)
         if self.recorder is not None:  # logical ids: the load EPLB plans from
             self.recorder.on_select_experts(self.layer_id, topk_ids[:, :self.top_k])
         if self.replicas is not None:  # dynamic: each token to one of the expert's replicas, at random
@@ -157,7 +185,7 @@ class MoE(nn.Module):
                                                                                           device=topk_ids.device))
         elif self.dispatch_table is not None:
             topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
-        if self.shared_ids is not None and not self._gate_appends:  # the fused shared experts, weight 1
+        if self.shared_ids is not None and not self._gate_appends and not apart:  # the fused shared experts, weight 1
             topk_ids, topk_weights = append_slots(topk_ids, topk_weights, self.shared_ids)
         return topk_ids, topk_weights
 
@@ -217,6 +245,8 @@ class MoE(nn.Module):
         n = self.num_shared
         self.shared_ids = torch.arange(first, first + n, device=device)
         self.shared_experts = None
+        if not self.experts.takes_fp8:  # (FP8 slots stay in the grouped GEMM at every size)
+            self.shared_apart_from = SHARED_APART_TOKENS
         if self.dispatch_table is None and self.replicas is None and hasattr(self.gate, "append"):
             self.gate.append, self._gate_appends = (first, n), True
 

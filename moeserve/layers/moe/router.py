@@ -45,10 +45,11 @@ class TopKRouter(nn.Module):
                             routed_scaling_factor=routed_scaling_factor)
         self.append: tuple[int, int] | None = None  # (first slot, n): fused shared experts after the top k
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, append: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """append=False: without the fused shared experts' slots this call (they run apart)."""
         logits = router_logits(x, self.weight)  # [T, E] router logits in float32 (one kernel on CUDA)
-        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias, append=self.append,
-                              **self.variant)
+        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias,
+                              append=self.append if append else None, **self.variant)
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         for name, p in self.named_parameters(recurse=False):
