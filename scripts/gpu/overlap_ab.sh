@@ -19,6 +19,10 @@
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
+#   router     the router-logits kernel beside cuBLAS at decode sizes (scripts/gpu/bench_router.py)
+#   gaps       where the device idles in the traces `profile` / `prefprof` left in /tmp/prof (scripts/gpu/trace_gaps.py)
+#   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192); the tables
+#              it writes land in $OUT (the next parts of the same call read them)
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
 #              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens; nopcg,
 #              mixednopcg: on and mixed with --disable-piecewise-cuda-graph)
@@ -133,6 +137,22 @@ bs1spy)
   timeout 150 /tmp/site/bin/py-spy record -r 250 -f raw -o "$OUT/pyspy_bs1.txt" -- python3 -m moeserve.cli bench \
     one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 128 --output-len 256 \
     --batch-size 1 --cuda-graph-max-bs 8 --result-file "$OUT/bs1spy.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  ;;
+router)
+  echo "== router logits $(date -u +%T)"
+  timeout 60 python3 scripts/gpu/bench_router.py --result-file "$OUT/router.jsonl" 2>&1 | grep -vE "Warning|warn"
+  ;;
+gaps)
+  for t in /tmp/prof/*.json.gz; do
+    echo "== device gaps in $t $(date -u +%T)"
+    timeout 60 python3 scripts/gpu/trace_gaps.py "$t" --top 20
+  done
+  ;;
+tune)
+  echo "== tune the MoE tables at prefill sizes $(date -u +%T)"
+  timeout 150 python3 scripts/gpu/tune_moe.py --tokens 2048 4096 8192 --stats "$OUT/tune.jsonl" 2>&1 \
+    | grep -E "^T |wrote|tuned"
+  for op in moe_gemm moe_gemm_silu; do cp moeserve/kernels/configs/$op/E=64,*.json "$OUT/${op}_E64.json"; done
   ;;
 serving)
   TOK=$(python3 -c "from moeserve.models.default_model import default_model_path; print(default_model_path())")
