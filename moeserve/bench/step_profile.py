@@ -87,7 +87,6 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
     parts: dict[str, float] = defaultdict(float)
-    misses: dict[str, float] = defaultdict(float)
     named: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))  # part: name: [ms, n]
     kernels = _kernel_events(prof)
     for name, us in kernels:
@@ -95,8 +94,6 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
         parts[part] += us / 1e3 / num_steps
         named[part][name][0] += us / 1e3 / num_steps
         named[part][name][1] += 1 / num_steps
-        if part == "other":
-            misses[name] += us / 1e3 / num_steps
     device_ms = sum(parts.values())
     if trace_path:
         os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
@@ -108,7 +105,7 @@ def profile_steps(step: Callable[[], None], num_steps: int, trace_path: str | No
     waits = {k: (n / num_steps, us / 1e3 / num_steps) for k, (n, us) in _host_waits(prof).items()}
     return {"step_ms": wall_ms, "device_ms": device_ms, "host_ms": max(wall_ms - device_ms, 0.0),
             "kernels_per_step": len(kernels) / num_steps, "parts_ms": dict(parts),
-            "other_top": dict(sorted(misses.items(), key=lambda kv: -kv[1])[:8]),
+            "other_top": dict(sorted(((n, ms) for n, (ms, _) in named["other"].items()), key=lambda kv: -kv[1])[:8]),
             "top": {part: sorted(([n, ms, calls] for n, (ms, calls) in names.items()), key=lambda r: -r[1])[:TOP]
                     for part, names in named.items() if part != "other"},
             "host_waits": dict(sorted(waits.items(), key=lambda kv: -kv[1][1]))}

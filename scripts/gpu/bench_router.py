@@ -14,7 +14,7 @@ import triton
 import triton.testing
 
 from moeserve.kernels.router_gemm import MAX_WORK, router_logits_reference
-from moeserve.kernels.triton_ops.router_gemm import TILE, blocks, router_logits
+from moeserve.kernels.triton_ops.router_gemm import block_h, blocks, router_logits
 
 
 def _us(fn) -> float:
@@ -25,7 +25,7 @@ def _neighbours(bt: int, be: int, H: int) -> list[tuple[int, int, int]]:
     out = []
     for t, e in [(max(bt // 2, 1), be), (min(bt * 2, 64), be), (bt, be * 2), (bt, max(be // 2, 1))]:
         if (t, e) != (bt, be):
-            out.append((t, e, max(min(TILE // (t * e), triton.next_power_of_2(H)), 16)))
+            out.append((t, e, block_h(t, e, H)))
     return list(dict.fromkeys(out))
 
 

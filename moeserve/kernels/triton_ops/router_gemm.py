@@ -43,7 +43,12 @@ def blocks(T: int, E: int, H: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_H): a quarter of the tokens a program (1 to 16), one expert, H in steps that fill
     a TILE-element product. (E is the caller's; the choice does not depend on it.)"""
     block_t = min(max(triton.next_power_of_2(max(T, 1)) // 4, 1), 16)
-    return block_t, 1, max(min(TILE // block_t, triton.next_power_of_2(H)), 16)
+    return block_t, 1, block_h(block_t, 1, H)
+
+
+def block_h(block_t: int, block_e: int, H: int) -> int:
+    """The H step that fills a TILE-element product (at least 16, at most H's next power of 2)."""
+    return max(min(TILE // (block_t * block_e), triton.next_power_of_2(H)), 16)
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] | None = None) -> torch.Tensor:
