@@ -145,7 +145,11 @@ class ServerArgs:
         False, "Run the shared experts as routed experts that every token picks with weight 1, in the same grouped "
         "GEMMs (one expert per moe_intermediate_size of the shared MLP): four fewer kernels a layer, and the shared "
         "weights read by the grouped GEMM; steps of 512 tokens or more run them apart as a dense MLP on the same "
-        "weights. One EP rank, no EPLB; FP8 weights where the shared experts split on the 128 x 128 scale blocks.")
+        "weights. One EP rank, no EPLB; FP8 weights where the shared experts split on the 128 x 128 scale blocks. "
+        "Without this flag they are fused where that is known to pay: on CUDA, bf16/fp16/fp32 weights, one rank "
+        "(see --disable-shared-experts-fusion).")
+    disable_shared_experts_fusion: bool = _flag(
+        False, "Keep the shared experts apart (their own dense MLP) even where they would be fused by default.")
     init_expert_location: str = _flag(
         "trivial", "Expert placement: trivial (slot r holds expert r mod E), or a file: a placement saved by "
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
@@ -271,6 +275,8 @@ class ServerArgs:
         if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:
             raise ValueError("--expert-distribution-recorder-mode per_token records one micro-batch per pass: it "
                              "does not run with --enable-two-batch-overlap")
+        if self.enable_shared_experts_fusion and self.disable_shared_experts_fusion:
+            raise ValueError("--enable-shared-experts-fusion and --disable-shared-experts-fusion contradict each other")
         if self.enable_shared_experts_fusion:
             if self.ep_size > 1 or self.enable_dp_attention:
                 raise ValueError("--enable-shared-experts-fusion runs with one EP rank (--ep-size 1, no DP attention): "

@@ -70,7 +70,7 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
     fp8 = weight_quantization(server_args, config)
 
     start = time.perf_counter()
-    model = build_model(config, model_options(server_args, config), device, dtype, fp8=fp8 is not None)
+    model = build_model(config, model_options(server_args, config, device), device, dtype, fp8=fp8 is not None)
     specs = list(model_weight_specs(model))
     if server_args.load_format == "dummy":
         fill_dummy(model, specs, server_args.random_seed, show_progress)

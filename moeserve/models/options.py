@@ -7,6 +7,7 @@ process group; the model runner asks the built dispatchers whether decode can be
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,8 @@ from moeserve.eplb.location import ExpertLocation
 from moeserve.eplb.rebalancer import RebalanceOptions
 from moeserve.layers.moe.layer import MoEOptions
 from moeserve.parallel.state import get_parallel_state
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,36 @@ def dispatch_options(args: ServerArgs) -> DispatchOptions:
                            max_tokens_per_rank=args.ep_max_tokens_per_rank)
 
 
-def model_options(args: ServerArgs, config: ModelConfig) -> ModelOptions:
-    """The options of `config`'s model on this rank (the EP size comes from moeserve.parallel.state)."""
-    if args.enable_shared_experts_fusion and not config.num_shared_experts:
-        raise ValueError(f"--enable-shared-experts-fusion: {config.architecture} has no shared experts")
+def fuse_shared_experts(args: ServerArgs, config: ModelConfig, device: torch.device | None) -> bool:
+    """--enable-shared-experts-fusion (checked), --disable-shared-experts-fusion, or by default: fused on CUDA where
+    one rank runs the whole model in bf16/fp16/fp32 through the Triton experts, with the trivial placement and no
+    recorder (decode at batch 1 measured 8% faster fused on an H200, prefill the same: docs/BENCHMARKS.md); apart
+    everywhere else."""
+    if args.enable_shared_experts_fusion:
+        if not config.num_shared_experts:
+            raise ValueError(f"--enable-shared-experts-fusion: {config.architecture} has no shared experts")
+        return True
+    auto = (not args.disable_shared_experts_fusion and device is not None and device.type == "cuda"
+            and bool(config.num_shared_experts) and args.tp_size == 1 and args.ep_size == 1
+            and not args.enable_dp_attention and not args.enable_eplb and not args.ep_num_redundant_experts
+            and args.quantization is None and config.fp8 is None and args.moe_runner_backend in ("auto", "triton")
+            and not args.enable_torch_compile and not args.enable_two_batch_overlap
+            and args.init_expert_location == "trivial" and args.expert_distribution_recorder_mode is None)
+    if auto:
+        logger.info("shared experts fused into the routed experts' kernels (the default on one CUDA rank; "
+                    "--disable-shared-experts-fusion keeps them apart)")
+    return auto
+
+
+def model_options(args: ServerArgs, config: ModelConfig, device: torch.device | None = None) -> ModelOptions:
+    """The options of `config`'s model on this rank (the EP size comes from moeserve.parallel.state); device: where
+    it runs (None: not known, no default that depends on it)."""
     moe = MoEOptions(dispatch=dispatch_options(args), runner_backend=args.moe_runner_backend,
                      num_redundant_experts=args.ep_num_redundant_experts,
                      placement=expert_location(config, args, get_parallel_state().ep_size),
                      two_batch_overlap=args.enable_two_batch_overlap,
                      dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb,
-                     fuse_shared_experts=args.enable_shared_experts_fusion)
+                     fuse_shared_experts=fuse_shared_experts(args, config, device))
     return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
                         tbo_token_threshold=args.tbo_token_threshold)
 

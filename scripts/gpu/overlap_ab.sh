@@ -6,7 +6,7 @@
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
-#   prefprof   the per-part profile of a 4 x 2,048 prefill, shared-experts fusion off / on (UNFUSED=1: off only)
+#   prefprof   the per-part profile of a 4 x 2,048 prefill, shared experts apart / fused (UNFUSED=1: apart only)
 #   bs1spy     py-spy over a one-batch decode at batch 1 (256 steps, 3 rounds): where the host's time goes
 #              (py-spy wheel in .whl), folded stacks in $OUT/pyspy_bs1.txt
 #   pcgtests   the CUDA tests of piecewise CUDA graphs and of what runs through them (decode graphs, overlap),
@@ -18,7 +18,8 @@
 #              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
-#   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --enable-shared-experts-fusion off / on
+#   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
+#              (fused on one CUDA rank)
 #   router     the router-logits kernel beside cuBLAS at decode sizes (scripts/gpu/bench_router.py)
 #   gaps       where the device idles in the traces `profile` / `prefprof` left in /tmp/prof (scripts/gpu/trace_gaps.py)
 #   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192); the tables
@@ -84,15 +85,15 @@ prefill)
   done
   ;;
 fusion)
-  for flag in "" "--enable-shared-experts-fusion"; do
-    echo "== V2-Lite one-batch ${flag:-unfused} $(date -u +%T)"
+  for flag in "--disable-shared-experts-fusion" ""; do
+    echo "== V2-Lite one-batch ${flag:-fused (default)} $(date -u +%T)"
     timeout 110 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 256 \
       --repeat 3 --input-len 128 --output-len 64 --batch-size 1 64 256 $flag \
-      --result-file "$OUT/fusion_decode${flag:+_on}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+      --result-file "$OUT/fusion_decode${flag:+_unfused}.jsonl" 2>&1 | grep -E "^batch|Error|error"
     timeout 80 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 \
       --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
       --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 $flag \
-      --result-file "$OUT/fusion_prefill${flag:+_on}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+      --result-file "$OUT/fusion_prefill${flag:+_unfused}.jsonl" 2>&1 | grep -E "^batch|Error|error"
   done
   ;;
 onebatch)  # BASE (a tree without this work, $BASE) back to back; this tree overlap off; this tree overlap on
@@ -123,12 +124,12 @@ profile)
     --result-file "$OUT/profile.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
   ;;
 prefprof)
-  FLAGS=("" "--enable-shared-experts-fusion"); [ -n "${UNFUSED:-}" ] && FLAGS=("")
+  FLAGS=("--disable-shared-experts-fusion" ""); [ -n "${UNFUSED:-}" ] && FLAGS=("--disable-shared-experts-fusion")
   for flag in "${FLAGS[@]}"; do
-    echo "== prefill profile ${flag:-unfused} $(date -u +%T)"
+    echo "== prefill profile ${flag:-fused (default)} $(date -u +%T)"
     timeout 100 python3 -m moeserve.cli bench one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 \
       --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 \
-      --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof $flag --result-file "$OUT/prefprof${flag:+_on}.jsonl" 2>&1 \
+      --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof $flag --result-file "$OUT/prefprof${flag:+_unfused}.jsonl" 2>&1 \
       | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" | sed -n '/prefill of/,/decode step/p'
   done
   ;;

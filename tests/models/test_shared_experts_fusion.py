@@ -176,7 +176,7 @@ def test_fused_equals_unfused_on_cuda(tiny_checkpoint, apart_from):
     for fused in (False, True):
         eng = InProcessEngine(model_path=path, dtype="float32", device="cuda", max_total_tokens=4096,
                               cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=256,
-                              enable_shared_experts_fusion=fused)
+                              enable_shared_experts_fusion=fused, disable_shared_experts_fusion=not fused)
         if fused and apart_from is not None:
             for m in eng.runner.model.moe_layers():
                 m.shared_apart_from = apart_from
@@ -196,3 +196,25 @@ def test_fp8_fused_equals_unfused_on_cuda(fp8_checkpoint):
                             enable_shared_experts_fusion=fused).run(prompts, GREEDY) for fused in (False, True)]
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs[0], runs[1], strict=True))
     assert same >= len(prompts) - 1, same  # bf16 roundings of the slot's sum may flip a near tie
+
+
+@pytest.mark.parametrize(("kwargs", "device", "fused"), [
+    (dict(), "cuda", True),  # the default on one CUDA rank
+    (dict(), "cpu", False),
+    (dict(disable_shared_experts_fusion=True), "cuda", False),
+    (dict(enable_shared_experts_fusion=True), "cpu", True),
+    (dict(quantization="fp8"), "cuda", False),
+    (dict(expert_distribution_recorder_mode="stat"), "cuda", False),
+    (dict(moe_runner_backend="grouped_gemm"), "cuda", False),
+])
+def test_fusion_default(kwargs, device, fused):
+    from types import SimpleNamespace
+
+    from moeserve.models.options import fuse_shared_experts
+
+    config = SimpleNamespace(architecture="DeepseekV2ForCausalLM", num_shared_experts=2, fp8=None)
+    assert fuse_shared_experts(ServerArgs(model_path="x", **kwargs), config, torch.device(device)) is fused
+    mixtral = SimpleNamespace(architecture="MixtralForCausalLM", num_shared_experts=0, fp8=None)
+    assert not fuse_shared_experts(ServerArgs(model_path="x"), mixtral, torch.device("cuda"))
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(model_path="x", enable_shared_experts_fusion=True, disable_shared_experts_fusion=True)
