@@ -50,3 +50,23 @@ def test_split_router_logits_match_fp32(T, E, H, device):
     assert (router_logits_reference(x, w.bfloat16().float()) - exact).abs().max() > 1e-3
     with pytest.raises(ValueError, match="do not fit"):
         router_logits_split(x.to(device).float(), w.to(device))
+
+
+def test_dispatch_by_size(monkeypatch):
+    """Small gates take the CUDA-core kernel, bf16 prefills of SPLIT_MIN_TOKENS or more the tensor-core one, the
+    sizes between (and fp32 x) cuBLAS."""
+    from moeserve.kernels import router_gemm as dispatch
+    from moeserve.kernels.triton_ops import router_gemm as ops
+
+    calls = []
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: True)
+    monkeypatch.setattr(ops, "router_logits", lambda x, w: calls.append(("small", x.shape[0])) or
+                        router_logits_reference(x, w))
+    monkeypatch.setattr(ops, "router_logits_split", lambda x, w: calls.append(("split", x.shape[0])) or
+                        router_logits_reference(x, w))
+    w = torch.randn(64, 2048) * 2048**-0.5
+    for T, dtype in [(4, torch.bfloat16), (256, torch.bfloat16), (dispatch.SPLIT_MIN_TOKENS, torch.bfloat16),
+                     (dispatch.SPLIT_MIN_TOKENS, torch.float32)]:
+        x = torch.randn(T, 2048).to(dtype)
+        torch.testing.assert_close(dispatch.router_logits(x, w), router_logits_reference(x, w))
+    assert calls == [("small", 4), ("split", dispatch.SPLIT_MIN_TOKENS)]

@@ -105,9 +105,10 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] 
 
 
 def split_blocks(T: int, E: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_K) of the split kernel: 64 x 64 output tiles (16 rows and experts at least), K in
-    steps of 64."""
-    return (min(64, max(16, triton.next_power_of_2(T))), min(64, max(16, triton.next_power_of_2(E))), 64)
+    """(BLOCK_T, BLOCK_E, BLOCK_K) of the split kernel: 64 x 64 output tiles (16 rows and experts at least), 128
+    tokens a tile for 128 experts or more (V3's gate at 8,192 tokens: 206 against 314 us), K in steps of 64."""
+    t_max = 128 if E >= 128 else 64
+    return (min(t_max, max(16, triton.next_power_of_2(T))), min(64, max(16, triton.next_power_of_2(E))), 64)
 
 
 def router_logits_split(x: torch.Tensor, w: torch.Tensor,
