@@ -17,7 +17,8 @@ The MoE kernels, in the order an MoE layer runs them (shapes at the interfaces):
                                                     w as [gate; up] (N = 2I) and returns silu(gate) * up [M, I]
     moe_gemm_masked(x [E, C, K], w [E, N, K], masked_m [E], silu=...)   the same over the masked layout
     moe_combine(y [M, H], rows [T, k], weights [T, k])  -> [T, H]: sum_j weights[t, j] * y[rows[t, j]] (fp32 sum)
-Other kernels: rms_norm.py (RMSNorm, optionally with the residual add fused); mla_decode.py (MLA decode attention
+Other kernels: rms_norm.py (RMSNorm, optionally with the residual add fused); skinny_gemm.py (the dense layers'
+x W^T at one to four rows: a GEMV at the memory's rate); mla_decode.py (MLA decode attention
 over the latent cache); mla_rope_cache.py (MLA's latent write with its RMSNorm and rotary, fused; rotary.py holds
 the rotary arithmetic it shares with layers/rotary.py).
 CPU-only kernels: cpu_experts.py (C++, not Triton).

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.skinny_gemm import skinny_gemm
 from moeserve.layers.weights import WeightSpec, shard
 from moeserve.parallel.comm import all_reduce
 
@@ -32,8 +33,9 @@ class Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T without the bias: the one place a weight format (FP8, layers/quantization/) changes."""
-        return F.linear(x, self.weight)
+        """x W^T without the bias: the one place a weight format (FP8, layers/quantization/) changes. (A decode
+        batch of a few rows takes the GEMV, kernels/skinny_gemm.py.)"""
+        return skinny_gemm(x, self.weight)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W [out, in] as a plain matrix in `dtype` (for code that multiplies by parts of it directly)."""

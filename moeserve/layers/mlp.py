@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.activation import silu_and_mul
+from moeserve.kernels.skinny_gemm import skinny_gemm
 from moeserve.layers.weights import WeightSpec
 
 
@@ -26,7 +26,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return skinny_gemm(silu_and_mul(skinny_gemm(x, self.gate_up_proj)), self.down_proj)
 
     def expert_slots(self, n: int) -> dict[str, torch.Tensor]:
         """This MLP as n experts of intermediate I / n, in the routed experts' parameters (w13 [n, 2I/n, H] as

@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.model_config import ModelConfig
 from moeserve.core.tbo_split import should_use_tbo
 from moeserve.ep.base import Dispatcher
+from moeserve.kernels.skinny_gemm import skinny_gemm
 from moeserve.layers.attention.ops import AttentionMetadata, PieceSplitter
 from moeserve.layers.linear import Embedding, Linear
 from moeserve.layers.mlp import GatedMLP
@@ -159,7 +159,7 @@ class CausalLM(nn.Module):
             h = h[rows]
         h = self.model.norm(h)
         w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(h, w).float()
+        return skinny_gemm(h, w).float()
 
     # ------------------------------------------------------------------ what the model runner asks
     def moe_layers(self) -> list[MoE]:
