@@ -5,6 +5,7 @@
 #   onebatch   one-batch decode at batch 1/64/256 (V2-Lite-shaped dummy model): BASE=DIR (a `git archive` of the
 #              commit before, the baseline), this tree with overlap off, this tree with overlap on
 #   v3         one-batch decode at batch 128, V3-layer-shaped, overlap off / on
+#   v3ab       the same at batch 128: BASE=DIR (as onebatch), then this tree (overlap on)
 #   profile    the per-part profile of a batch-1 and a batch-64 decode step, overlap on
 #   prefprof   the per-part profile of a 4 x 2,048 prefill, shared experts apart / fused (UNFUSED=1: apart only)
 #   bs1spy     py-spy over a one-batch decode at batch 1 (256 steps, 3 rounds): where the host's time goes
@@ -115,6 +116,17 @@ v3)
       --load-format dummy --dtype bfloat16 --context-length 4096 --mem-fraction-static 0.85 \
       --max-running-requests 128 --repeat 3 --batch-size 128 --input-len 128 --output-len 64 $flag \
       --result-file "$OUT/v3layer_one_batch${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  done
+  ;;
+v3ab)
+  SITE=${PYTHONPATH#*:}
+  for side in base on; do
+    tree=$PWD; [ $side = base ] && tree=$(realpath "$BASE")
+    echo "== V3-layer one-batch $side $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 100 python3 -m moeserve.cli bench one-batch \
+      --model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096 \
+      --mem-fraction-static 0.85 --max-running-requests 128 --repeat 3 --batch-size 128 --input-len 128 \
+      --output-len 64 --result-file "$OUT/v3layer_one_batch_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
   done
   ;;
 profile)
