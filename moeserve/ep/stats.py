@@ -1,9 +1,11 @@
 """Per-rank expert utilization: how many (token, expert) pairs this rank's experts computed, counted on the device.
 
-`Experts.forward` calls `record_local_tokens(counts)` with the layout's valid rows per local expert
-(ContiguousLayout.num_tokens_per_expert or MaskedLayout.masked_m) of every MoE layer, every forward pass. The
-counter adds them into one int64 tensor [E_local] on the device: no host sync per step, and the add is captured
-into CUDA graphs (the tensor exists before any capture and is only zeroed in place). The worker reads it when it
+The experts add the layout's valid rows per local expert (ContiguousLayout.num_tokens_per_expert or
+MaskedLayout.masked_m) of every MoE layer, every forward pass, into one int64 tensor [E_local] on the device: no
+host sync per step, and the add is captured into CUDA graphs (the tensor exists before any capture and is only
+zeroed in place). `Experts.forward` hands the tensor (`local_tally`) to its first grouped GEMM, whose Triton kernel
+adds the counts in its own launch (kernels/moe_gemm.py `tally`: at batch 1 the separate add was 26 launches a
+step, about 36 us on an H200); the other expert paths call `record_local_tokens(counts)`. The worker reads it when it
 writes its periodic log line (`take()`: one `.tolist()`, then zero).
 
 What is counted: pairs that reached this rank's experts from every rank (after dispatch), summed over MoE layers.
@@ -26,11 +28,17 @@ class LocalExpertTokens:
     def __init__(self, num_local_experts: int, device: torch.device | str):
         self.counts = torch.zeros(num_local_experts, dtype=torch.int64, device=device)
 
+    def tally(self, num_local_experts: int, device: torch.device) -> torch.Tensor | None:
+        """The counter tensor for a layer of this many local experts on this device, else None: a layer with
+        another expert count or on another device is another model's (tests build several in one process)."""
+        if num_local_experts == self.counts.shape[0] and torch.device(device) == self.counts.device:
+            return self.counts
+        return None
+
     def add(self, counts: torch.Tensor) -> None:
-        # A layer with another expert count or on another device is another model's (tests build several in one
-        # process): not ours to count.
-        if counts.shape == self.counts.shape and counts.device == self.counts.device:
-            self.counts.add_(counts)
+        tally = self.tally(counts.shape[0], counts.device) if counts.dim() == 1 else None
+        if tally is not None:
+            tally.add_(counts)
 
     def take(self) -> list[int]:
         """Counts since the last take (a host sync), then reset to zero in place."""
@@ -56,6 +64,12 @@ def disable_local_expert_tokens() -> None:
 
 def get_local_expert_tokens() -> LocalExpertTokens | None:
     return _counter
+
+
+def local_tally(num_local_experts: int, device: torch.device) -> torch.Tensor | None:
+    """The installed counter's tensor for a layer of this many local experts on `device`, or None (none
+    installed, or another model's layer): what a kernel adds the counts into."""
+    return _counter.tally(num_local_experts, device) if _counter is not None else None
 
 
 def record_local_tokens(counts: torch.Tensor) -> None:

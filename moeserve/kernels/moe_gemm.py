@@ -9,6 +9,9 @@
         (-1: a padding row, zeros); the Triton kernel reads them from x where it loads its tiles
         (core/layouts.py ContiguousLayout).
 
+    tally [n] int64: the first n experts' counts (num_tokens_per_expert / masked_m) are added into it (the expert-
+        utilization counter, ep/stats.py); the Triton kernel does it in its own launch.
+
 Rows outside the counted ones hold unspecified values (the combine never reads them). The Triton kernel
 (triton_ops/moe_gemm.py) runs for CUDA tensors; the references (torch's grouped GEMM / bmm) everywhere else.
 """
@@ -31,9 +34,15 @@ def gemm_op(silu: bool) -> str:
     return "moe_gemm_silu" if silu else "moe_gemm"
 
 
+def _add_tally(tally: torch.Tensor | None, counts: torch.Tensor) -> None:
+    if tally is not None:
+        tally += counts[:tally.shape[0]]
+
+
 def moe_gemm_reference(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
                        num_tokens_per_expert: torch.Tensor, silu: bool = False, pairs: torch.Tensor | None = None,
-                       top_k: int = 1) -> torch.Tensor:
+                       top_k: int = 1, tally: torch.Tensor | None = None) -> torch.Tensor:
+    _add_tally(tally, num_tokens_per_expert)
     if pairs is not None:
         x = gather_rows(x, pairs, top_k)
     y = grouped_gemm(x, w, expert_offsets, num_tokens_per_expert)
@@ -41,7 +50,8 @@ def moe_gemm_reference(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.T
 
 
 def moe_gemm_masked_reference(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor,
-                              silu: bool = False) -> torch.Tensor:
+                              silu: bool = False, tally: torch.Tensor | None = None) -> torch.Tensor:
+    _add_tally(tally, masked_m)
     y = torch.bmm(x, w.transpose(1, 2))  # every row, counted or not: static shapes for CUDA graphs
     return silu_and_mul(y) if silu else y
 
@@ -51,7 +61,8 @@ def _triton_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-             silu: bool = False, pairs: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
+             silu: bool = False, pairs: torch.Tensor | None = None, top_k: int = 1,
+             tally: torch.Tensor | None = None) -> torch.Tensor:
     """Contiguous layout (module docstring). Triton on CUDA, the reference elsewhere, and torch's grouped GEMM
     where the tuned table says it was faster at this size (bf16 only: {"backend": "torch"})."""
     if _triton_ok(x, w) and not torch.compiler.is_compiling():
@@ -62,14 +73,15 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num
             from moeserve.kernels.triton_ops import moe_gemm as triton_ops
 
             return triton_ops.moe_gemm(x.contiguous(), w, expert_offsets, num_tokens_per_expert, silu, cfg,
-                                       pairs=pairs, top_k=top_k)
-    return moe_gemm_reference(x, w, expert_offsets, num_tokens_per_expert, silu, pairs, top_k)
+                                       pairs=pairs, top_k=top_k, tally=tally)
+    return moe_gemm_reference(x, w, expert_offsets, num_tokens_per_expert, silu, pairs, top_k, tally)
 
 
-def moe_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor, silu: bool = False) -> torch.Tensor:
+def moe_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor, silu: bool = False,
+                    tally: torch.Tensor | None = None) -> torch.Tensor:
     """Masked layout (module docstring). Triton on CUDA, the reference elsewhere."""
     if _triton_ok(x, w) and not torch.compiler.is_compiling():
         from moeserve.kernels.triton_ops import moe_gemm as triton_ops
 
-        return triton_ops.moe_gemm_masked(x.contiguous(), w, masked_m, silu)
-    return moe_gemm_masked_reference(x, w, masked_m, silu)
+        return triton_ops.moe_gemm_masked(x.contiguous(), w, masked_m, silu, tally=tally)
+    return moe_gemm_masked_reference(x, w, masked_m, silu, tally)

@@ -96,3 +96,36 @@ def test_default_configs_cover_decode_and_prefill_shapes(device):
     w = torch.randn(3, 32, 32, generator=gen) * 32**-0.5
     got = moe_gemm(x.to(device), w.to(device), offsets.to(device), counts.to(device), silu=True).cpu()
     _check_rows(got, moe_gemm_reference(x, w, offsets, counts, True), [3, 0, 140], offsets, torch.float32)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_tally_adds_the_first_counts(masked, device):
+    """tally: the first n experts' counts are added into the int64 counter, by the kernel's first program (and by
+    the reference), on top of what it held; the products are unchanged."""
+    from moeserve.kernels.triton_ops.moe_gemm import moe_gemm, moe_gemm_masked
+
+    gen = torch.Generator().manual_seed(5 + masked)
+    counts = torch.tensor([3, 0, 9, 2], dtype=torch.int32)
+    w = torch.randn(4, 32, 24, generator=gen) * 24**-0.5
+    start = torch.tensor([5, 1, 0], dtype=torch.int64)  # three local experts of four slots (a fused one last)
+    tally, ref_tally = start.clone().to(device), start.clone()
+    if masked:
+        x = torch.randn(4, 9, 24, generator=gen)
+        got = moe_gemm_masked(x.to(device), w.to(device), counts.to(device), True, config=SMALL, tally=tally)
+        ref = moe_gemm_masked_reference(x, w, counts, True, tally=ref_tally)
+        for e, m in enumerate(counts.tolist()):
+            if m:
+                assert _rel_err(got[e, :m].cpu(), ref[e, :m]) < TOL[torch.float32]
+    else:
+        offsets = torch.tensor([0, 3, 3, 12, 14], dtype=torch.int32)
+        x = torch.randn(14, 24, generator=gen)
+        got = moe_gemm(x.to(device), w.to(device), offsets.to(device), counts.to(device), True, config=SMALL,
+                       tally=tally)
+        ref = moe_gemm_reference(x, w, offsets, counts, True, tally=ref_tally)
+        _check_rows(got.cpu(), ref, counts.tolist(), offsets, torch.float32)
+    assert tally.cpu().tolist() == ref_tally.tolist() == [8, 1, 9]
+    # no rows at all: no program runs, the launcher adds the (zero) counts itself
+    empty = torch.zeros(0, 24)
+    moe_gemm(empty.to(device), w.to(device), torch.zeros(5, dtype=torch.int32, device=device),
+             torch.zeros(4, dtype=torch.int32, device=device), True, config=SMALL, tally=tally)
+    assert tally.cpu().tolist() == [8, 1, 9]

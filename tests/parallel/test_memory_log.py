@@ -26,11 +26,13 @@ MOE_LAYERS, EXPERTS, TOP_K, HIDDEN = 3, 16, 4, 256
 PAIRS = (sum(map(len, PROMPTS)) + len(PROMPTS) * (NEW - 1)) * TOP_K * MOE_LAYERS
 
 
-def test_one_rank_memory_and_utilization_lines(caplog):
+@pytest.mark.parametrize("backend", ["auto", "grouped_gemm"])
+def test_one_rank_memory_and_utilization_lines(caplog, backend):
+    """auto: the CPU kernel counts the pairs; grouped_gemm: the experts' first grouped GEMM adds them (`tally`)."""
     from moeserve.models.default_model import default_model_path
 
     with caplog.at_level(logging.INFO, logger="moeserve.rank.model_runner"):
-        eng = InProcessEngine(model_path=default_model_path(), dtype="float32")
+        eng = InProcessEngine(model_path=default_model_path(), dtype="float32", moe_runner_backend=backend)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory: rank")]
     assert len(lines) == 1, caplog.text
     r = eng.runner

@@ -8,6 +8,8 @@ With SILU, w is [gate; up] ([E, 2I, K]): the program accumulates the gate and up
 writes silu(gate) * up, so the [M, 2I] intermediate never reaches memory. fp32 accumulation; output in x's dtype.
 GATHER (contiguous): the rows are named by `pairs` (row r is x[pairs[r] // TOPK], -1 zeros) and loaded from the
 tokens where the tiles are read, as vLLM's and SGLang's fused MoE kernels do: no [M, K] copy of the rows.
+TALLY: the first program also adds the first num_tally counts into an int64 tally (the expert-utilization
+counter, ep/stats.py), where an add of its own was a launch per MoE layer.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from moeserve.kernels.triton_ops.tile_order import expert_tile
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, N, K, cap, tiles_per_expert,
-                     stride_am, stride_we, stride_wn, stride_om,
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, tally_ptr, num_tally, N, K, cap,
+                     tiles_per_expert, stride_am, stride_we, stride_wn, stride_om,
                      E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     TALLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if TALLY:  # the first program adds the first num_tally counts into the int64 tally: no launch of its own
+        if pid_m + pid_n == 0:
+            ei = tl.arange(0, E_P2)
+            tm = ei < num_tally
+            c = tl.load(counts_ptr + ei, mask=tm, other=0).to(tl.int64)
+            tl.store(tally_ptr + ei, tl.load(tally_ptr + ei, mask=tm, other=0) + c, mask=tm)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
                                         BLOCK_M)
     if tile * BLOCK_M >= count:
@@ -75,7 +83,7 @@ _MOE_GEMM = DirectLauncher(_moe_gemm_kernel)
 
 def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, counts: torch.Tensor, out: torch.Tensor,
             *, masked: bool, silu: bool, cap: int, rows: int, config: dict | None,
-            pairs: torch.Tensor | None = None, top_k: int = 1) -> None:
+            pairs: torch.Tensor | None = None, top_k: int = 1, tally: torch.Tensor | None = None) -> None:
     E, n_w, K = w.shape
     N = n_w // 2 if silu else n_w
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and a.shape[-1] == K, (a.shape, a.stride(), w.shape)
@@ -90,37 +98,40 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
         tiles = 0
         grid_m = triton.cdiv(rows, bm) + min(E, rows)
     if grid_m == 0:
+        if tally is not None:
+            tally += counts[:tally.shape[0]]
         return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
     _MOE_GEMM((grid_m, triton.cdiv(N, bn)),
-        a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs, N, K, cap,
+        a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
+        counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
         tiles, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
         E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
-        GATHER=pairs is not None, TOPK=top_k,
+        GATHER=pairs is not None, TOPK=top_k, TALLY=tally is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
              silu: bool = False, config: dict | None = None, pairs: torch.Tensor | None = None,
-             top_k: int = 1) -> torch.Tensor:
+             top_k: int = 1, tally: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as moeserve.kernels.moe_gemm.moe_gemm_reference (config: a launch configuration that
     overrides the table; the tuner passes it)."""
     N = w.shape[1] // 2 if silu else w.shape[1]
     rows = x.shape[0] if pairs is None else pairs.shape[0]
     out = x.new_empty(rows, N)
     _launch(x, w, expert_offsets, num_tokens_per_expert, out, masked=False, silu=silu, cap=0, rows=rows,
-            config=config, pairs=pairs, top_k=top_k)
+            config=config, pairs=pairs, top_k=top_k, tally=tally)
     return out
 
 
 def moe_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor, silu: bool = False,
-                    config: dict | None = None) -> torch.Tensor:
+                    config: dict | None = None, tally: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature as moeserve.kernels.moe_gemm.moe_gemm_masked_reference."""
     E, cap, _ = x.shape
     N = w.shape[1] // 2 if silu else w.shape[1]
     out = x.new_empty(E, cap, N)
     # the table is keyed by the rows the experts may hold (E * cap); decode batches fill a few per expert
     _launch(x.reshape(E * cap, -1), w, None, masked_m, out.view(E * cap, N), masked=True, silu=silu, cap=cap,
-            rows=E * cap, config=config)
+            rows=E * cap, config=config, tally=tally)
     return out

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
-from moeserve.ep.stats import record_local_tokens
+from moeserve.ep.stats import local_tally, record_local_tokens
 from moeserve.kernels import cpu_experts
 from moeserve.kernels.moe_gemm import moe_gemm, moe_gemm_masked, moe_gemm_masked_reference, moe_gemm_reference
 from moeserve.kernels.triton_available import triton_importable
@@ -56,19 +56,21 @@ class Experts(nn.Module):
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
             assert layout.x_scale is None, "an FP8 layout reached experts that are not FP8"
-            # expert utilization, accumulated on the device (ep/stats.py): the routed slots'
-            record_local_tokens(layout.masked_m[:self.num_local_experts])
+            # expert utilization, accumulated on the device (ep/stats.py): the routed slots' counts, added by the
+            # first GEMM into the counter (`tally`)
+            tally = local_tally(self.num_local_experts, layout.x.device)
             # Rows past masked_m[e] are unspecified and ignored by combine (the torch path computes them too).
             gemm = moe_gemm_masked if self.use_triton else moe_gemm_masked_reference
-            h = gemm(layout.x, self.w13, layout.masked_m, silu=True)
+            h = gemm(layout.x, self.w13, layout.masked_m, silu=True, tally=tally)
             return gemm(h, self.w2, layout.masked_m)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
-        record_local_tokens(counts[:self.num_local_experts])
         if self.use_cpu_kernel:
+            record_local_tokens(counts[:self.num_local_experts])
             return cpu_experts.cpu_experts(layout.rows(), self.w13, self.w2, offs, counts)
         gemm = moe_gemm if self.use_triton else moe_gemm_reference
         # SiLU-and-mul fused in the Triton kernel, which also gathers the layout's rows from the tokens
-        h = gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k)
+        h = gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k,
+                 tally=local_tally(self.num_local_experts, layout.x.device))
         return gemm(h, self.w2, offs, counts)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
