@@ -124,7 +124,7 @@ def test_tally_adds_the_first_counts(masked, device):
         ref = moe_gemm_reference(x, w, offsets, counts, True, tally=ref_tally)
         _check_rows(got.cpu(), ref, counts.tolist(), offsets, torch.float32)
     assert tally.cpu().tolist() == ref_tally.tolist() == [8, 1, 9]
-    # no rows at all: no program runs, the launcher adds the (zero) counts itself
+    # no rows at all: no program runs, and the tally is left as it was
     empty = torch.zeros(0, 24)
     moe_gemm(empty.to(device), w.to(device), torch.zeros(5, dtype=torch.int32, device=device),
              torch.zeros(4, dtype=torch.int32, device=device), True, config=SMALL, tally=tally)

@@ -97,9 +97,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     else:
         tiles = 0
         grid_m = triton.cdiv(rows, bm) + min(E, rows)
-    if grid_m == 0:
-        if tally is not None:
-            tally += counts[:tally.shape[0]]
+    if grid_m == 0:  # no rows: the counts are zeros, nothing to tally either
         return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
