@@ -6,7 +6,8 @@ the requested log-probabilities.
 
 Order of processing, for each row of logits [B, V]:
     penalties (repetition, then frequency/presence) -> temperature -> top-k -> top-p -> min-p -> draw
-- Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the argmax of the penalized logits.
+- Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the argmax of the penalized logits;
+  every row's choice, with its NO_TOKEN check, is one op (kernels/argmax.py: a Triton kernel on CUDA).
 - Every filter keeps the likeliest token, so a row always has one to choose; a row whose logits hold NaN or +inf
   (or nothing but -inf) gets NO_TOKEN, and the scheduler fails that request instead of sampling token 0.
 - top-p keeps the smallest prefix (by probability, highest first) whose mass reaches top_p, measured on the
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.kernels.argmax import argmax_or_none
 from moeserve.rank.penalties import apply_penalties, build_token_counts, build_token_mask
 from moeserve.rank.sampling_params import SamplingParams
 
@@ -232,18 +234,17 @@ def sample(
         scores = filter_logits(scaled, batch) + gumbel_noise(batch.seeds, batch.steps, vocab_size)
         if batch.any_greedy:
             scores = torch.where(batch.is_greedy[:, None], penalized, scores)
-    best = scores.argmax(dim=-1)
-    # A row whose winning score is not finite (NaN logits: argmax takes the first NaN; +inf; or nothing left
-    # to choose) has no token to give: NO_TOKEN, and the scheduler fails the request (never token 0).
-    finite = torch.isfinite(scores.gather(1, best[:, None]).squeeze(1))
-    next_ids = torch.where(finite, best, NO_TOKEN)
+    # A row whose winning score is not finite (a NaN, +inf, or nothing left to choose) has no token to give:
+    # NO_TOKEN, and the scheduler fails the request (never token 0).
+    next_ids = argmax_or_none(scores, NO_TOKEN)
 
     device = {"ids": next_ids}
     max_num = max(nums, default=0)
     if return_logprob or max_num > 0:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if return_logprob:
-            device["logprobs"] = raw_logprobs.gather(1, best[:, None]).squeeze(1)
+            # a NO_TOKEN row's log-prob is never read (the scheduler fails that request): any index will do
+            device["logprobs"] = raw_logprobs.gather(1, next_ids.clamp(min=0)[:, None]).squeeze(1)
         if max_num > 0:  # sorted, largest first
             device["top_values"], device["top_ids"] = raw_logprobs.topk(min(max_num, vocab_size), dim=-1)
     out = SampleOutput(next_token_ids=[], logprobs=None, top_logprobs=[[] for _ in range(batch_size)],
