@@ -42,6 +42,7 @@ from moeserve.kernels import cpu_mla_decode
 from moeserve.kernels.fp8_quant import BLOCK
 from moeserve.kernels.mla_decode import mla_decode
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
+from moeserve.kernels.skinny_gemm import batched_skinny_gemm
 from moeserve.kernels.triton_available import use_triton
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decode_attention, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
@@ -168,7 +169,8 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, h, r]; bmm per head, no einsum
+        # [B, h, r]: a product per head (no einsum); a GEMV per head at a few rows (W_UK read in place, [nope, r])
+        q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
         if use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table
             o_latent = mla_decode(q_latent, cache, meta.decode_slots, meta.decode_seq_lens, self.kv_lora_rank,
@@ -186,7 +188,7 @@ class MLAttention(nn.Module):
         # written straight into [B, h, v] (the o_proj's input, contiguous): the per-head matrices are its strided
         # [h, B, v] view, so no transpose copy follows
         out = o_latent.new_empty(o_latent.shape[0], self.num_heads, self.v_dim)
-        torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        batched_skinny_gemm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
         return out
 
 

@@ -55,6 +55,60 @@ def test_strided_rows_and_refusal(device):
         skinny_gemm(x.to(device)[:9], w.to(device))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,M,N,K", [(3, 1, 40, 24), (2, 4, 130, 72), (5, 2, 9, 200)])
+def test_batched_per_group(dtype, G, M, N, K, device):
+    """One GEMV per group against float64 bmm: w with K contiguous, and w stored [K, N] (MLA's W_UK as kv_b_proj
+    holds it), x and out strided as the model passes them (heads the middle dimension of [B, h, d])."""
+    from moeserve.kernels.triton_ops.skinny_gemm import batched_skinny_gemm
+
+    gen = torch.Generator().manual_seed(G * 100 + M * 10 + N + K)
+    x = torch.randn(M, G, K + 5, generator=gen).to(dtype)[..., :K].transpose(0, 1)  # [G, M, K], rows strided
+    w_nk = (torch.randn(G, N, K, generator=gen) * K**-0.5).to(dtype)
+    w_kn = (torch.randn(G, K + 3, N, generator=gen) * K**-0.5).to(dtype)[:, :K].transpose(1, 2)  # N contiguous
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for w in (w_nk, w_kn):
+        exact = (x.double() @ w.double().transpose(1, 2)).to(dtype)
+        got = batched_skinny_gemm(x.to(device), w.to(device))
+        assert got.shape == (G, M, N) and got.dtype == dtype
+        torch.testing.assert_close(got.cpu(), exact, **tol)
+        out = torch.full((M, G, N), float("nan"), dtype=dtype, device=device)
+        batched_skinny_gemm(x.to(device), w.to(device), out=out.transpose(0, 1))  # written into [M, G, N]
+        torch.testing.assert_close(out.transpose(0, 1).cpu(), exact, **tol)
+
+
+@pytest.mark.parametrize("block", [(8, 16, 4, 1, 3), (32, 64, 4, 2, 1)])
+def test_batched_kn_blocks_and_split_k(block, device):
+    """The [K, N] weight read over several K steps, and K split over programs (out given: the fp32 sums copied
+    into it)."""
+    from moeserve.kernels.triton_ops.skinny_gemm import batched_skinny_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 3, 100, generator=gen)
+    w = (torch.randn(4, 100, 70, generator=gen) * 0.1).transpose(1, 2)  # [G, N, K], N contiguous
+    exact = (x.double() @ w.double().transpose(1, 2)).float()
+    out = torch.empty(4, 3, 70, device=device)
+    batched_skinny_gemm(x.to(device), w.to(device), out, block)
+    torch.testing.assert_close(out.cpu(), exact, atol=2e-5, rtol=2e-5)
+
+
+def test_batched_dispatch(monkeypatch):
+    """CPU tensors, more than one row, and weights over MAX_BATCHED_BYTES run torch.bmm; the rest the kernel."""
+    calls = []
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: True)
+    monkeypatch.setattr("moeserve.kernels.triton_ops.skinny_gemm.batched_skinny_gemm",
+                        lambda x, w, out: calls.append(x.shape) or dispatch.batched_skinny_gemm_reference(x, w, out))
+    x, w = torch.randn(16, 1, 128), torch.randn(16, 128, 512).transpose(1, 2)
+    torch.testing.assert_close(dispatch.batched_skinny_gemm(x, w), torch.bmm(x, w.transpose(1, 2)))
+    dispatch.batched_skinny_gemm(torch.randn(16, 2, 128), w)
+    big = torch.randn(16, dispatch.MAX_BATCHED_BYTES // 4 // 16 // 128 + 1, 128)
+    dispatch.batched_skinny_gemm(x, big)
+    assert calls == [(16, 1, 128)]
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: False)
+    dispatch.batched_skinny_gemm(x, w)
+    assert calls == [(16, 1, 128)]
+
+
 def test_dispatch(monkeypatch):
     """CPU tensors, more than MAX_ROWS rows, and more than MAX_WORK_BYTES of rows x weight past one row take
     F.linear; the rest the kernel, leading dimensions kept."""
