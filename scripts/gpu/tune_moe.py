@@ -56,6 +56,13 @@ def candidates(rows_per_expert: float) -> list[dict]:
             out.append(dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=8, num_stages=st))
         out.append(dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4))
         out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3))
+        # the same tiles with w (and the down GEMM's rows) read through tensor descriptors
+        for bm, bn, nw, st in [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                               (64, 256, 8, 4), (128, 128, 4, 4)]:
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=nw, num_stages=st, TMA=True))
+        for bm, bn, nw, st in [(128, 128, 8, 5), (128, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 5)]:
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=nw, num_stages=st, TMA=True))
+        out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, TMA=True))
     return out
 
 

@@ -70,6 +70,30 @@ def test_contiguous_gathers_named_rows(dtype, align, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("gather", [False, True])
+def test_tensor_descriptor_reads(dtype, silu, gather, device):
+    """"TMA": w (and a, where its rows are not gathered) read through tensor descriptors: tiles that run past an
+    expert's rows, past N into the up half or the next expert, and past K, all masked at the store."""
+    from moeserve.kernels.moe_route import moe_route_reference
+    from moeserve.kernels.triton_ops.moe_gemm import moe_gemm
+
+    gen = torch.Generator().manual_seed(21 + silu + 2 * gather)
+    T, k, E, K, N = 29, 2, 4, 40, 2 * 24  # K: 2.5 steps of 16; N: one and a half 16-wide tiles per half
+    ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices
+    plan = moe_route_reference(ids, E, 1)
+    tokens = torch.randn(T, K, generator=gen).to(dtype)
+    rows = tokens.index_select(0, plan.src.long() // k)  # the layout's rows, for the ungathered GEMM
+    w = (torch.randn(E, N, K, generator=gen) * K**-0.5).to(dtype)
+    cfg = {**SMALL, "TMA": True}
+    x, pairs = (tokens, plan.src) if gather else (rows, None)
+    ref = moe_gemm_reference(x.float(), w.float(), plan.offsets, plan.counts, silu, pairs=pairs, top_k=k)
+    got = moe_gemm(x.to(device), w.to(device), plan.offsets.to(device), plan.counts.to(device), silu=silu,
+                   config=cfg, pairs=None if pairs is None else pairs.to(device), top_k=k).cpu()
+    _check_rows(got, ref, plan.counts.tolist(), plan.offsets, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [False, True])
 def test_masked_matches_reference(dtype, silu, device):
     from moeserve.kernels.triton_ops.moe_gemm import moe_gemm_masked
 

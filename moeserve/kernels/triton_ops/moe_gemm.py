@@ -8,6 +8,8 @@ With SILU, w is [gate; up] ([E, 2I, K]): the program accumulates the gate and up
 writes silu(gate) * up, so the [M, 2I] intermediate never reaches memory. fp32 accumulation; output in x's dtype.
 GATHER (contiguous): the rows are named by `pairs` (row r is x[pairs[r] // TOPK], -1 zeros) and loaded from the
 tokens where the tiles are read, as vLLM's and SGLang's fused MoE kernels do: no [M, K] copy of the rows.
+TMA (a configuration's "TMA": true): w read through a tensor descriptor, and a too where the rows are not gathered
+(the down GEMM), as the FP8 grouped GEMM reads them (Hopper; the pointer path elsewhere).
 TALLY: the first program also adds the first num_tally counts into an int64 tally (the expert-utilization
 counter, ep/stats.py), where an add of its own was a launch per MoE layer.
 """
@@ -28,7 +30,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, t
                      tiles_per_expert, stride_am, stride_we, stride_wn, stride_om,
                      E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
-                     TALLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     TALLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TMA: tl.constexpr, A_TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if TALLY:  # the first program adds the first num_tally counts into the int64 tally: no launch of its own
@@ -53,25 +56,39 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, t
     else:
         a_ok = row_ok
         a_rows = (start + rows).to(tl.int64)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
-    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    if not A_TMA:  # (with A_TMA, a_ptr is a descriptor)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+    if not TMA:
+        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    w_row = e * (2 * N if SILU else N) + pid_n * BLOCK_N  # TMA: the tile's first row of w viewed [E * n_w, K]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = ks < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if A_TMA:  # rows past the expert's are the next expert's (or zeros past M): masked at the store
+            a = a_ptr.load([start + tile * BLOCK_M, kb * BLOCK_K])
+        else:
+            a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # columns past N read the next rows of w (the up half, another expert): masked at the store
+            b = w_ptr.load([w_row, kb * BLOCK_K]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter gets bf16 dots wrong (3.9): the CPU tests multiply in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if SILU:
-            u = tl.load(b_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if TMA:
+                u = w_ptr.load([w_row + N, kb * BLOCK_K]).T
+            else:
+                u = tl.load(b_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 u = u.to(tl.float32)
             acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        if not A_TMA:
+            a_ptrs += BLOCK_K
+        if not TMA:
+            b_ptrs += BLOCK_K
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out_ptrs = out_ptr + (start + rows).to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -101,13 +118,33 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
         return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
-    _MOE_GEMM((grid_m, triton.cdiv(N, bn)),
-        a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
-        counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
-        tiles, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2),
-        E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
-        GATHER=pairs is not None, TOPK=top_k, TALLY=tally is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tma = bool(cfg.get("TMA")) and tma_usable(w)
+    a_tma = tma and pairs is None and not masked and tma_usable(a)
+    args = (a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
+            counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
+            tiles, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2))
+    meta = dict(E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
+                GATHER=pairs is not None, TOPK=top_k, TALLY=tally is not None,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (grid_m, triton.cdiv(N, bn))
+    if not tma:
+        _MOE_GEMM(grid, *args, TMA=False, A_TMA=False, **meta)
+        return
+    # descriptors are built per call and launched through Triton's own binding (the direct launcher keys
+    # arguments by value): prefill sizes, where the host's few microseconds are not what the step waits on
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w_desc = TensorDescriptor(w, [E * n_w, K], [K, 1], [bn, bk])
+    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [bm, bk]) if a_tma else a
+    _moe_gemm_kernel[grid](a_desc, w_desc, *args[2:], TMA=True, A_TMA=a_tma, **meta)
+
+
+def tma_usable(t: torch.Tensor) -> bool:
+    """Tensor-descriptor reads: a Hopper-class GPU (or the interpreter), 16-byte aligned base and rows, the last
+    dimension contiguous (w: the whole tensor, viewed [E * n_w, K])."""
+    aligned = t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0 and t.stride(-1) == 1
+    whole = t.dim() == 2 or t.is_contiguous()
+    return aligned and whole and (not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
