@@ -19,6 +19,7 @@
 #              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
+#   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
 #   router     the router-logits kernel beside cuBLAS at decode sizes (scripts/gpu/bench_router.py)
@@ -83,6 +84,17 @@ prefill)
         --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 8 $flag \
         --result-file "$OUT/prefill${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error|piecewise"
     done
+  done
+  ;;
+prefillab)
+  SITE=${PYTHONPATH#*:}
+  for side in ${SIDES:-base on}; do
+    tree=$PWD; [ $side = base ] && tree=$(realpath "$BASE")
+    echo "== V2-Lite prefill 4 x 2048 $side $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 80 python3 -m moeserve.cli bench one-batch $M \
+      --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 \
+      --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 \
+      --result-file "$OUT/prefill_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
   done
   ;;
 fusion)
