@@ -89,19 +89,21 @@ def tune_op(x, w, offsets, counts, silu: bool, T: int, pairs=None, top_k: int = 
     weight_bytes = used * n_w * K * w.element_size()
     torch_ms = bench(lambda: moe_gemm_reference(x, w, offsets, counts, silu, pairs, top_k))
     best, best_ms = None, float("inf")
+    times = {}  # every candidate's median, in us
     for cfg in candidates(rows / E):
         try:
             ms = bench(lambda cfg=cfg: moe_gemm(x, w, offsets, counts, silu, cfg, pairs=pairs, top_k=top_k))
         except Exception as e:  # a configuration that does not compile or fit (shared memory): skip it
             print(f"  skip {cfg}: {type(e).__name__}", flush=True)
             continue
+        times[json.dumps(cfg, sort_keys=True)] = round(ms * 1e3, 1)
         if ms < best_ms:
             best, best_ms = cfg, ms
     entry = dict(best) if best_ms <= torch_ms or x.dtype != torch.bfloat16 else {"backend": "torch"}
     stats = dict(T=T, op=gemm_op(silu), rows=rows, experts_used=used, triton_ms=best_ms, torch_ms=torch_ms,
                  triton_weight_TBps=weight_bytes / best_ms / 1e9, triton_tflops=flops / best_ms / 1e9,
                  torch_weight_TBps=weight_bytes / torch_ms / 1e9, torch_tflops=flops / torch_ms / 1e9, config=best,
-                 entry=entry)
+                 entry=entry, candidates_us=times)
     return entry, stats
 
 
