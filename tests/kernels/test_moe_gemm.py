@@ -94,7 +94,8 @@ def test_tensor_descriptor_reads(dtype, silu, gather, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("silu", [False, True])
-def test_masked_matches_reference(dtype, silu, device):
+@pytest.mark.parametrize("tma", [False, True])
+def test_masked_matches_reference(dtype, silu, tma, device):
     from moeserve.kernels.triton_ops.moe_gemm import moe_gemm_masked
 
     gen = torch.Generator().manual_seed(3 + silu)
@@ -103,7 +104,8 @@ def test_masked_matches_reference(dtype, silu, device):
     x = torch.randn(E, C, K, generator=gen).to(dtype)
     w = (torch.randn(E, N, K, generator=gen) * K**-0.5).to(dtype)
     ref = moe_gemm_masked_reference(x.float(), w.float(), masked_m, silu)
-    got = moe_gemm_masked(x.to(device), w.to(device), masked_m.to(device), silu, config=SMALL).cpu()
+    cfg = {**SMALL, "TMA": tma}  # (TMA: w through a descriptor; the rows, in [E, C] slots, by pointers)
+    got = moe_gemm_masked(x.to(device), w.to(device), masked_m.to(device), silu, config=cfg).cpu()
     for e, m in enumerate(masked_m.tolist()):
         if m:
             assert _rel_err(got[e, :m], ref[e, :m]) < TOL[dtype]
