@@ -19,6 +19,9 @@
 #              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
+#   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256
+#   fp8dense   tune the FP8 linear layers' dense GEMM (tune_fp8.py --dense: V2-Lite's and V3's shapes at 1, 64, 256,
+#              8,192 rows); the tables land in $OUT/fp8_gemm_tables.tgz (the next parts of the same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
@@ -85,6 +88,18 @@ prefill)
         --result-file "$OUT/prefill${flag:+_off}.jsonl" 2>&1 | grep -E "^batch|Error|error|piecewise"
     done
   done
+  ;;
+fp8prof)
+  echo "== fp8 profile $(date -u +%T)"
+  timeout 150 python3 -m moeserve.cli bench one-batch $M --quantization fp8 --mem-fraction-static 0.5 \
+    --max-running-requests 256 --cuda-graph-max-bs 256 --input-len 128 --output-len 16 --batch-size 64 256 \
+    --profile --profile-dir /tmp/prof_fp8 --result-file "$OUT/fp8_profile.jsonl" 2>&1 \
+    | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+  ;;
+fp8dense)
+  echo "== tune the FP8 dense GEMM $(date -u +%T)"
+  timeout 300 python3 scripts/gpu/tune_fp8.py --dense --stats "$OUT/tune_fp8_dense.jsonl" 2>&1 | grep -vE "skip|WRONG"
+  tar -czf "$OUT/fp8_gemm_tables.tgz" -C moeserve/kernels/configs fp8_gemm  # one file: a call returns few
   ;;
 prefillab)
   SITE=${PYTHONPATH#*:}

@@ -9,8 +9,12 @@ timed with triton.testing.do_bench (median; the weights are far larger than L2),
 per-tensor FP8 GEMM of the same M x N x K, the ceiling) and torch._grouped_mm in bf16, in the same run.
 Prints one line per case with the best configuration, TFLOP/s and its share of _scaled_mm; writes the tables.
 
+--dense: the dense block-scaled GEMM of the linear layers (triton_ops/fp8_gemm.py, op fp8_gemm, E = 1) at each
+shape and row count, beside F.linear in bf16 (cuBLAS) on the same shape, the activations' quantization timed apart.
+
 Run on the GPU machine:
     python3 scripts/gpu/tune_fp8.py [--experts 32] [--shapes 4096x7168 7168x2048] [--rows-per-expert 16 128 512 1024]
+    python3 scripts/gpu/tune_fp8.py --dense [--shapes 3648x2048 2048x2048 ...] [--rows 1 64 256 8192]
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from moeserve.kernels.fp8_quant import (  # noqa: E402
     quantize_weight,
 )
 from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_gemm import OP as DENSE_OP  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
 
 MAX_REL = 1e-2  # bf16 output against the fp32 reference: a wrong tile is off by far more
@@ -53,6 +59,82 @@ def candidates(rows_per_expert: int) -> list[dict]:
     out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
     out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
     return out
+
+
+# DeepSeek-V2-Lite's FP8 linear layers (q_proj + kv_a fused, o_proj, the dense MLP's gate_up and down, kv_b at
+# prefill) and V3's (q_a + kv_a fused, q_b, o_proj), N x K
+DENSE_SHAPES = ["3648x2048", "2048x2048", "21888x2048", "2048x10944", "4096x512", "2112x7168", "24576x1536",
+                "7168x16384"]
+
+
+def dense_candidates(M: int) -> list[dict]:
+    """Thin tiles (and more programs) for decode's few rows, tensor-core tiles for prefill's many."""
+    def cfg(bm, bn, w, st):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+
+    if M <= 64:
+        return [cfg(16, 32, 4, 4), cfg(16, 64, 4, 4), cfg(16, 128, 4, 4), cfg(32, 64, 4, 4), cfg(32, 128, 4, 3),
+                cfg(64, 64, 4, 4), cfg(64, 128, 4, 3)]
+    if M <= 512:
+        return [cfg(32, 64, 4, 4), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3), cfg(64, 128, 4, 4), cfg(128, 64, 4, 4),
+                cfg(128, 128, 8, 3)]
+    return [cfg(64, 128, 4, 3), cfg(64, 128, 4, 4), cfg(128, 128, 8, 3), cfg(128, 128, 8, 4), cfg(128, 64, 4, 4),
+            cfg(64, 256, 8, 3)]
+
+
+def tune_dense(N: int, K: int, M: int, gen: torch.Generator) -> tuple[dict | None, dict]:
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
+    xq, xs = quantize_activations(x)
+    wq, ws = quantize_weight(w)
+    ref = dequantize_activations(xq, xs) @ dequantize_weight(wq, ws).t()
+    bf16_ms = bench(lambda: torch.nn.functional.linear(x, w))
+    quant_ms = bench(lambda: quantize_activations(x))
+    best, best_ms, rows = None, float("inf"), []
+    for c in dense_candidates(M):
+        try:
+            err = rel(fp8_gemm(xq, xs, wq, ws, torch.bfloat16, c), ref)
+            if not err < MAX_REL:
+                print(f"  WRONG {c}: rel {err:.2e}", flush=True)
+                continue
+            ms = bench(lambda c=c: fp8_gemm(xq, xs, wq, ws, torch.bfloat16, c))
+        except Exception as e:  # does not compile or fit: skip it
+            print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        rows.append(dict(config=c, ms=ms))
+        if ms < best_ms:
+            best, best_ms = c, ms
+    stats = dict(op=DENSE_OP, N=N, K=K, M=M, best=best, best_ms=best_ms, bf16_linear_ms=bf16_ms, act_quant_ms=quant_ms,
+                 best_weight_TBps=N * K / best_ms / 1e9, bf16_weight_TBps=2 * N * K / bf16_ms / 1e9,
+                 device=torch.cuda.get_device_name(), all=rows)
+    return best, stats
+
+
+def main_dense(shapes: list[str], ms: list[int], stats_path: str | None) -> int:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    start = time.perf_counter()
+    for shape in shapes:
+        N, K = map(int, shape.split("x"))
+        table = {}
+        for M in ms:
+            best, s = tune_dense(N, K, M, gen)
+            if best is None:
+                print(f"{DENSE_OP} N={N} K={K} M={M}: no configuration ran")
+                continue
+            table[M] = best
+            print(f"{DENSE_OP} N={N:5d} K={K:5d} M={M:5d}: {s['best_ms'] * 1e3:7.1f} us + quant "
+                  f"{s['act_quant_ms'] * 1e3:5.1f} ({s['best_weight_TBps']:.2f} TB/s of weights) | bf16 F.linear "
+                  f"{s['bf16_linear_ms'] * 1e3:7.1f} us ({s['bf16_weight_TBps']:.2f} TB/s) | {best}", flush=True)
+            if stats_path:
+                with open(stats_path, "a") as f:
+                    f.write(json.dumps(s) + "\n")
+        if table:
+            path = config_file(DENSE_OP, 1, N, K, FP8_DTYPE, device_name())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
+            print(f"wrote {path}")
+    print(f"tuned in {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 def bench(fn) -> float:
@@ -112,7 +194,12 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=["4096x7168", "7168x2048"], help="N x K: gate_up, down")
     p.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 128, 512, 1024])
     p.add_argument("--stats", default=None, help="append the measurements as JSON lines here")
+    p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
+    if ns.dense:
+        shapes = ns.shapes if "--shapes" in sys.argv else DENSE_SHAPES
+        return main_dense(shapes, ns.rows, ns.stats)
     gen = torch.Generator(device="cuda").manual_seed(0)
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):

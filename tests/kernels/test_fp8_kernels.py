@@ -4,6 +4,8 @@ partial blocks at the ends of M, N and K."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -124,6 +126,40 @@ def test_triton_gemm_matches_reference(device, m, n, k):
     for config in (SMALL, GROUPED_2):
         got = fp8_gemm(*(t.to(device) for t in (xq, xs, wq, ws)), torch.float32, config=config).cpu()
         assert _rel(got, ref) < KERNEL_REL
+
+
+def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
+    """A table for the shape (op fp8_gemm, E = 1, tune_fp8.py --dense) sets the launch; without one, 64 x 128."""
+    from moeserve.kernels import moe_config
+    from moeserve.kernels.triton_ops import fp8_gemm as ops
+
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
+    grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    real = ops._fp8_gemm_kernel
+    monkeypatch.setattr(ops, "_fp8_gemm_kernel", Spy())
+    gen = torch.Generator().manual_seed(17)
+    xq, xs = quantize_activations_reference(torch.randn(40, 256, generator=gen))
+    wq, ws = quantize_weight(torch.randn(96, 256, generator=gen))
+    args = [t.to(device) for t in (xq, xs, wq, ws)]
+    ops.fp8_gemm(*args, torch.float32)
+    path = moe_config.config_file(ops.OP, 1, 96, 256, FP8_DTYPE, moe_config.device_name())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"1": dict(SMALL, BLOCK_N=64), "64": SMALL}))
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):  # they remembered "no table"
+        cache.cache_clear()
+    got = ops.fp8_gemm(*args, torch.float32).cpu()
+    assert grids == [(1, 1), (3, 3)]  # the default's 64 x 128 tiles, then the 40-row entry's 16 x 32
+    assert _rel(got, fp8_gemm_reference(xq, xs, wq, ws, torch.float32)) < KERNEL_REL
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
 
 
 def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int):

@@ -5,7 +5,8 @@ A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale 
 is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
 fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
 at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
-`block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors.
+`block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors. Launch configurations come from
+the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py --dense), else 64 x 128.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_format import BLOCK
+from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
+from moeserve.kernels.moe_config import get_config
 
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+OP = "fp8_gemm"  # the tables' op name (moeserve/kernels/moe_config.py, E = 1), written by tune_fp8.py --dense
+
+
+def default_config(M: int, E: int) -> dict:
+    """Without a table for the shape: 64 x 128 tiles at every M."""
+    return dict(DEFAULT_CONFIG)
 
 
 @triton.jit
@@ -75,9 +83,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, st
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """xq [M, K] e4m3, x_scale [M, ceil(K/128)], w [N, K] e4m3, w_scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]."""
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
     m, k = xq.shape
     n = w.shape[0]
+    cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
     assert w.shape[1] == k and xq.stride(1) == 1 and w.stride(1) == 1, (xq.shape, w.shape)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
