@@ -8,7 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeserve.kernels.triton_ops.direct_launch import spec_key  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from moeserve.kernels.triton_ops.direct_launch import DirectLauncher, spec_key  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -18,6 +21,29 @@ def test_spec_key_classes():
     assert spec_key(1, 32, 33, 2**40) == ((1, True), (16, True), (0, True), (16, False))
     assert spec_key(x, x[1:])[0] == (torch.float32, True) and spec_key(x[1:])[0] == (torch.float32, False)
     assert spec_key(None, 1e-6, True) == (None, 1e-6, True)
+
+
+@triton.jit
+def _with_default(out_ptr, value, SCALE: tl.constexpr, SHIFT: tl.constexpr = 7):
+    tl.store(out_ptr + tl.arange(0, 4), value * SCALE + SHIFT + tl.arange(0, 4))
+
+
+def test_arguments_fill_left_out_constexprs_from_their_defaults():
+    """A constexpr with a default may be left out of a call: Triton's launch fills it, so the direct launch's
+    argument list must too (a KeyError from the second call on, before)."""
+    launcher = DirectLauncher(_with_default)
+    assert launcher.arguments((None, 5), {"SCALE": 3}) == [None, 5, 3, 7]
+    assert launcher.arguments((None, 5), {"SCALE": 3, "SHIFT": 1}) == [None, 5, 3, 1]
+
+
+@cuda
+@pytest.mark.gpu
+def test_direct_launch_with_a_default_constexpr():
+    launcher = DirectLauncher(_with_default)
+    out = torch.zeros(4, dtype=torch.int32, device="cuda")
+    for value in (5, 6, 9):  # the first through Triton, the others direct
+        launcher((1,), out, value, SCALE=3)
+        assert out.tolist() == [value * 3 + 7 + i for i in range(4)]
 
 
 @cuda

@@ -14,6 +14,7 @@ Under TRITON_INTERPRET=1 (the CPU tests) the interpreter runs every call.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -47,6 +48,9 @@ class DirectLauncher:
         self.fn = fn
         self.kernels: dict[tuple, object] = {}
         self.names = list(fn.arg_names)
+        # constexprs the caller may leave out: Triton's own launch fills them from the signature, so must a direct one
+        self.defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
         self.options = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
     def __call__(self, grid: tuple[int, ...], *args: object, **meta: object) -> None:
@@ -57,10 +61,14 @@ class DirectLauncher:
             if kernel is not None and _enabled():
                 self.kernels[key] = kernel
             return
-        full = [*args, *(meta[n] for n in self.names[len(args):])]
+        full = self.arguments(args, meta)
         g = (*grid, 1, 1)
         kernel.run(g[0], g[1], g[2], _stream(), kernel.function,
                    kernel.packed_metadata, None, _hooks.launch_enter_hook, _hooks.launch_exit_hook, *full)
+
+    def arguments(self, args: tuple, meta: dict) -> list:
+        """The kernel's parameters in order: args, then each later one from meta or its default."""
+        return [*args, *(meta[n] if n in meta else self.defaults[n] for n in self.names[len(args):])]
 
 
 class _NoHooks:
