@@ -4,7 +4,7 @@ fused-MoE configs work).
 One file per (op, shape, dtype, device): configs/<op>/E=<E>,N=<N>,K=<K>,device_name=<name>,dtype=<dtype>.json,
 mapping a row count M (pairs in the layout, T * top_k) to a launch configuration
 {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}, with "TMA": true where the weights are read through
-tensor descriptors (or {"backend": "torch"} where torch's grouped GEMM measured faster); a launch takes the entry of the nearest M.
+tensor descriptors and "GROUP_M": g for a grouped-M program order (or {"backend": "torch"} where torch's grouped GEMM measured faster); a launch takes the entry of the nearest M.
 N is the op's output width (I for the gate/up GEMM with SiLU fused, H for the down GEMM), K its reduction size.
 scripts/gpu/tune_moe.py writes them. A shape tuned for another expert count E' (the same op, N, K, dtype and
 device) lends its table, read at the same rows per expert (M * E' / E): shared-experts fusion runs the routed E

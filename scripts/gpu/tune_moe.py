@@ -63,6 +63,8 @@ def candidates(rows_per_expert: float) -> list[dict]:
         for bm, bn, nw, st in [(128, 128, 8, 5), (128, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 5)]:
             out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=nw, num_stages=st, TMA=True))
         out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, TMA=True))
+        for st, g in [(3, 8), (4, 8), (3, 4), (4, 16)]:  # grouped-M order: rows and weights shared in L2
+            out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=st, TMA=True, GROUP_M=g))
     return out
 
 

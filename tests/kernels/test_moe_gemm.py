@@ -39,6 +39,8 @@ def test_contiguous_matches_reference(dtype, silu, counts, align, device):
     args = [t.to(device) for t in (x, w, offsets, c)]
     got = moe_gemm(*args, silu=silu, config=SMALL).cpu()
     _check_rows(got, ref, counts, offsets, dtype)
+    got = moe_gemm(*args, silu=silu, config={**SMALL, "GROUP_M": 3}).cpu()  # grouped-M order, pointer reads
+    _check_rows(got, ref, counts, offsets, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,7 +73,8 @@ def test_contiguous_gathers_named_rows(dtype, align, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("gather", [False, True])
-def test_tensor_descriptor_reads(dtype, silu, gather, device):
+@pytest.mark.parametrize("group_m", [0, 2])
+def test_tensor_descriptor_reads(dtype, silu, gather, group_m, device):
     """"TMA": w (and a, where its rows are not gathered) read through tensor descriptors: tiles that run past an
     expert's rows, past N into the up half or the next expert, and past K, all masked at the store."""
     from moeserve.kernels.moe_route import moe_route_reference
@@ -84,7 +87,7 @@ def test_tensor_descriptor_reads(dtype, silu, gather, device):
     tokens = torch.randn(T, K, generator=gen).to(dtype)
     rows = tokens.index_select(0, plan.src.long() // k)  # the layout's rows, for the ungathered GEMM
     w = (torch.randn(E, N, K, generator=gen) * K**-0.5).to(dtype)
-    cfg = {**SMALL, "TMA": True}
+    cfg = {**SMALL, "TMA": True, "GROUP_M": group_m}  # GROUP_M 2: a 1-D grid in grouped-M order
     x, pairs = (tokens, plan.src) if gather else (rows, None)
     ref = moe_gemm_reference(x.float(), w.float(), plan.offsets, plan.counts, silu, pairs=pairs, top_k=k)
     got = moe_gemm(x.to(device), w.to(device), plan.offsets.to(device), plan.counts.to(device), silu=silu,

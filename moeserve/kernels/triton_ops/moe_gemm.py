@@ -10,6 +10,8 @@ GATHER (contiguous): the rows are named by `pairs` (row r is x[pairs[r] // TOPK]
 tokens where the tiles are read, as vLLM's and SGLang's fused MoE kernels do: no [M, K] copy of the rows.
 TMA (a configuration's "TMA": true): w read through a tensor descriptor, and a too where the rows are not gathered
 (the down GEMM), as the FP8 grouped GEMM reads them (Hopper; the pointer path elsewhere).
+GROUP_M (a configuration's "GROUP_M": g > 0): a 1-D grid in grouped-M order, g row tiles sweeping every column tile
+before the next g start, so that the programs resident together share rows and weights in L2; 0, a 2-D grid.
 TALLY: the first program also adds the first num_tally counts into an int64 tally (the expert-utilization
 counter, ep/stats.py), where an add of its own was a launch per MoE layer.
 """
@@ -22,18 +24,21 @@ import triton.language as tl
 
 from moeserve.kernels.moe_config import default_config, get_config
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
-from moeserve.kernels.triton_ops.tile_order import expert_tile
+from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m"])  # (read only in grouped order: no recompile per grid size)
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, tally_ptr, num_tally, N, K, cap,
-                     tiles_per_expert, stride_am, stride_we, stride_wn, stride_om,
+                     tiles_per_expert, num_m, stride_am, stride_we, stride_wn, stride_om,
                      E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
                      TALLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TMA: tl.constexpr, A_TMA: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                     TMA: tl.constexpr, A_TMA: tl.constexpr, GROUP_M: tl.constexpr):
+    if GROUP_M > 0:  # a 1-D grid in grouped-M order (tile_order.py)
+        pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     if TALLY:  # the first program adds the first num_tally counts into the int64 tally: no launch of its own
         if pid_m + pid_n == 0:
             ei = tl.arange(0, E_P2)
@@ -122,11 +127,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     a_tma = tma and pairs is None and not masked and tma_usable(a)
     args = (a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
             counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
-            tiles, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2))
+            tiles, grid_m, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2))
     meta = dict(E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
                 GATHER=pairs is not None, TOPK=top_k, TALLY=tally is not None,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    grid = (grid_m, triton.cdiv(N, bn))
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 0),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (grid_m * triton.cdiv(N, bn),) if meta["GROUP_M"] else (grid_m, triton.cdiv(N, bn))
     if not tma:
         _MOE_GEMM(grid, *args, TMA=False, A_TMA=False, **meta)
         return
