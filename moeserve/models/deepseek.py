@@ -169,7 +169,7 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._kv_b()
-        # [B, h, r]: a product per head (no einsum); a GEMV per head at a few rows (W_UK read in place, [nope, r])
+        # [B, h, r]: a product per head (no einsum); a GEMV per head at one row (W_UK read in place, [nope, r])
         q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
         if use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table

@@ -191,15 +191,16 @@ def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generat
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=32, help="local experts (DeepSeek-V3 at EP 8: 32)")
-    p.add_argument("--shapes", nargs="+", default=["4096x7168", "7168x2048"], help="N x K: gate_up, down")
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="N x K: gate_up, down (default 4096x7168 7168x2048); with --dense the linear layers' shapes")
     p.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 128, 512, 1024])
     p.add_argument("--stats", default=None, help="append the measurements as JSON lines here")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
     if ns.dense:
-        shapes = ns.shapes if "--shapes" in sys.argv else DENSE_SHAPES
-        return main_dense(shapes, ns.rows, ns.stats)
+        return main_dense(ns.shapes or DENSE_SHAPES, ns.rows, ns.stats)
+    ns.shapes = ns.shapes or ["4096x7168", "7168x2048"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):

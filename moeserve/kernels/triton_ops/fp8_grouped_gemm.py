@@ -23,6 +23,7 @@ from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
+from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
 
@@ -82,10 +83,8 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
 
 
 def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:
-    """Tensor-memory-accelerator reads need 16-byte aligned bases and row strides (K a multiple of 16 in e4m3) and
-    a Hopper-class GPU (or the interpreter)."""
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(-2) % 16 == 0 for t in (xq, w)) and w.is_contiguous()
-    return aligned and (not xq.is_cuda or torch.cuda.get_device_capability(xq.device)[0] >= 9)
+    """Both operands readable through tensor descriptors (triton_ops/tma.py): in e4m3, K a multiple of 16."""
+    return descriptor_usable(xq) and descriptor_usable(w)
 
 
 def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int):

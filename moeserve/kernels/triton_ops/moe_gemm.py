@@ -25,6 +25,7 @@ import triton.language as tl
 from moeserve.kernels.moe_config import default_config, get_config
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
+from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 
 @triton.jit(do_not_specialize=["num_m"])  # (read only in grouped order: no recompile per grid size)
@@ -123,8 +124,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
         return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
-    tma = bool(cfg.get("TMA")) and tma_usable(w)
-    a_tma = tma and pairs is None and not masked and tma_usable(a)
+    tma = bool(cfg.get("TMA")) and descriptor_usable(w)
+    a_tma = tma and pairs is None and not masked and descriptor_usable(a)
     args = (a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
             counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
             tiles, grid_m, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2))
@@ -143,14 +144,6 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     w_desc = TensorDescriptor(w, [E * n_w, K], [K, 1], [bn, bk])
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [bm, bk]) if a_tma else a
     _moe_gemm_kernel[grid](a_desc, w_desc, *args[2:], TMA=True, A_TMA=a_tma, **meta)
-
-
-def tma_usable(t: torch.Tensor) -> bool:
-    """Tensor-descriptor reads: a Hopper-class GPU (or the interpreter), 16-byte aligned base and rows, the last
-    dimension contiguous (w: the whole tensor, viewed [E * n_w, K])."""
-    aligned = t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0 and t.stride(-1) == 1
-    whole = t.dim() == 2 or t.is_contiguous()
-    return aligned and whole and (not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
