@@ -38,5 +38,5 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
     """x [..., K] (bf16 / fp32) -> x W^T [..., N] in x's dtype; x is quantized per token and group of 128."""
     k = x.shape[-1]
-    xq, xs = quantize_activations(x.reshape(-1, k))
+    xq, xs = quantize_activations(x.reshape(-1, k), mn_major=True)
     return fp8_gemm(xq, xs, w, w_scale_inv, x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -3,7 +3,8 @@ its own e4m3 weight, activations already quantized per token in groups of 128 (m
 
     contiguous  xq [M, K], x_scale [M, ceil(K/128)], w [E, N, K], w_scale_inv [E, ceil(N/128), ceil(K/128)],
                 expert_offsets [E + 1], num_tokens_per_expert [E]                        -> [M, N]
-                (rows offsets[e] .. offsets[e] + count[e] times w[e]^T; the others are 0)
+                (rows offsets[e] .. offsets[e] + count[e] times w[e]^T; the reference writes 0 in the others,
+                which the Triton kernel leaves unwritten: no combine reads them)
     masked      xq [E, C, K], x_scale [E, C, ceil(K/128)], w, w_scale_inv, masked_m [E]  -> [E, C, N]
                 (the first masked_m[e] rows of expert e are meaningful; the rest are unspecified)
 

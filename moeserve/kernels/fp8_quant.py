@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.core.layouts import gather_rows
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.fp8_format import (  # noqa: F401 - the format's names, for the recipe's callers
     ACT_SCALE_FLOOR,
@@ -57,14 +58,22 @@ def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     return (q.float() * s).to(dtype)
 
 
-def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32): per token, per group of 128 along K."""
+def scales_mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """scale [..., G] with the same values stored [G, rows] (rows = the leading dimensions flattened): the layout
+    in which a GEMM tile reads its rows' scales of one K block as one contiguous run (and cuBLAS's 1 x 128 one)."""
+    g = scale.shape[-1]
+    return scale.reshape(-1, g).t().contiguous().t().view(scale.shape)
+
+
+def quantize_activations_reference(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32): per token, per group of 128 along K.
+    mn_major: the scales stored [groups, rows] (see `scales_mn_major`); the values are the same."""
     k = x.shape[-1]
     kb = num_blocks(k)
     groups = _pad_to_blocks(x.float(), (x.dim() - 1,)).view(*x.shape[:-1], kb, BLOCK)
     scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR) / FP8_MAX
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(*x.shape[:-1], kb * BLOCK)[..., :k].contiguous(), scale
+    return q.view(*x.shape[:-1], kb * BLOCK)[..., :k].contiguous(), (scales_mn_major(scale) if mn_major else scale)
 
 
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,13 +88,13 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return dequantize_activations(*quantize_activations_reference(x), x.dtype)
 
 
-def silu_and_mul_quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quantize_reference(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2I] ([gate | up]) -> quantize_activations(silu(gate) * up): the SwiGLU output straight to FP8, for
     the FP8 GEMM after it (the experts' and the dense MLP's down projection)."""
-    return quantize_activations_reference(silu_and_mul(x))
+    return quantize_activations_reference(silu_and_mul(x), mn_major)
 
 
-def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quantize(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's result in one Triton kernel on CUDA (the [..., I] product never reaches memory in x's
     dtype; it is rounded to it in registers, so the bits are the unfused pair's)."""
     if use_triton(x):
@@ -93,14 +102,32 @@ def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             silu_and_mul_quantize as triton_silu_and_mul_quantize,
         )
 
-        return triton_silu_and_mul_quantize(x)
-    return silu_and_mul_quantize_reference(x)
+        return triton_silu_and_mul_quantize(x, mn_major)
+    return silu_and_mul_quantize_reference(x, mn_major)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32), the Triton kernel on CUDA."""
+def quantize_activations(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32), the Triton kernel on CUDA. mn_major: the
+    scales stored [groups, rows], as the GEMMs read them best (`scales_mn_major`)."""
     if use_triton(x):
         from moeserve.kernels.triton_ops.fp8_quant import quantize_activations as triton_quantize
 
-        return triton_quantize(x)
-    return quantize_activations_reference(x)
+        return triton_quantize(x, mn_major)
+    return quantize_activations_reference(x, mn_major)
+
+
+def quantize_gathered_reference(tokens: torch.Tensor, pairs: torch.Tensor, top_k: int,
+                                mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [T, K], pairs [M] int32 (a contiguous MoE layout's rows: row r is token pairs[r] // top_k, zeros
+    where pairs[r] is -1) -> quantize_activations of those rows: (q [M, K] e4m3, scale [M, ceil(K/128)])."""
+    return quantize_activations_reference(gather_rows(tokens, pairs, top_k), mn_major)
+
+
+def quantize_gathered(tokens: torch.Tensor, pairs: torch.Tensor, top_k: int,
+                      mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result in one Triton pass on CUDA (the rows are read from the tokens, not copied first)."""
+    if use_triton(tokens):
+        from moeserve.kernels.triton_ops.fp8_quant import quantize_gathered as triton_quantize_gathered
+
+        return triton_quantize_gathered(tokens, pairs, top_k, mn_major)
+    return quantize_gathered_reference(tokens, pairs, top_k, mn_major)

@@ -2,8 +2,12 @@
 the dense ceiling) and bf16 (torch._grouped_mm / torch.mm), in the same run, in TFLOP/s.
 
 Shapes: the routed experts' gate_up GEMM of DeepSeek-V3 at prefill sizes (32 local experts, as with EP 8; K = 7168,
-N = 2 x 2048), the contiguous and the masked layouts; a dense linear (q_b_proj: K = 1536, N = 24576).
-Usage: python3 scripts/gpu/fp8_bench.py [--result-file F.jsonl]
+N = 2 x 2048) and V2-Lite's two expert GEMMs (64 experts; gate_up N = 2 x 1408 padded to 2,816, K = 2048; down
+N = 2048, K = 1408), the contiguous and the masked layouts; dense linears of both models. The activations' scales
+are stored M-major where the tree's quantizer can (`mn_major`, "scales": "mn"), row-major otherwise ("row"); the
+grouped GEMMs are also timed on row-major scales. The dense rows add cuBLAS's block-scaled FP8 GEMM
+(`torch._scaled_mm` with 1 x 128 activation and 128 x 128 weight scales, DeepSeek's recipe) with its error.
+Usage: python3 scripts/gpu/fp8_bench.py [--result-file F.jsonl] [--quick]
 """
 
 from __future__ import annotations
@@ -13,7 +17,20 @@ import json
 
 import torch
 
-from moeserve.kernels.fp8_quant import quantize_activations, quantize_weight
+from moeserve.kernels.fp8_quant import (
+    dequantize_activations,
+    dequantize_weight,
+    quantize_activations,
+    quantize_weight,
+)
+
+
+def quantize_mn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """x quantized with M-major scales where this tree's quantizer has them, else row-major; and which."""
+    try:
+        return (*quantize_activations(x, mn_major=True), "mn")
+    except TypeError:  # a tree from before the M-major scales
+        return (*quantize_activations(x), "row")
 
 
 def bench(fn, iters: int = 20) -> float:
@@ -40,7 +57,8 @@ def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 716
     counts = torch.full((experts,), rows_per_expert, dtype=torch.int32, device="cuda")
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(counts, 0)
-    xq, xs = quantize_activations(x)
+    xq, xs, layout = quantize_mn(x)
+    xs_row = xs.contiguous()
     wq, ws = quantize_weight(w)
     flops = 2 * m * n * k
     # the dense FP8 ceiling: one [M, K] x [K, N] GEMM with per-tensor scales
@@ -48,6 +66,8 @@ def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 716
     one = torch.ones((), device="cuda")
     runs = {
         "fp8_grouped_contiguous": lambda: fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16),
+        "fp8_grouped_contiguous_rowscales": lambda: fp8_grouped_gemm(xq, xs_row, wq, ws, offsets, counts,
+                                                                     torch.bfloat16),
         "fp8_grouped_masked": lambda: fp8_grouped_gemm_masked(xq.view(experts, rows_per_expert, k),
                                                               xs.view(experts, rows_per_expert, -1), wq, ws, counts,
                                                               torch.bfloat16),
@@ -55,7 +75,10 @@ def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 716
                                                               out_dtype=torch.bfloat16),
         "bf16_grouped_mm": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:]),
     }
-    return [dict(op=name, m=m, n=n, k=k, experts=experts, tflops=flops / bench(fn) / 1e12) for name, fn in runs.items()]
+    if layout == "row":
+        del runs["fp8_grouped_contiguous_rowscales"]  # the same run as the first
+    return [dict(op=name, m=m, n=n, k=k, experts=experts, scales=layout, tflops=flops / bench(fn) / 1e12)
+            for name, fn in runs.items()]
 
 
 def dense(m: int, n: int = 24576, k: int = 1536) -> list[dict]:
@@ -63,24 +86,45 @@ def dense(m: int, n: int = 24576, k: int = 1536) -> list[dict]:
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-    xq, xs = quantize_activations(x)
+    xq, xs, layout = quantize_mn(x)
+    xs_mn = xs.t().contiguous().t()  # cuBLAS's 1 x 128 scales: M-major
     wq, ws = quantize_weight(w)
+    ref = dequantize_activations(xq, xs) @ dequantize_weight(wq, ws).t()
     flops = 2 * m * n * k
     runs = {"fp8_gemm": lambda: fp8_gemm(xq, xs, wq, ws, torch.bfloat16),
-            "fp8_gemm_with_act_quant": lambda: fp8_gemm(*quantize_activations(x), wq, ws, torch.bfloat16),
+            "fp8_gemm_with_act_quant": lambda: fp8_gemm(*quantize_mn(x)[:2], wq, ws, torch.bfloat16),
+            "cublas_blockwise_fp8": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs_mn, scale_b=ws.t(),
+                                                             out_dtype=torch.bfloat16),
             "bf16_mm": lambda: x @ w.t()}
-    return [dict(op=name, m=m, n=n, k=k, tflops=flops / bench(fn) / 1e12) for name, fn in runs.items()]
+    rows = []
+    for name, fn in runs.items():
+        try:
+            err = (fn().float() - ref).norm().item() / ref.norm().item() if name != "bf16_mm" else None
+            rows.append(dict(op=name, m=m, n=n, k=k, scales=layout, rel_err=err, tflops=flops / bench(fn) / 1e12))
+        except RuntimeError as e:  # cuBLAS without the block-scaled kernels
+            print(f"{name} M={m} N={n} K={k}: {str(e)[:160]}")
+    return rows
+
+
+DENSE = [(24576, 1536), (3648, 2048), (2048, 2048), (4096, 512), (21888, 2048), (2048, 10944), (7168, 16384)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes: the prefill ones")
     args = parser.parse_args()
-    rows = [r for rpe in (128, 512, 1024) for r in grouped(rpe)] + [r for m in (64, 4096) for r in dense(m)]
+    rows = [r for rpe in ((512,) if args.quick else (128, 512, 1024)) for r in grouped(rpe)]
+    rows += [r for rpe in ((768,) if args.quick else (24, 768, 1536)) for n, k in ((2816, 2048), (2048, 1408))
+             for r in grouped(rpe, 64, n, k)]
+    ms = (256, 8192) if args.quick else (64, 256, 4096, 8192)
+    rows += [r for m in ms for n, k in DENSE for r in dense(m, n, k)]
     device = torch.cuda.get_device_name()
     for r in rows:
         r["device"] = device
-        print(f"{r['op']:28s} M={r['m']:6d} N={r['n']:6d} K={r['k']:5d}  {r['tflops']:7.1f} TFLOP/s")
+        err = f"  rel {r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
+        print(f"{r['op']:34s} E={r.get('experts', 1):3d} M={r['m']:6d} N={r['n']:6d} K={r['k']:5d} [{r['scales']}] "
+              f"{r['tflops']:7.1f} TFLOP/s{err}")
     if args.result_file:
         with open(args.result_file, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -20,6 +20,9 @@
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256
+#   fp8prefprof the per-part profile of an FP8 prefill of 4 x 2,048 tokens (--quantization fp8)
+#   fp8ab      FP8 one-batch decode at batch 64 / 256 and prefill 4 x 2,048: BASE=DIR (as onebatch), then this tree
+#   fp8bench   scripts/gpu/fp8_bench.py --quick: BASE=DIR first where given, then this tree
 #   fp8dense   tune the FP8 linear layers' dense GEMM (tune_fp8.py --dense: V2-Lite's and V3's shapes at 1, 64, 256,
 #              8,192 rows); the tables land in $OUT/fp8_gemm_tables.tgz (the next parts of the same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
@@ -95,6 +98,39 @@ fp8prof)
     --max-running-requests 256 --cuda-graph-max-bs 256 --input-len 128 --output-len 16 --batch-size 64 256 \
     --profile --profile-dir /tmp/prof_fp8 --result-file "$OUT/fp8_profile.jsonl" 2>&1 \
     | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+  ;;
+fp8prefprof)
+  echo "== fp8 prefill profile $(date -u +%T)"
+  timeout 120 python3 -m moeserve.cli bench one-batch $M --quantization fp8 --mem-fraction-static 0.5 \
+    --max-running-requests 8 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
+    --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof_fp8 \
+    --result-file "$OUT/fp8_prefprof.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" \
+    | sed -n '/prefill of/,/decode step/p'
+  ;;
+fp8ab)
+  SITE=${PYTHONPATH#*:}
+  for side in ${SIDES:-base on}; do
+    tree=$PWD; [ $side = base ] && tree=$(realpath "$BASE")
+    echo "== V2-Lite FP8 decode $side $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 120 python3 -m moeserve.cli bench one-batch $M --quantization fp8 \
+      --context-length 1024 --mem-fraction-static 0.5 --max-running-requests 256 --cuda-graph-max-bs 256 \
+      --repeat 3 --input-len 128 --output-len 64 --batch-size 64 256 --result-file "$OUT/fp8_decode_$side.jsonl" \
+      2>&1 | grep -E "^batch|Error|error")
+    echo "== V2-Lite FP8 prefill 4 x 2048 $side $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 80 python3 -m moeserve.cli bench one-batch $M --quantization fp8 \
+      --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 \
+      --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 \
+      --result-file "$OUT/fp8_prefill_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
+  done
+  ;;
+fp8bench)
+  SITE=${PYTHONPATH#*:}; HERE=$PWD
+  for side in ${BASE:+base} on; do
+    tree=$HERE; [ $side = base ] && tree=$(realpath "$BASE")
+    echo "== fp8_bench.py --quick, $side $(date -u +%T)"  # this tree's script over each tree's kernels
+    (cd "$tree" && PYTHONPATH="$tree:$SITE" timeout 150 python3 "$HERE/scripts/gpu/fp8_bench.py" --quick \
+      --result-file "$OUT/fp8_bench_$side.jsonl" 2>&1 | grep -vE "Warning|warn")
+  done
   ;;
 fp8dense)
   echo "== tune the FP8 dense GEMM $(date -u +%T)"

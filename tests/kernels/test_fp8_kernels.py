@@ -18,10 +18,12 @@ from moeserve.kernels.fp8_quant import (
     dequantize_weight,
     quantize_activations_reference,
     quantize_weight,
+    scales_mn_major,
 )
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)  # several tiles on small shapes
 GROUPED_2 = dict(SMALL, GROUP_M=2)
+WIDE_N = dict(SMALL, BLOCK_N=256)  # a tile over two 128-column scale blocks: b's scales per column
 FP8_REL = 0.07  # relative error of an e4m3 GEMM against fp32 (3 mantissa bits on both operands)
 KERNEL_REL = 1e-5  # Triton against the reference: the same products, summed in another order
 # Hopper's FP8 warpgroup MMA (tiles of 64 rows or more) sums each 128-wide K block at reduced precision before the
@@ -85,6 +87,8 @@ def test_triton_silu_and_mul_quant_matches_reference(dtype, device):
     q, s = silu_and_mul_quantize(x.to(device))
     rq, rs = silu_and_mul_quantize_reference(x)
     assert q.shape == rq.shape == (3, 7, 300) and s.shape == rs.shape == (3, 7, 3)
+    s2 = silu_and_mul_quantize(x.to(device), mn_major=True)[1]  # the same scales, stored [groups, rows]
+    assert s2.stride() == (7, 1, 21) and torch.equal(s2, s)
     # F.silu's exp and Triton's may differ in the last fp32 bit, which the rounding to x's dtype mostly absorbs;
     # Triton 3.9's interpreter also rounds to bf16 its own way (up to a few bf16 steps of a group's largest value)
     loose = device == "cpu" and dtype == torch.bfloat16
@@ -102,6 +106,9 @@ def test_triton_activation_quant_matches_reference(device):
     q, s = quantize_activations(x.to(device))
     rq, rs = quantize_activations_reference(x)
     assert q.shape == rq.shape and s.shape == rs.shape
+    q2, s2 = quantize_activations(x.to(device), mn_major=True)  # the same values, the scales stored [groups, rows]
+    assert s2.shape == s.shape and s2.stride() == (5, 1, 10) and torch.equal(s2, s)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
     torch.testing.assert_close(s.cpu(), rs, rtol=1e-6, atol=0)
     got, ref = q.cpu().float(), rq.float()
     if device == "cpu":
@@ -115,17 +122,37 @@ def test_triton_activation_quant_matches_reference(device):
         assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(37, 150, 260), (1, 64, 128), (16, 32, 100)])
+def test_triton_gathered_quant_matches_reference(device):
+    """The contiguous layout's rows quantized straight from the tokens (a token in several rows, padding rows -1),
+    with both scale layouts, against the gather then the quantizer; K 1,100: partial groups, two programs a row."""
+    from moeserve.kernels.fp8_quant import quantize_gathered_reference
+    from moeserve.kernels.triton_ops.fp8_quant import quantize_gathered
+
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randn(6, 1100, generator=gen) * torch.rand(6, 1, generator=gen) * 8
+    pairs = torch.tensor([5, 0, -1, 11, 3, 3, -1, 17, 8], dtype=torch.int32)  # top_k 3: tokens 1, 0, 3, 1, 1, 5, 2
+    for mn in (False, True):
+        q, s = quantize_gathered(tokens.to(device), pairs.to(device), 3, mn_major=mn)
+        rq, rs = quantize_gathered_reference(tokens, pairs, 3, mn_major=mn)
+        assert q.shape == rq.shape == (9, 1100) and s.shape == rs.shape == (9, 9) and s.stride() == rs.stride()
+        torch.testing.assert_close(s.cpu(), rs, rtol=1e-6, atol=0)
+        assert (q[2].cpu().float() == 0).all() and (q[6].cpu().float() == 0).all()
+        assert (q.cpu().float() == rq.float()).float().mean() > 0.95  # the interpreter's carry (see above)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 150, 260), (1, 64, 128), (16, 32, 100), (20, 300, 256)])
 def test_triton_gemm_matches_reference(device, m, n, k):
+    """Row-major and M-major activation scales, tiles inside one scale block's columns and across two."""
     from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm
 
     gen = torch.Generator().manual_seed(m + n + k)
     xq, xs = quantize_activations_reference(torch.randn(m, k, generator=gen))
     wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
     ref = fp8_gemm_reference(xq, xs, wq, ws, torch.float32)
-    for config in (SMALL, GROUPED_2):
-        got = fp8_gemm(*(t.to(device) for t in (xq, xs, wq, ws)), torch.float32, config=config).cpu()
-        assert _rel(got, ref) < KERNEL_REL
+    for scales in (xs, scales_mn_major(xs)):
+        for config in (SMALL, GROUPED_2, WIDE_N):
+            got = fp8_gemm(*(t.to(device) for t in (xq, scales, wq, ws)), torch.float32, config=config).cpu()
+            assert _rel(got, ref) < KERNEL_REL
 
 
 def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
@@ -162,6 +189,14 @@ def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
         cache.cache_clear()
 
 
+def _valid_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The layout rows that hold a pair: counts[e] rows from offsets[e]."""
+    valid = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    for start, n in zip(offsets.tolist(), counts.tolist(), strict=False):
+        valid[start:start + n] = True
+    return valid
+
+
 def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     c = torch.tensor(counts, dtype=torch.int32)
@@ -174,18 +209,22 @@ def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int)
 
 @pytest.mark.parametrize(("counts", "align", "config"), [([0, 37, 1, 0, 18], 1, SMALL), ([1], 1, SMALL),
                                                      ([5, 0, 21], 8, SMALL), ([0, 37, 1, 0, 18], 1, GROUPED_2),
-                                                     ([200, 3, 0, 130], 1, None)])
-def test_triton_grouped_contiguous_matches_reference(device, counts, align, config):
+                                                     ([200, 3, 0, 130], 1, None), ([0, 37, 1, 0, 18], 1, WIDE_N)])
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_triton_grouped_contiguous_matches_reference(device, counts, align, config, mn_major):
     """SMALL: several tiles; GROUPED_2: row tiles in groups of 2 (partial groups at the end); None: the default
-    launch configuration (64 x 128 tiles, a partial N tile; K 200 takes the pointer path)."""
+    launch configuration (64 x 128 tiles, a partial N tile; K 200 takes the pointer path); WIDE_N: a tile across two
+    scale blocks of columns. mn_major: the activation scales stored [groups, rows]."""
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import default_config, fp8_grouped_gemm
 
     args = _contiguous_inputs(counts, align, 150, 200, seed=len(counts) + align)
+    if mn_major:
+        args = (args[0], scales_mn_major(args[1]), *args[2:])
     ref = fp8_grouped_gemm_reference(*args, torch.float32)
     got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=config).cpu()
     wide = (config or default_config(len(args[0]), len(counts)))["BLOCK_M"] >= 64
-    assert _rel(got, ref) < (WGMMA_REL if device == "cuda" and wide else KERNEL_REL)
-    assert (got[ref == 0] == 0).all()  # padding rows are zero in both
+    valid = _valid_rows(args[4], args[5])  # padding rows: the reference's zeros, the kernel's unwritten memory
+    assert _rel(got[valid], ref[valid]) < (WGMMA_REL if device == "cuda" and wide else KERNEL_REL)
 
 
 def test_grouped_reference_is_each_experts_gemm():
@@ -198,12 +237,13 @@ def test_triton_grouped_masked_matches_reference(device):
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked
 
     _check_masked(fp8_grouped_gemm_masked, device, k=200, seed=11, config=SMALL)
+    _check_masked(fp8_grouped_gemm_masked, device, k=200, seed=13, config=WIDE_N, mn_major=True)
 
 
-def _check_masked(kernel, device: str, k: int, seed: int, config: dict) -> None:
+def _check_masked(kernel, device: str, k: int, seed: int, config: dict, mn_major: bool = False) -> None:
     """3 experts of capacity 40 (17, 0 and 40 rows used), N 150: the kernel's used rows against the reference."""
     gen = torch.Generator().manual_seed(seed)
-    xq, xs = quantize_activations_reference(torch.randn(3, 40, k, generator=gen))
+    xq, xs = quantize_activations_reference(torch.randn(3, 40, k, generator=gen), mn_major)
     wq, ws = quantize_weight(torch.randn(3, 150, k, generator=gen))
     masked_m = torch.tensor([17, 0, 40], dtype=torch.int32)
     ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
@@ -226,7 +266,9 @@ def test_triton_grouped_tma_reads_match_reference(device):
     args = _contiguous_inputs([0, 37, 1, 0, 18], 1, 150, 256, seed=5)
     assert tma_usable(args[0].to(device), args[2].to(device))
     ref = fp8_grouped_gemm_reference(*args, torch.float32)
-    got = fp8_grouped_gemm(*(t.to(device) for t in args), torch.float32, config=tma).cpu()
-    assert _rel(got, ref) < KERNEL_REL
-    assert (got[ref == 0] == 0).all()
+    valid = _valid_rows(args[4], args[5])
+    for scales in (args[1], scales_mn_major(args[1])):
+        got = fp8_grouped_gemm(*(t.to(device) for t in (args[0], scales, *args[2:])), torch.float32, config=tma).cpu()
+        assert _rel(got[valid], ref[valid]) < KERNEL_REL
     _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=12, config=tma)
+    _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=14, config=tma, mn_major=True)

@@ -28,23 +28,51 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
-                      stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR: tl.constexpr):
+    """K block kb's row scales of a [BLOCK_M] and column-block scales of b ([BLOCK_N], or one scalar when the whole
+    tile lies in one 128-column block); a K block past the end reads nothing (0)."""
+    a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
+    if B_SCALAR:
+        b_s = tl.load(bs_ptrs + kb)
+    else:
+        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
+    return a_s, b_s
+
+
+@triton.jit
+def _scaled_add(acc, part, a_s, b_s, B_SCALAR: tl.constexpr):
+    """acc + part * a_s[row] * b_s[col]: one multiply-add an element when b's scale is one scalar."""
+    if B_SCALAR:
+        return acc + part * (a_s * b_s)[:, None]
+    return acc + part * (a_s[:, None] * b_s[None, :])
+
+
+@triton.jit
+def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
+                      stride_ask, stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
-    rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends."""
+    rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends;
+    n0: the tile's first column. The scales of the next K block are loaded a step ahead (their latency hides
+    behind the step's dot); a's scales may lie either way round (stride_asm, stride_ask): M-major reads are
+    coalesced."""
+    B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0  # the tile's columns share one 128-column scale block
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
     as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + (cols // GROUP) * stride_bsn
+    bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else (cols // GROUP) * stride_bsn)
+    nk = tl.cdiv(K, GROUP)
+    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, GROUP)):
+    for kb in range(0, nk):
         k_ok = ks < K - kb * GROUP
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        nxt = tl.minimum(kb + 1, nk - 1)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)
+        acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
+        a_s, b_s = a_n, b_n
         a_ptrs += GROUP
         b_ptrs += GROUP
     return acc
@@ -52,37 +80,45 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 
 @triton.jit
 def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
-                          stride_asm, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                          stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP: tl.constexpr):
     """`block_scaled_tile` with a and b read by the tensor-memory accelerator: a_desc over a [rows, K] with blocks
     [BLOCK_M, GROUP], b_desc over b [rows, K] with blocks [BLOCK_N, GROUP]; the tile starts at row a_row0 of a and
-    b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store)."""
+    b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store).
+    cols count from n0 here."""
+    B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + ((n0 + cols) // GROUP) * stride_bsn
+    bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else ((n0 + cols) // GROUP) * stride_bsn)
+    nk = tl.cdiv(K, GROUP)
+    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, GROUP)):
+    for kb in range(0, nk):
         a = a_desc.load([a_row0, kb * GROUP])
         b = b_desc.load([b_row0, kb * GROUP])
-        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + kb, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b.T) * (a_s[:, None] * b_s[None, :])
+        nxt = tl.minimum(kb + 1, nk - 1)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)
+        acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
+        a_s, b_s = a_n, b_n
     return acc
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
-                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask, stride_bn,
+                     stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    n0 = tl.program_id(1) * BLOCK_N
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
-    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, K, stride_am, stride_asm,
-                            stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
+                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """xq [M, K] e4m3, x_scale [M, ceil(K/128)], w [N, K] e4m3, w_scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    """xq [M, K] e4m3, x_scale [M, ceil(K/128)] (either way round in memory), w [N, K] e4m3, w_scale_inv
+    [ceil(N/128), ceil(K/128)] -> [M, N]."""
     m, k = xq.shape
     n = w.shape[0]
     cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
@@ -92,7 +128,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
         return out
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0), w.stride(0),
-                           w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0),
+                           x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
+                           BLOCK_N=bn, GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

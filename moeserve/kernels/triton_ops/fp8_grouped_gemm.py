@@ -4,8 +4,8 @@ A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows with `block_sc
 K in steps of 128, the scale blocks, one scale multiply per step on the fp32 accumulator). The 1-D grid runs in
 grouped-M order and each program finds its expert and tile with `expert_tile` (triton_ops/tile_order.py):
 - contiguous: segments need no padding to the block; the grid is the static bound cdiv(M, BLOCK_M) + min(E, M)
-  row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). The output starts
-  zeroed (padding rows are 0);
+  row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). Padding rows are left
+  unwritten, as the bf16 grouped GEMM leaves them (the combines read valid rows only);
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
 the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); else pointers
@@ -36,7 +36,8 @@ def default_config(M: int, E: int) -> dict:
 
 @triton.jit
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
-                        num_m, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+                        num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+                        stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -52,11 +53,11 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * N, K]
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
                                     start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
-                                    stride_asm, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
-                                m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, K, stride_am, stride_asm,
-                                stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
+                                stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -75,7 +76,8 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
         a, x_scale, b, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
-        xq.stride(0), x_scale.stride(0), w.stride(0), w.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
+        w_scale_inv.stride(1),
         out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn,
         GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
@@ -98,9 +100,10 @@ def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
 def fp8_grouped_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                      expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, out_dtype: torch.dtype,
                      config: dict | None = None) -> torch.Tensor:
-    """Contiguous layout: xq [M, K] -> [M, N] (padding rows 0); the reference's signature."""
-    out = torch.zeros(xq.shape[0], w.shape[1], dtype=out_dtype, device=xq.device)
-    return _launch(xq, x_scale.contiguous(), w, w_scale_inv.contiguous(), out, expert_offsets,
+    """Contiguous layout: xq [M, K] -> [M, N]; the reference's signature. Rows past a segment's count are left
+    unwritten (the combines never read them), where the reference writes zeros."""
+    out = torch.empty(xq.shape[0], w.shape[1], dtype=out_dtype, device=xq.device)
+    return _launch(xq, x_scale, w, w_scale_inv.contiguous(), out, expert_offsets,
                    num_tokens_per_expert, 0, False, config)
 
 
@@ -109,6 +112,6 @@ def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
     """Masked layout: xq [E, C, K] -> [E, C, N]; rows past masked_m[e] unspecified. The reference's signature."""
     e, cap, k = xq.shape
     out = torch.empty(e, cap, w.shape[1], dtype=out_dtype, device=xq.device)
-    _launch(xq.reshape(e * cap, k), x_scale.reshape(e * cap, -1).contiguous(), w, w_scale_inv.contiguous(),
+    _launch(xq.reshape(e * cap, k), x_scale.reshape(e * cap, -1), w, w_scale_inv.contiguous(),
             out.view(e * cap, -1), masked_m, masked_m, cap, True, config)
     return out

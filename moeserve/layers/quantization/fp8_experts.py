@@ -28,6 +28,7 @@ from moeserve.kernels.fp8_quant import (
     fake_quantize_activations,
     num_blocks,
     quantize_activations,
+    quantize_gathered,
     silu_and_mul_quantize,
 )
 from moeserve.kernels.grouped_gemm import grouped_gemm
@@ -68,14 +69,15 @@ class Fp8Experts(Experts):
         dt = self._activation_dtype
         if isinstance(layout, MaskedLayout):
             record_local_tokens(layout.masked_m)
-            xq, xs = (layout.x, layout.x_scale) if layout.x_scale is not None else quantize_activations(layout.x)
+            xq, xs = (layout.x, layout.x_scale) if layout.x_scale is not None else quantize_activations(layout.x, mn_major=True)
             h = fp8_grouped_gemm_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt)
-            return fp8_grouped_gemm_masked(*silu_and_mul_quantize(h), self.w2, self.w2_scale_inv, layout.masked_m, dt)
+            return fp8_grouped_gemm_masked(*silu_and_mul_quantize(h, mn_major=True), self.w2, self.w2_scale_inv, layout.masked_m, dt)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
-        xq, xs = quantize_activations(layout.rows())
+        xq, xs = (quantize_activations(layout.x, mn_major=True) if layout.pairs is None
+                  else quantize_gathered(layout.x, layout.pairs, layout.top_k, mn_major=True))
         h = fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt)
-        return fp8_grouped_gemm(*silu_and_mul_quantize(h), self.w2, self.w2_scale_inv, offs, counts, dt)
+        return fp8_grouped_gemm(*silu_and_mul_quantize(h, mn_major=True), self.w2, self.w2_scale_inv, offs, counts, dt)
 
     def _forward_dequantized(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """The CPU path: activations rounded through FP8, dequantized weights."""

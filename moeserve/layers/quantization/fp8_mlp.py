@@ -64,7 +64,8 @@ class Fp8GatedMLP(GatedMLP):
             h = silu_and_mul(F.linear(fake_quantize_activations(x), gate_up))
             return F.linear(fake_quantize_activations(h), down)
         h = fp8_linear(x, self.gate_up_proj, self.gate_up_proj_scale_inv)  # [T, 2I'], 0 past I in each half
-        hq, hs = silu_and_mul_quantize(h.reshape(-1, h.shape[-1]))  # the down projection's input, straight to FP8
+        # the down projection's input, straight to FP8 (scales M-major, as the GEMM reads them)
+        hq, hs = silu_and_mul_quantize(h.reshape(-1, h.shape[-1]), mn_major=True)
         return fp8_gemm(hq, hs, self.down_proj, self.down_proj_scale_inv, x.dtype).view(*x.shape[:-1], -1)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
