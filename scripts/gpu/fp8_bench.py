@@ -48,7 +48,7 @@ def bench(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 7168) -> list[dict]:
+def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 7168, gate_up: bool = True) -> list[dict]:
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_masked
 
     m = rows_per_expert * experts
@@ -77,6 +77,18 @@ def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 716
     }
     if layout == "row":
         del runs["fp8_grouped_contiguous_rowscales"]  # the same run as the first
+    if gate_up:  # the first expert GEMM with SiLU-and-mul and the down GEMM's quantization: unfused, and fused
+        from moeserve.kernels.fp8_quant import silu_and_mul_quantize
+
+        runs["gate_up_then_silu_quant"] = lambda: silu_and_mul_quantize(
+            fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16))
+        try:
+            from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_silu_quant
+
+            runs["gate_up_silu_quant_fused"] = lambda: fp8_grouped_gemm_silu_quant(xq, xs, wq, ws, offsets, counts,
+                                                                                   torch.bfloat16)
+        except ImportError:  # a tree from before the fused form
+            pass
     return [dict(op=name, m=m, n=n, k=k, experts=experts, scales=layout, tflops=flops / bench(fn) / 1e12)
             for name, fn in runs.items()]
 
@@ -116,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [r for rpe in ((512,) if args.quick else (128, 512, 1024)) for r in grouped(rpe)]
     rows += [r for rpe in ((768,) if args.quick else (24, 768, 1536)) for n, k in ((2816, 2048), (2048, 1408))
-             for r in grouped(rpe, 64, n, k)]
+             for r in grouped(rpe, 64, n, k, gate_up=n == 2816)]
     ms = (256, 8192) if args.quick else (64, 256, 4096, 8192)
     rows += [r for m in ms for n, k in DENSE for r in dense(m, n, k)]
     device = torch.cuda.get_device_name()

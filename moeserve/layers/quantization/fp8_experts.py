@@ -5,7 +5,9 @@ fp8_mlp.py (exact; I' = I for DeepSeek-V3).
 
     expert_e(x) = W2_e · (silu(W1_e x) * (W3_e x)),  x quantized per token in groups of 128 before each GEMM
 
-The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts. A MaskedLayout
+The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts; the first one
+writes silu(gate) * up already quantized for the second (no [M, 2I'] intermediate), and the contiguous layout's
+rows are quantized straight from the tokens. A MaskedLayout
 whose x arrives already in FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the
 CPU the experts keep their weights dequantized as well and run the same math through torch's grouped GEMM (see
 fp8_linear.py).
@@ -20,7 +22,12 @@ import torch
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.stats import record_local_tokens
 from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_masked
+from moeserve.kernels.fp8_grouped_gemm import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_masked,
+    fp8_grouped_gemm_silu_quant,
+    fp8_grouped_gemm_silu_quant_masked,
+)
 from moeserve.kernels.fp8_quant import (
     BLOCK,
     dequantize_activations,
@@ -29,7 +36,6 @@ from moeserve.kernels.fp8_quant import (
     num_blocks,
     quantize_activations,
     quantize_gathered,
-    silu_and_mul_quantize,
 )
 from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.layers.moe.experts import Experts
@@ -69,15 +75,16 @@ class Fp8Experts(Experts):
         dt = self._activation_dtype
         if isinstance(layout, MaskedLayout):
             record_local_tokens(layout.masked_m)
-            xq, xs = (layout.x, layout.x_scale) if layout.x_scale is not None else quantize_activations(layout.x, mn_major=True)
-            h = fp8_grouped_gemm_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt)
-            return fp8_grouped_gemm_masked(*silu_and_mul_quantize(h, mn_major=True), self.w2, self.w2_scale_inv, layout.masked_m, dt)
+            xq, xs = ((layout.x, layout.x_scale) if layout.x_scale is not None
+                      else quantize_activations(layout.x, mn_major=True))
+            hq, hs = fp8_grouped_gemm_silu_quant_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt)
+            return fp8_grouped_gemm_masked(hq, hs, self.w2, self.w2_scale_inv, layout.masked_m, dt)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
         xq, xs = (quantize_activations(layout.x, mn_major=True) if layout.pairs is None
                   else quantize_gathered(layout.x, layout.pairs, layout.top_k, mn_major=True))
-        h = fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt)
-        return fp8_grouped_gemm(*silu_and_mul_quantize(h, mn_major=True), self.w2, self.w2_scale_inv, offs, counts, dt)
+        hq, hs = fp8_grouped_gemm_silu_quant(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt)
+        return fp8_grouped_gemm(hq, hs, self.w2, self.w2_scale_inv, offs, counts, dt)
 
     def _forward_dequantized(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """The CPU path: activations rounded through FP8, dequantized weights."""
