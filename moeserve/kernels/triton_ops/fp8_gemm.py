@@ -6,7 +6,8 @@ is accumulated in fp32 after multiplying by the row scales of a and the column-b
 fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
 at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
 `block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors. Launch configurations come from
-the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py --dense), else 64 x 128.
+the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py --dense), else 64 x 128;
+an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM instead (`cublas_block_fp8`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     m, k = xq.shape
     n = w.shape[0]
     cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
+    if cfg.get("backend") == "cublas" and out_dtype == torch.bfloat16:
+        return cublas_block_fp8(xq, x_scale, w, w_scale_inv)
     assert w.shape[1] == k and xq.stride(1) == 1 and w.stride(1) == 1, (xq.shape, w.shape)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
@@ -157,3 +160,11 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
                            x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
                            BLOCK_N=bn, GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def cublas_block_fp8(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """The same product by cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm with DeepSeek's recipe: 1 x 128 scales
+    for x, which it takes M-major, and 128 x 128 for w), in bf16: where the tuned table names backend "cublas"."""
+    if x_scale.shape[0] > 1 and x_scale.stride(0) != 1:
+        x_scale = x_scale.t().contiguous().t()
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale_inv.t(), out_dtype=torch.bfloat16)
