@@ -22,9 +22,12 @@
 #   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256
 #   fp8prefprof the per-part profile of an FP8 prefill of 4 x 2,048 tokens (--quantization fp8)
 #   fp8ab      FP8 one-batch decode at batch 64 / 256 and prefill 4 x 2,048: BASE=DIR (as onebatch), then this tree
+#   fp8vsbf16  this tree in bf16 then FP8: one-batch decode at batch 64 / 256 and prefill 4 x 2,048 (V2-Lite-shaped;
+#              MODEL=v3: the V3-layer-shaped model), the weights' memory from the log
 #   fp8bench   scripts/gpu/fp8_bench.py --quick: BASE=DIR first where given, then this tree
 #   fp8dense   tune the FP8 linear layers' dense GEMM (tune_fp8.py --dense: V2-Lite's and V3's shapes at 1, 64, 256,
-#              8,192 rows); the tables land in $OUT/fp8_gemm_tables.tgz (the next parts of the same call read them)
+#              8,192 rows; DENSE_SHAPES, DENSE_ROWS pick others); the tables land in $OUT/fp8_gemm_tables.tgz (the
+#              next parts of the same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
@@ -123,6 +126,21 @@ fp8ab)
       --result-file "$OUT/fp8_prefill_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
   done
   ;;
+fp8vsbf16)
+  MP=$M; [ "${MODEL:-}" = v3 ] && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
+  for q in bf16 fp8; do
+    F=""; [ $q = fp8 ] && F="--quantization fp8"
+    echo "== ${MODEL:-v2lite} $q decode $(date -u +%T)"
+    timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 --mem-fraction-static 0.5 \
+      --max-running-requests 256 --cuda-graph-max-bs 256 --repeat 3 --input-len 128 --output-len 64 \
+      --batch-size 64 256 --result-file "$OUT/${MODEL:-v2lite}_${q}_decode.jsonl" 2>&1 | grep -E "^batch|Error|error|weights"
+    echo "== ${MODEL:-v2lite} $q prefill 4 x 2048 $(date -u +%T)"
+    timeout 90 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static 0.5 --max-running-requests 8 \
+      --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
+      --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 \
+      --result-file "$OUT/${MODEL:-v2lite}_${q}_prefill.jsonl" 2>&1 | grep -E "^batch|Error|error"
+  done
+  ;;
 fp8bench)
   SITE=${PYTHONPATH#*:}; HERE=$PWD
   for side in ${BASE:+base} on; do
@@ -134,7 +152,8 @@ fp8bench)
   ;;
 fp8dense)
   echo "== tune the FP8 dense GEMM $(date -u +%T)"
-  timeout 300 python3 scripts/gpu/tune_fp8.py --dense --stats "$OUT/tune_fp8_dense.jsonl" 2>&1 | grep -vE "skip|WRONG"
+  timeout ${DENSE_S:-300} python3 scripts/gpu/tune_fp8.py --dense ${DENSE_SHAPES:+--shapes $DENSE_SHAPES} \
+    ${DENSE_ROWS:+--rows $DENSE_ROWS} --stats "$OUT/tune_fp8_dense.jsonl" 2>&1 | grep -vE "skip|WRONG"
   tar -czf "$OUT/fp8_gemm_tables.tgz" -C moeserve/kernels/configs fp8_gemm  # one file: a call returns few
   ;;
 prefillab)
