@@ -198,21 +198,24 @@ def test_fp8_fused_equals_unfused_on_cuda(fp8_checkpoint):
     assert same >= len(prompts) - 1, same  # bf16 roundings of the slot's sum may flip a near tie
 
 
-@pytest.mark.parametrize(("kwargs", "device", "fused"), [
-    (dict(), "cuda", True),  # the default on one CUDA rank
-    (dict(), "cpu", False),
-    (dict(disable_shared_experts_fusion=True), "cuda", False),
-    (dict(enable_shared_experts_fusion=True), "cpu", True),
-    (dict(quantization="fp8"), "cuda", False),
-    (dict(expert_distribution_recorder_mode="stat"), "cuda", False),
-    (dict(moe_runner_backend="grouped_gemm"), "cuda", False),
+@pytest.mark.parametrize(("kwargs", "device", "inter", "fused"), [
+    (dict(), "cuda", 1408, True),  # the default on one CUDA rank
+    (dict(), "cpu", 1408, False),
+    (dict(disable_shared_experts_fusion=True), "cuda", 1408, False),
+    (dict(enable_shared_experts_fusion=True), "cpu", 1408, True),
+    (dict(quantization="fp8"), "cuda", 1408, True),  # two shared experts of 11 scale blocks each
+    (dict(quantization="fp8"), "cuda", 1400, False),  # they would split a scale block
+    (dict(), "cuda", 1400, True),
+    (dict(expert_distribution_recorder_mode="stat"), "cuda", 1408, False),
+    (dict(moe_runner_backend="grouped_gemm"), "cuda", 1408, False),
 ])
-def test_fusion_default(kwargs, device, fused):
+def test_fusion_default(kwargs, device, inter, fused):
     from types import SimpleNamespace
 
     from moeserve.models.options import fuse_shared_experts
 
-    config = SimpleNamespace(architecture="DeepseekV2ForCausalLM", num_shared_experts=2, fp8=None)
+    config = SimpleNamespace(architecture="DeepseekV2ForCausalLM", num_shared_experts=2, moe_intermediate_size=inter,
+                             fp8=None)
     assert fuse_shared_experts(ServerArgs(model_path="x", **kwargs), config, torch.device(device)) is fused
     mixtral = SimpleNamespace(architecture="MixtralForCausalLM", num_shared_experts=0, fp8=None)
     assert not fuse_shared_experts(ServerArgs(model_path="x"), mixtral, torch.device("cuda"))
