@@ -127,15 +127,16 @@ fp8ab)
   done
   ;;
 fp8vsbf16)
-  MP=$M; [ "${MODEL:-}" = v3 ] && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
+  MP=$M; MF=0.5
+  [ "${MODEL:-}" = v3 ] && MF=0.85 && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
   for q in bf16 fp8; do
     F=""; [ $q = fp8 ] && F="--quantization fp8"
     echo "== ${MODEL:-v2lite} $q decode $(date -u +%T)"
-    timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 --mem-fraction-static 0.5 \
+    timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 --mem-fraction-static $MF \
       --max-running-requests 256 --cuda-graph-max-bs 256 --repeat 3 --input-len 128 --output-len 64 \
       --batch-size 64 256 --result-file "$OUT/${MODEL:-v2lite}_${q}_decode.jsonl" 2>&1 | grep -E "^batch|Error|error|weights"
     echo "== ${MODEL:-v2lite} $q prefill 4 x 2048 $(date -u +%T)"
-    timeout 90 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static 0.5 --max-running-requests 8 \
+    timeout 90 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static $MF --max-running-requests 8 \
       --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
       --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 \
       --result-file "$OUT/${MODEL:-v2lite}_${q}_prefill.jsonl" 2>&1 | grep -E "^batch|Error|error"
