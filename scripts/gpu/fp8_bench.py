@@ -125,20 +125,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer sizes: the prefill ones")
+    parser.add_argument("--decode", action="store_true", help="V2-Lite's expert GEMMs at decode sizes only")
     args = parser.parse_args()
+    if args.decode:  # V2-Lite's expert GEMMs at decode sizes only (4 and 24 rows an expert: batch 43 and 256)
+        rows = [r for rpe in (4, 24) for n, k in ((2816, 2048), (2048, 1408)) for r in grouped(rpe, 64, n, k, n == 2816)]
+        return report(rows, args.result_file)
     rows = [r for rpe in ((512,) if args.quick else (128, 512, 1024)) for r in grouped(rpe)]
     rows += [r for rpe in ((768,) if args.quick else (24, 768, 1536)) for n, k in ((2816, 2048), (2048, 1408))
              for r in grouped(rpe, 64, n, k, gate_up=n == 2816)]
     ms = (256, 8192) if args.quick else (64, 256, 4096, 8192)
     rows += [r for m in ms for n, k in DENSE for r in dense(m, n, k)]
+    report(rows, args.result_file)
+
+
+def report(rows: list[dict], result_file: str | None) -> None:
     device = torch.cuda.get_device_name()
     for r in rows:
         r["device"] = device
         err = f"  rel {r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
         print(f"{r['op']:34s} E={r.get('experts', 1):3d} M={r['m']:6d} N={r['n']:6d} K={r['k']:5d} [{r['scales']}] "
               f"{r['tflops']:7.1f} TFLOP/s{err}")
-    if args.result_file:
-        with open(args.result_file, "a") as f:
+    if result_file:
+        with open(result_file, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 

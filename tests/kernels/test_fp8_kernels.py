@@ -295,7 +295,8 @@ def test_triton_grouped_silu_quant_matches_reference(device, config):
         rq, rs = fp8_grouped_gemm_silu_quant_reference(*args, dt)
         q, s = fp8_grouped_gemm_silu_quant(*(t.to(device) for t in args), dt, config=config)
         assert q.shape == rq.shape == (56, 384) and s.shape == rs.shape == (56, 3) and s.stride() == (1, 56)
-        _close_quantized(q.cpu()[valid], s.cpu()[valid], rq[valid], rs[valid], dt == torch.bfloat16, device)
+        loose = dt == torch.bfloat16 or (device == "cuda" and config is None)  # (None: 64-row tiles, WGMMA_REL)
+        _close_quantized(q.cpu()[valid], s.cpu()[valid], rq[valid], rs[valid], loose, device)
     gen = torch.Generator().manual_seed(22)
     xq, xs = quantize_activations_reference(torch.randn(3, 40, 256, generator=gen), mn_major=True)
     wq, ws = quantize_weight(torch.randn(3, 2 * 384, 256, generator=gen))
@@ -303,10 +304,11 @@ def test_triton_grouped_silu_quant_matches_reference(device, config):
     rq, rs = fp8_grouped_gemm_silu_quant_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
     q, s = fp8_grouped_gemm_silu_quant_masked(*(t.to(device) for t in (xq, xs, wq, ws, masked_m)), torch.float32,
                                               config=config)
+    loose = device == "cuda" and config is None
     assert q.shape == rq.shape == (3, 40, 384) and s.shape == rs.shape == (3, 40, 3)
     for i, mm in enumerate(masked_m.tolist()):
         if mm:
-            _close_quantized(q.cpu()[i, :mm], s.cpu()[i, :mm], rq[i, :mm], rs[i, :mm], False, device)
+            _close_quantized(q.cpu()[i, :mm], s.cpu()[i, :mm], rq[i, :mm], rs[i, :mm], loose, device)
 
 
 def _close_quantized(q, s, rq, rs, loose: bool, device: str) -> None:
@@ -328,11 +330,11 @@ def _close_quantized(q, s, rq, rs, loose: bool, device: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's block-scaled FP8 GEMM needs a CUDA device")
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 2048), (2, 576, 2048), (36, 3648, 2048), (37, 3648, 2048),
-                                           (300, 2048, 1408), (64, 2048, 1000)])
+                                           (300, 2048, 1408), (64, 2048, 1000), (64, 2048, 512)])
 def test_cublas_backend_matches_reference(m, n, k):
     """A table entry {"backend": "cublas"}: torch._scaled_mm with DeepSeek's recipe, on either scale layout; rows
-    not a multiple of 4 and K not whole blocks take the Triton kernel (cuBLAS refuses the first, sums the second
-    wrong)."""
+    not a multiple of 4 and K not a multiple of 512 take the Triton kernel (cuBLAS refuses the first, and sums
+    wrong where a row of the weight's scales is not 16 bytes: K 1,408 and 10,944)."""
     from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm
 
     gen = torch.Generator().manual_seed(m + n)

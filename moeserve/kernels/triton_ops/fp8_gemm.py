@@ -165,11 +165,12 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
 
 
 def cublas_takes(m: int, k: int, out_dtype: torch.dtype) -> bool:
-    """Where cuBLAS's block-scaled GEMM runs, as measured on an H200 (torch 2.11, CUDA 13): rows a multiple of 4
-    (1 and 2 rows fail with CUBLAS_STATUS_NOT_SUPPORTED; torch wants the M-major scales' stride to be M), K whole
-    128-blocks (K 10,944 gave wrong sums: 0.22 relative error, inf at 256 rows), bf16 out. Elsewhere the Triton
-    kernel runs, with the default tiles."""
-    return m % 4 == 0 and k % 128 == 0 and out_dtype == torch.bfloat16
+    """Where cuBLAS's block-scaled GEMM runs right, as seen on an H200 (torch 2.11, CUDA 13): rows a multiple of 4
+    (1 and 2 rows fail with CUBLAS_STATUS_NOT_SUPPORTED; torch wants the M-major scales' stride to be M, so a
+    stride of 16 bytes needs M % 4 == 0) and the weight's scale rows 16 bytes too, K a multiple of 512 (K 10,944,
+    86 scales a row, gave a 0.22 relative error, and inf at 256 rows; K 1,408 failed its test), bf16 out.
+    Elsewhere the Triton kernel runs, with the default tiles."""
+    return m % 4 == 0 and k % 512 == 0 and out_dtype == torch.bfloat16
 
 
 def cublas_block_fp8(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
