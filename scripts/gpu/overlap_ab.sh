@@ -129,7 +129,7 @@ fp8ab)
 fp8vsbf16)
   MP=$M; MF=0.5
   [ "${MODEL:-}" = v3 ] && MF=0.85 && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
-  for q in bf16 fp8; do
+  for q in ${QUANTS:-bf16 fp8}; do
     F=""; [ $q = fp8 ] && F="--quantization fp8"
     echo "== ${MODEL:-v2lite} $q decode $(date -u +%T)"
     timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 --mem-fraction-static $MF \
