@@ -8,12 +8,6 @@ its own e4m3 weight, activations already quantized per token in groups of 128 (m
     masked      xq [E, C, K], x_scale [E, C, ceil(K/128)], w, w_scale_inv, masked_m [E]  -> [E, C, N]
                 (the first masked_m[e] rows of expert e are meaningful; the rest are unspecified)
 
-    gate/up + SiLU-and-mul + quantization, fused (the experts' first GEMM, w13 = [gate; up] of [E, 2I, K]):
-    fp8_grouped_gemm_silu_quant(xq, x_scale, w13, w13_scale_inv, offsets, counts, act_dtype)
-                -> (q [M, I] e4m3, scale [M, I / 128]) = silu_and_mul_quantize(fp8_grouped_gemm(...) in act_dtype)
-    fp8_grouped_gemm_silu_quant_masked(xq [E, C, K], ..., masked_m, act_dtype) -> ([E, C, I], [E, C, I / 128])
-                (I a multiple of 128; the scales are stored M-major, as the next GEMM reads them best)
-
 Each takes the Triton kernel for CUDA tensors (kernels/triton_ops/fp8_grouped_gemm.py), else the torch reference
 beside it with the same signature (dequantize, then a float32 matmul per expert).
 """
@@ -22,11 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.fp8_quant import (
-    dequantize_activations,
-    dequantize_weight,
-    silu_and_mul_quantize_reference,
-)
+from moeserve.kernels.fp8_quant import dequantize_activations, dequantize_weight
 from moeserve.kernels.triton_available import use_triton
 
 
@@ -71,45 +61,3 @@ def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
 
         return triton_masked(xq, x_scale, w, w_scale_inv, masked_m, out_dtype)
     return fp8_grouped_gemm_masked_reference(xq, x_scale, w, w_scale_inv, masked_m, out_dtype)
-
-
-def fp8_grouped_gemm_silu_quant_reference(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                          w13_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
-                                          num_tokens_per_expert: torch.Tensor,
-                                          act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused ops: the gate/up GEMM in act_dtype, then SiLU-and-mul straight to FP8 (scales M-major)."""
-    h = fp8_grouped_gemm_reference(xq, x_scale, w13, w13_scale_inv, expert_offsets, num_tokens_per_expert, act_dtype)
-    return silu_and_mul_quantize_reference(h, mn_major=True)
-
-
-def fp8_grouped_gemm_silu_quant_masked_reference(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                                 w13_scale_inv: torch.Tensor, masked_m: torch.Tensor,
-                                                 act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    h = fp8_grouped_gemm_masked_reference(xq, x_scale, w13, w13_scale_inv, masked_m, act_dtype)
-    return silu_and_mul_quantize_reference(h, mn_major=True)
-
-
-def fp8_grouped_gemm_silu_quant(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                w13_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
-                                num_tokens_per_expert: torch.Tensor,
-                                act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's signature; the fused Triton kernel on CUDA."""
-    if use_triton(xq):
-        from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_silu_quant as triton_fused
-
-        return triton_fused(xq, x_scale, w13, w13_scale_inv, expert_offsets, num_tokens_per_expert, act_dtype)
-    return fp8_grouped_gemm_silu_quant_reference(xq, x_scale, w13, w13_scale_inv, expert_offsets,
-                                                 num_tokens_per_expert, act_dtype)
-
-
-def fp8_grouped_gemm_silu_quant_masked(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                       w13_scale_inv: torch.Tensor, masked_m: torch.Tensor,
-                                       act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's signature; the fused Triton kernel on CUDA."""
-    if use_triton(xq):
-        from moeserve.kernels.triton_ops.fp8_grouped_gemm import (
-            fp8_grouped_gemm_silu_quant_masked as triton_fused,
-        )
-
-        return triton_fused(xq, x_scale, w13, w13_scale_inv, masked_m, act_dtype)
-    return fp8_grouped_gemm_silu_quant_masked_reference(xq, x_scale, w13, w13_scale_inv, masked_m, act_dtype)

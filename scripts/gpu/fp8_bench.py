@@ -77,18 +77,11 @@ def grouped(rows_per_expert: int, experts: int = 32, n: int = 4096, k: int = 716
     }
     if layout == "row":
         del runs["fp8_grouped_contiguous_rowscales"]  # the same run as the first
-    if gate_up:  # the first expert GEMM with SiLU-and-mul and the down GEMM's quantization: unfused, and fused
+    if gate_up:  # the first expert GEMM with the SiLU-and-mul + quantize kernel after it, as the experts run them
         from moeserve.kernels.fp8_quant import silu_and_mul_quantize
 
         runs["gate_up_then_silu_quant"] = lambda: silu_and_mul_quantize(
-            fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16))
-        try:
-            from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_silu_quant
-
-            runs["gate_up_silu_quant_fused"] = lambda: fp8_grouped_gemm_silu_quant(xq, xs, wq, ws, offsets, counts,
-                                                                                   torch.bfloat16)
-        except ImportError:  # a tree from before the fused form
-            pass
+            fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16), mn_major=True)
     return [dict(op=name, m=m, n=n, k=k, experts=experts, scales=layout, tflops=flops / bench(fn) / 1e12)
             for name, fn in runs.items()]
 

@@ -36,19 +36,11 @@ from moeserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_weight,
     quantize_activations,
     quantize_weight,
-    silu_and_mul_quantize_reference,
 )
 from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_gemm import OP as DENSE_OP  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm  # noqa: E402
-from moeserve.kernels.triton_ops.fp8_grouped_gemm import (  # noqa: E402
-    OPS,
-    OPS_SILU,
-    fp8_grouped_gemm,
-    fp8_grouped_gemm_masked,
-    fp8_grouped_gemm_silu_quant,
-    fp8_grouped_gemm_silu_quant_masked,
-)
+from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
 
 MAX_REL = 1e-2  # bf16 output against the fp32 reference: a wrong tile is off by far more
 
@@ -154,18 +146,7 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).norm() / ref.norm())
 
 
-def silu_candidates(rows_per_expert: int) -> list[dict]:
-    """The fused gate/up form (two accumulators a tile, BLOCK_N whole 128-column groups)."""
-    def cfg(bm, w, st, g=8):
-        return dict(BLOCK_M=bm, BLOCK_N=128, GROUP_M=g, num_warps=w, num_stages=st, TMA=True)
-
-    if rows_per_expert <= 64:
-        return [cfg(16, 4, 4), cfg(16, 4, 3), cfg(16, 8, 4), cfg(32, 4, 4), cfg(64, 4, 3), cfg(64, 8, 3)]
-    return [cfg(64, 8, 3), cfg(64, 8, 4), cfg(64, 8, 3, 1), cfg(64, 4, 3), cfg(128, 8, 3), cfg(128, 8, 2)]
-
-
-def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generator,
-              silu: bool = False) -> tuple[dict, dict]:
+def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generator) -> tuple[dict, dict]:
     M = E * rpe
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
@@ -176,18 +157,7 @@ def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generat
     offsets[1:] = torch.cumsum(counts, 0)
     ref = torch.bmm(dequantize_activations(xq, xs).view(E, rpe, K), dequantize_weight(wq, ws).transpose(1, 2))
     ref = ref.reshape(M, N)
-    if silu:  # the fused form against the unfused reference's values (dequantized), N = 2I
-        ref = dequantize_activations(*silu_and_mul_quantize_reference(ref.to(torch.bfloat16)))
-
-        def timed(c):  # the kernel alone
-            if masked:
-                return fp8_grouped_gemm_silu_quant_masked(xq.view(E, rpe, K), xs.view(E, rpe, -1), wq, ws, counts,
-                                                          torch.bfloat16, c)
-            return fp8_grouped_gemm_silu_quant(xq, xs, wq, ws, offsets, counts, torch.bfloat16, c)
-
-        def run(c):  # its values, for the check
-            return dequantize_activations(*timed(c)).view(M, N // 2)
-    elif masked:
+    if masked:
         def run(c):
             return fp8_grouped_gemm_masked(xq.view(E, rpe, K), xs.view(E, rpe, -1), wq, ws, counts,
                                            torch.bfloat16, c).view(M, N)
@@ -200,20 +170,20 @@ def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generat
     scaled_ms = bench(lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     bf16_ms = bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:]))
     best, best_ms, rows = None, float("inf"), []
-    for c in (silu_candidates if silu else candidates)(rpe):
+    for c in candidates(rpe):
         try:
             err = rel(run(c), ref)
             if not err < MAX_REL:
                 print(f"  WRONG {c}: rel {err:.2e}", flush=True)
                 continue
-            ms = bench(lambda c=c: (timed if silu else run)(c))
+            ms = bench(lambda c=c: run(c))
         except Exception as e:  # does not compile or fit (shared memory, registers): skip it
             print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}", flush=True)
             continue
         rows.append(dict(config=c, ms=ms, tflops=flops / ms / 1e9))
         if ms < best_ms:
             best, best_ms = c, ms
-    stats = dict(op=(OPS_SILU if silu else OPS)[masked], E=E, N=N, K=K, M=M, rows_per_expert=rpe, best=best, best_ms=best_ms,
+    stats = dict(op=OPS[masked], E=E, N=N, K=K, M=M, rows_per_expert=rpe, best=best, best_ms=best_ms,
                  best_tflops=flops / best_ms / 1e9, scaled_mm_tflops=flops / scaled_ms / 1e9,
                  bf16_grouped_mm_tflops=flops / bf16_ms / 1e9, device=torch.cuda.get_device_name(), all=rows)
     return best, stats
@@ -228,8 +198,6 @@ def main() -> int:
     p.add_argument("--stats", default=None, help="append the measurements as JSON lines here")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
-    p.add_argument("--silu", action="store_true",
-                   help="the first shape (gate/up, N = 2I) also in the fused SiLU-and-mul + quantization form")
     ns = p.parse_args()
     if ns.dense:
         return main_dense(ns.shapes or DENSE_SHAPES, ns.rows, ns.stats)
@@ -238,12 +206,10 @@ def main() -> int:
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):
         N, K = map(int, shape.split("x"))
-        forms = [(m, False) for m in ((False, True) if i == 0 else (False,))]
-        forms += [(False, True), (True, True)] if ns.silu and i == 0 else []
-        for masked, silu in forms:
+        for masked in (False, True) if i == 0 else (False,):
             table = {}
             for rpe in ns.rows_per_expert:
-                best, s = tune_case(ns.experts, N, K, rpe, masked, gen, silu)
+                best, s = tune_case(ns.experts, N, K, rpe, masked, gen)
                 if best is None:
                     print(f"{s['op']} N={N} K={K} M={s['M']}: no configuration ran")
                     continue
@@ -255,8 +221,7 @@ def main() -> int:
                     with open(ns.stats, "a") as f:
                         f.write(json.dumps(s) + "\n")
             if table:
-                path = config_file((OPS_SILU if silu else OPS)[masked], ns.experts, N // 2 if silu else N, K,
-                                   FP8_DTYPE, device_name())
+                path = config_file(OPS[masked], ns.experts, N, K, FP8_DTYPE, device_name())
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
                 print(f"wrote {path}")

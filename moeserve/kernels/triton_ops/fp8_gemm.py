@@ -49,83 +49,66 @@ def _scaled_add(acc, part, a_s, b_s, B_SCALAR: tl.constexpr):
 
 
 @triton.jit
+def _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, stride_ask, stride_bsn,
+                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The tile's scale pointers and K block 0's scales: (as_ptrs, bs_ptrs, a_s, b_s). cols: the tile's
+    absolute column indices; b's scale is one scalar where the tile lies in one 128-column block."""
+    B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
+    as_ptrs = as_ptr + rows * stride_asm
+    bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else (cols // GROUP) * stride_bsn)
+    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
+    return as_ptrs, bs_ptrs, a_s, b_s
+
+
+@triton.jit
 def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
                       stride_ask, stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr, up_off=0, PAIR: tl.constexpr = False):
+                      GROUP: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
     rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends;
     n0: the tile's first column. The scales of the next K block are loaded a step ahead (their latency hides
     behind the step's dot); a's scales may lie either way round (stride_asm, stride_ask): M-major reads are
-    coalesced. PAIR: also the same tile of b's rows up_off further on (a gate/up pair: up_off = I, a multiple of
-    128) in the same pass over a; returns (acc, acc_up), else (acc, acc)."""
-    B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0  # the tile's columns share one 128-column scale block
+    coalesced."""
+    B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
-    as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else (cols // GROUP) * stride_bsn)
-    bs_up_ptrs = bs_ptrs + (up_off // GROUP) * stride_bsn
+    as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, stride_ask,
+                                              stride_bsn, BLOCK_N, GROUP)
     nk = tl.cdiv(K, GROUP)
-    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
-    u_s = b_s
-    if PAIR:
-        u_s = _scales(as_ptrs, bs_up_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)[1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
     for kb in range(0, nk):
         k_ok = ks < K - kb * GROUP
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        nxt = tl.minimum(kb + 1, nk - 1)
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
-        if PAIR:
-            u = tl.load(b_ptrs + up_off * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u_n = _scales(as_ptrs, bs_up_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)[1]
-            acc_up = _scaled_add(acc_up, tl.dot(a, u), a_s, u_s, B_SCALAR)
-            u_s = u_n
         a_s, b_s = a_n, b_n
         a_ptrs += GROUP
         b_ptrs += GROUP
-    if PAIR:
-        return acc, acc_up
-    return acc, acc
+    return acc
 
 
 @triton.jit
 def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
                           stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP: tl.constexpr, up_off=0, PAIR: tl.constexpr = False):
+                          GROUP: tl.constexpr):
     """`block_scaled_tile` with a and b read by the tensor-memory accelerator: a_desc over a [rows, K] with blocks
     [BLOCK_M, GROUP], b_desc over b [rows, K] with blocks [BLOCK_N, GROUP]; the tile starts at row a_row0 of a and
     b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store).
-    cols count from n0 here. PAIR / up_off: as `block_scaled_tile` (the up rows at b_row0 + up_off)."""
+    cols count from n0 here."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
-    as_ptrs = as_ptr + rows * stride_asm
-    bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else ((n0 + cols) // GROUP) * stride_bsn)
-    bs_up_ptrs = bs_ptrs + (up_off // GROUP) * stride_bsn
+    as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, n0 + cols, col_ok, n0, stride_asm,
+                                              stride_ask, stride_bsn, BLOCK_N, GROUP)
     nk = tl.cdiv(K, GROUP)
-    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
-    u_s = b_s
-    if PAIR:
-        u_s = _scales(as_ptrs, bs_up_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)[1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
     for kb in range(0, nk):
         a = a_desc.load([a_row0, kb * GROUP])
         b = b_desc.load([b_row0, kb * GROUP])
-        nxt = tl.minimum(kb + 1, nk - 1)
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
-        if PAIR:
-            u = b_desc.load([b_row0 + up_off, kb * GROUP])
-            u_n = _scales(as_ptrs, bs_up_ptrs, nxt, stride_ask, row_ok, col_ok, B_SCALAR)[1]
-            acc_up = _scaled_add(acc_up, tl.dot(a, u.T), a_s, u_s, B_SCALAR)
-            u_s = u_n
         a_s, b_s = a_n, b_n
-    if PAIR:
-        return acc, acc_up
-    return acc, acc
+    return acc
 
 
 @triton.jit
@@ -135,8 +118,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, st
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
-    acc, _ = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am,
-                               stride_asm, stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
+                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -19,15 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
-from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
-OPS_SILU = {False: "fp8_grouped_gemm_silu", True: "fp8_grouped_gemm_silu_masked"}  # the fused gate/up form
 
 
 def default_config(M: int, E: int) -> dict:
@@ -36,24 +34,12 @@ def default_config(M: int, E: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True)
 
 
-def default_silu_config(M: int, E: int) -> dict:
-    """The fused gate/up form (two accumulators and their partial sums a tile): 16-row tiles where the experts
-    hold a few rows each (decode), else 64 x 128 on two warpgroups."""
-    if M <= 32 * max(E, 1):
-        return dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True)
-    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True)
-
-
 @triton.jit
-def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, starts_ptr, counts_ptr, N, K, cap,
-                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
-                        stride_bsn, stride_cm, stride_csm, stride_csg,
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
+                        num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+                        stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
-                        SILU_Q: tl.constexpr, ACT: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
-    """SILU_Q: b is [gate; up] (2N rows an expert) and the tile's gate and up columns are summed in one pass over
-    a; the epilogue writes silu(gate) * up (rounded to ACT as the unfused ops round it) quantized per row and
-    group of 128 (e4m3 into c, the scales into cs): the down GEMM's input, with no [M, 2N] intermediate."""
+                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
                                         BLOCK_M)
@@ -64,62 +50,36 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, starts_ptr,
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
-    w_rows = 2 * N if SILU_Q else N  # b's rows an expert
-    if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * w_rows, K]
-        acc, acc_up = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
-                                            start + tile * BLOCK_M, e * w_rows + n0, rows, row_ok, cols, col_ok,
-                                            n0, K, stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP,
-                                            N, SILU_Q)
+    if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * N, K]
+        acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
+                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
-        acc, acc_up = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
-                                        m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am,
-                                        stride_asm, stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP,
-                                        N, SILU_Q)
+        acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
+                                m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
+                                stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    if SILU_Q:
-        h = silu_mul(acc.to(ACT), acc_up.to(ACT)).to(tl.float32)
-        hg = tl.reshape(h, [BLOCK_M, BLOCK_N // GROUP, GROUP])
-        scale = tl.maximum(tl.max(tl.abs(hg), axis=2), FLOOR) / QMAX  # [BLOCK_M, groups of the tile]
-        q = tl.reshape(tl.clamp(hg / scale[:, :, None], -QMAX, QMAX), [BLOCK_M, BLOCK_N])
-        tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=ok)
-        g = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-        s_ptrs = cs_ptr + (m0 + rows)[:, None] * stride_csm + g[None, :] * stride_csg
-        tl.store(s_ptrs, scale, mask=row_ok[:, None] & (g * GROUP < N)[None, :])
-    else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config, out_scale=None, act_dtype=None):
-    """out_scale given: the SiLU-and-mul + quantize form (w is [gate; up]; out e4m3 [M, N], out_scale [M, N / 128]
-    with N = w.shape[1] / 2, act_dtype the activations' dtype for the rounding)."""
+def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config):
     m, k = xq.shape
-    silu_q = out_scale is not None
-    e, n = w.shape[0], w.shape[1] // 2 if silu_q else w.shape[1]
+    e, n = w.shape[0], w.shape[1]
     assert w.shape[2] == k and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
-    op = OPS_SILU[masked] if silu_q else OPS[masked]
-    cfg = config or get_config(op, m, e, n, k, FP8_DTYPE, xq.device,
-                               default=default_silu_config if silu_q else default_config)
+    cfg = config or get_config(OPS[masked], m, e, n, k, FP8_DTYPE, xq.device, default=default_config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if silu_q and (bn % BLOCK or n % BLOCK):
-        raise ValueError(f"the fused SiLU-and-mul quantization needs whole 128-column groups: BLOCK_N {bn}, I {n}")
     tiles_per_expert = triton.cdiv(cap, bm) if masked else 0
     num_m = e * tiles_per_expert if masked else triton.cdiv(m, bm) + min(e, m)
     if num_m == 0 or n == 0:
         return out
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
     a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
-    cs = out_scale if silu_q else out
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        a, x_scale, b, w_scale_inv, out, cs, starts, counts, n, k, cap, tiles_per_expert, num_m,
+        a, x_scale, b, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
-        w_scale_inv.stride(1), out.stride(0), cs.stride(0), cs.stride(-1), E=e, E_P2=triton.next_power_of_2(e),
-        MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, SILU_Q=silu_q,
-        ACT=_TL_DTYPES[act_dtype or torch.float32], FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
+        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
@@ -154,31 +114,3 @@ def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
     _launch(xq.reshape(e * cap, k), x_scale.reshape(e * cap, -1), w, w_scale_inv.contiguous(),
             out.view(e * cap, -1), masked_m, masked_m, cap, True, config)
     return out
-
-
-def fp8_grouped_gemm_silu_quant(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                w13_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
-                                num_tokens_per_expert: torch.Tensor, act_dtype: torch.dtype,
-                                config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous layout, w13 [E, 2I, K] -> (q [M, I] e4m3, scale [M, I / 128] stored M-major); the reference's
-    signature. Padding rows are left unwritten."""
-    m, i = xq.shape[0], w13.shape[1] // 2
-    q = torch.empty(m, i, dtype=FP8_DTYPE, device=xq.device)
-    s = torch.empty(i // BLOCK, m, dtype=torch.float32, device=xq.device).t()
-    _launch(xq, x_scale, w13, w13_scale_inv.contiguous(), q, expert_offsets, num_tokens_per_expert, 0, False,
-            config, s, act_dtype)
-    return q, s
-
-
-def fp8_grouped_gemm_silu_quant_masked(xq: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                       w13_scale_inv: torch.Tensor, masked_m: torch.Tensor, act_dtype: torch.dtype,
-                                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked layout: xq [E, C, K] -> (q [E, C, I] e4m3, scale [E, C, I / 128] stored M-major); rows past
-    masked_m[e] unspecified. The reference's signature."""
-    e, cap, k = xq.shape
-    i = w13.shape[1] // 2
-    q = torch.empty(e, cap, i, dtype=FP8_DTYPE, device=xq.device)
-    s = torch.empty(i // BLOCK, e * cap, dtype=torch.float32, device=xq.device).t()
-    _launch(xq.reshape(e * cap, k), x_scale.reshape(e * cap, -1), w13, w13_scale_inv.contiguous(),
-            q.view(e * cap, i), masked_m, masked_m, cap, True, config, s, act_dtype)
-    return q, s.view(e, cap, i // BLOCK)

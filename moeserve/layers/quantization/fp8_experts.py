@@ -7,8 +7,8 @@ fp8_mlp.py (exact; I' = I for DeepSeek-V3).
 
 The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts, with SiLU-and-mul
 and the quantization between them in one kernel; the contiguous layout's rows are quantized straight from the
-tokens. (The gate/up GEMM with SiLU-and-mul and the quantization in its epilogue, fp8_grouped_gemm_silu_quant,
-measured 4% slower at prefill sizes and 26-35% slower at decode sizes on an H200: docs/BENCHMARKS.md.) A MaskedLayout
+tokens. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4% slower at prefill
+sizes and 21-26% slower at decode sizes on an H200, and was dropped: docs/BENCHMARKS.md.) A MaskedLayout
 whose x arrives already in FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the
 CPU the experts keep their weights dequantized as well and run the same math through torch's grouped GEMM (see
 fp8_linear.py).
