@@ -28,12 +28,16 @@
 #   fp8dense   tune the FP8 linear layers' dense GEMM (tune_fp8.py --dense: V2-Lite's and V3's shapes at 1, 64, 256,
 #              8,192 rows; DENSE_SHAPES, DENSE_ROWS pick others); the tables land in $OUT/fp8_gemm_tables.tgz (the
 #              next parts of the same call read them)
+#   fp8tune    tune V2-Lite's FP8 expert GEMMs: decode's layout at 1 / 64 / 128 / 256 tokens (tune_fp8.py
+#              --decode-batches, shared slots), then 768 rows an expert (prefill; tiles from a map among the
+#              candidates; FP8_PHASES picks); the tables land in $OUT/fp8_grouped_tables.tgz (the next parts of the
+#              same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
 #   router     the router-logits kernel beside cuBLAS at decode sizes (scripts/gpu/bench_router.py)
 #   gaps       where the device idles in the traces `profile` / `prefprof` left in /tmp/prof (scripts/gpu/trace_gaps.py)
-#   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192); the tables
+#   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192, TUNE_TOKENS picks); the tables
 #              it writes land in $OUT (the next parts of the same call read them)
 #   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
 #              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens; nopcg,
@@ -157,6 +161,20 @@ fp8dense)
     ${DENSE_ROWS:+--rows $DENSE_ROWS} --stats "$OUT/tune_fp8_dense.jsonl" 2>&1 | grep -vE "skip|WRONG"
   tar -czf "$OUT/fp8_gemm_tables.tgz" -C moeserve/kernels/configs fp8_gemm  # one file: a call returns few
   ;;
+fp8tune)  # FP8_PHASES="decode prefill" by default
+  if [[ " ${FP8_PHASES:-decode prefill} " == *" decode "* ]]; then
+    echo "== tune V2-Lite's FP8 expert GEMMs, decode $(date -u +%T)"
+    timeout ${DECODE_S:-240} python3 scripts/gpu/tune_fp8.py --experts 64 --shapes 2816x2048 2048x1408 \
+      --decode-batches ${DECODE_T:-1 64 128 256} --top-k 6 --shared 2 --stats "$OUT/tune_fp8_decode.jsonl" 2>&1 \
+      | grep -vE "skip|Warning|warn"
+  fi
+  if [[ " ${FP8_PHASES:-decode prefill} " == *" prefill "* ]]; then
+    echo "== tune V2-Lite's FP8 expert GEMMs, 768 rows an expert $(date -u +%T)"
+    timeout ${PREFILL_S:-200} python3 scripts/gpu/tune_fp8.py --experts 64 --shapes 2816x2048 2048x1408 \
+      --rows-per-expert 768 --stats "$OUT/tune_fp8_prefill.jsonl" 2>&1 | grep -vE "skip|Warning|warn"
+  fi
+  tar -czf "$OUT/fp8_grouped_tables.tgz" -C moeserve/kernels/configs fp8_grouped_gemm fp8_grouped_gemm_masked
+  ;;
 prefillab)
   SITE=${PYTHONPATH#*:}
   for side in ${SIDES:-base on}; do
@@ -246,7 +264,7 @@ gaps)
   ;;
 tune)
   echo "== tune the MoE tables at prefill sizes $(date -u +%T)"
-  timeout 150 python3 scripts/gpu/tune_moe.py --tokens 2048 4096 8192 --stats "$OUT/tune.jsonl" 2>&1 \
+  timeout 150 python3 scripts/gpu/tune_moe.py --tokens ${TUNE_TOKENS:-2048 4096 8192} --stats "$OUT/tune.jsonl" 2>&1 \
     | grep -E "^T |wrote|tuned"
   for op in moe_gemm moe_gemm_silu; do cp moeserve/kernels/configs/$op/E=64,*.json "$OUT/${op}_E64.json"; done
   ;;

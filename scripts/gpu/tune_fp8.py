@@ -9,11 +9,19 @@ timed with triton.testing.do_bench (median; the weights are far larger than L2),
 per-tensor FP8 GEMM of the same M x N x K, the ceiling) and torch._grouped_mm in bf16, in the same run.
 Prints one line per case with the best configuration, TFLOP/s and its share of _scaled_mm; writes the tables.
 
+--decode-batches T ...: decode's layout instead of equal rows per expert: T tokens routed to --top-k of the E
+experts at random (distinct experts a token), plus --shared slots of T rows each (shared-experts fusion); the
+candidates are timed on that layout and the weights' TB/s printed beside the bf16 Triton kernel's on the same
+layout. The entry goes into E's table at the same rows per expert (T * (k + S) * E / (E + S)), and the table's
+entries at or below the largest such key (tuned on equal rows, no shared slots) are replaced.
+
 --dense: the dense block-scaled GEMM of the linear layers (triton_ops/fp8_gemm.py, op fp8_gemm, E = 1) at each
 shape and row count, beside F.linear in bf16 (cuBLAS) on the same shape, the activations' quantization timed apart.
 
 Run on the GPU machine:
     python3 scripts/gpu/tune_fp8.py [--experts 32] [--shapes 4096x7168 7168x2048] [--rows-per-expert 16 128 512 1024]
+    python3 scripts/gpu/tune_fp8.py --experts 64 --shapes 2816x2048 2048x1408 --decode-batches 1 64 256 --top-k 6 \
+        --shared 2
     python3 scripts/gpu/tune_fp8.py --dense [--shapes 3648x2048 2048x2048 ...] [--rows 1 64 256 8192]
 """
 
@@ -38,6 +46,7 @@ from moeserve.kernels.fp8_quant import (  # noqa: E402
     quantize_weight,
 )
 from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
+from moeserve.kernels.moe_gemm import moe_gemm  # noqa: E402  (the bf16 path: Triton, or torch where its table says)
 from moeserve.kernels.triton_ops.fp8_gemm import OP as DENSE_OP  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
@@ -50,14 +59,19 @@ def candidates(rows_per_expert: int) -> list[dict]:
     def cfg(bm, bn, w, st, g=8, tma=False):
         return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st, **({"TMA": True} if tma else {}))
 
-    if rows_per_expert <= 64:
-        return [cfg(16, 64, 4, 4), cfg(64, 64, 4, 4), cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True),
-                cfg(64, 128, 4, 4, 1, tma=True)]
+    if rows_per_expert <= 64:  # weight streaming: the weights' bytes in flight (BLOCK_N x 128 a stage) count most
+        out = [cfg(16, 64, 4, st) for st in (4, 6)] + [cfg(16, 128, 4, 4), cfg(32, 64, 4, 4)]
+        out += [cfg(32, 128, 4, st) for st in (3, 4, 5)] + [cfg(64, 64, 4, st) for st in (4, 6)]
+        out += [cfg(64, 128, 4, st) for st in (3, 4, 5)] + [cfg(64, 128, 8, 4), cfg(64, 128, 4, 4, 1)]
+        out += [cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True), cfg(64, 128, 4, 5, tma=True),
+                cfg(64, 64, 4, 4, tma=True)]
+        return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
     out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison
     out += [cfg(64, 128, 4, st, g, tma=True) for st in (3, 4, 5) for g in (1, 8)]
     out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
     out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
+    out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st in (3, 4) for g in (1, 8)]  # (contiguous)
     return out
 
 
@@ -130,10 +144,7 @@ def main_dense(shapes: list[str], ms: list[int], stats_path: str | None) -> int:
                 with open(stats_path, "a") as f:
                     f.write(json.dumps(s) + "\n")
         if table:
-            path = config_file(DENSE_OP, 1, N, K, FP8_DTYPE, device_name())
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
-            print(f"wrote {path}")
+            write_table(DENSE_OP, 1, N, K, table)
     print(f"tuned in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -146,33 +157,51 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).norm() / ref.norm())
 
 
-def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generator) -> tuple[dict, dict]:
-    M = E * rpe
+def tune_case(N: int, K: int, counts: torch.Tensor, masked: bool, gen: torch.Generator,
+              gate_up: bool = False) -> tuple[dict, dict]:
+    """Every candidate on one layout: counts [E] rows of each expert (contiguous; masked: capacity max(counts)).
+    gate_up: the bf16 kernel it is set beside runs the shape as the bf16 path does, with SiLU-and-mul fused."""
+    E, M = counts.shape[0], int(counts.sum())
+    cap = int(counts.max())
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
-    xq, xs = quantize_activations(x, mn_major=True)  # as the experts quantize them
     wq, ws = quantize_weight(w)
-    counts = torch.full((E,), rpe, dtype=torch.int32, device="cuda")
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(counts, 0)
-    ref = torch.bmm(dequantize_activations(xq, xs).view(E, rpe, K), dequantize_weight(wq, ws).transpose(1, 2))
-    ref = ref.reshape(M, N)
-    if masked:
-        def run(c):
-            return fp8_grouped_gemm_masked(xq.view(E, rpe, K), xs.view(E, rpe, -1), wq, ws, counts,
-                                           torch.bfloat16, c).view(M, N)
+    if masked:  # each expert's rows at the head of its cap-row slot
+        slots = torch.zeros(E, cap, K, device="cuda", dtype=torch.bfloat16)
+        for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+            slots[e, :c] = x[o:o + c]
+        xq, xs = quantize_activations(slots.view(E * cap, K), mn_major=True)
     else:
-        def run(c):
-            return fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16, c)
+        xq, xs = quantize_activations(x, mn_major=True)  # as the experts quantize them
+    deq = dequantize_activations(xq, xs)
+    wd = dequantize_weight(wq, ws)
+    ref = torch.cat([deq[(e * cap if masked else o):][:c] @ wd[e].t()
+                     for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False))])
+    valid = torch.cat([torch.arange(e * cap, e * cap + c) for e, c in enumerate(counts.tolist())]) if masked else None
+
+    def run(c):
+        if masked:
+            return fp8_grouped_gemm_masked(xq.view(E, cap, K), xs.view(E, cap, -1), wq, ws, counts, torch.bfloat16, c)
+        return fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16, c)
+
+    def used_rows(out):  # the rows the reference computes, in its order
+        return out.view(E * cap, N)[valid.cuda()] if masked else out
+
     flops = 2 * M * N * K
+    weight_bytes = int((counts > 0).sum()) * N * K  # e4m3: a byte a weight of the experts that got rows
     one = torch.ones((), device="cuda")
     wt = wq[0].t()
-    scaled_ms = bench(lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    rows16 = max(16, M // 16 * 16)  # (_scaled_mm takes rows in multiples of 16)
+    xq16 = xq[:rows16] if xq.shape[0] >= rows16 else torch.randn(rows16, K, device="cuda", generator=gen).to(FP8_DTYPE)
+    scaled_ms = bench(lambda: torch._scaled_mm(xq16, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     bf16_ms = bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:]))
+    bf16_triton_ms = bench(lambda: moe_gemm(x, w, offsets, counts, silu=gate_up))  # the bf16 path, its table
     best, best_ms, rows = None, float("inf"), []
-    for c in candidates(rpe):
+    for c in candidates(M // E):
         try:
-            err = rel(run(c), ref)
+            err = rel(used_rows(run(c)), ref)
             if not err < MAX_REL:
                 print(f"  WRONG {c}: rel {err:.2e}", flush=True)
                 continue
@@ -183,10 +212,30 @@ def tune_case(E: int, N: int, K: int, rpe: int, masked: bool, gen: torch.Generat
         rows.append(dict(config=c, ms=ms, tflops=flops / ms / 1e9))
         if ms < best_ms:
             best, best_ms = c, ms
-    stats = dict(op=OPS[masked], E=E, N=N, K=K, M=M, rows_per_expert=rpe, best=best, best_ms=best_ms,
-                 best_tflops=flops / best_ms / 1e9, scaled_mm_tflops=flops / scaled_ms / 1e9,
-                 bf16_grouped_mm_tflops=flops / bf16_ms / 1e9, device=torch.cuda.get_device_name(), all=rows)
+    stats = dict(op=OPS[masked], E=E, N=N, K=K, M=M, rows_per_expert=M / E, best=best, best_ms=best_ms,
+                 best_tflops=flops / best_ms / 1e9, best_weight_TBps=weight_bytes / best_ms / 1e9,
+                 scaled_mm_tflops=2 * rows16 * N * K / scaled_ms / 1e9, bf16_grouped_mm_tflops=flops / bf16_ms / 1e9,
+                 bf16_triton_ms=bf16_triton_ms, bf16_triton_weight_TBps=2 * weight_bytes / bf16_triton_ms / 1e9,
+                 device=torch.cuda.get_device_name(), all=rows)
     return best, stats
+
+
+def decode_counts(E: int, shared: int, top_k: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """[E + shared] rows an expert for T tokens routed to top_k distinct experts at random, the shared slots T each."""
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    routed = torch.bincount(ids.flatten(), minlength=E)
+    return torch.cat([routed, torch.full((shared,), T, device="cuda", dtype=routed.dtype)]).to(torch.int32)
+
+
+def write_table(op: str, E: int, N: int, K: int, table: dict[int, dict], replace_below: int = -1) -> None:
+    """Merge the tuned rows into the table (rows tuned now replace theirs; rows at or below replace_below go)."""
+    path = config_file(op, E, N, K, FP8_DTYPE, device_name())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
+    kept = {m: c for m, c in kept.items() if m > replace_below}
+    table = {**kept, **table}
+    path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 def main() -> int:
@@ -196,6 +245,10 @@ def main() -> int:
                    help="N x K: gate_up, down (default 4096x7168 7168x2048); with --dense the linear layers' shapes")
     p.add_argument("--rows-per-expert", type=int, nargs="+", default=[16, 128, 512, 1024])
     p.add_argument("--stats", default=None, help="append the measurements as JSON lines here")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=None,
+                   help="tune decode's layout at these token counts (random top-k routing, shared slots)")
+    p.add_argument("--top-k", type=int, default=6, help="--decode-batches: experts a token")
+    p.add_argument("--shared", type=int, default=2, help="--decode-batches: shared-expert slots (T rows each)")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
@@ -206,25 +259,29 @@ def main() -> int:
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):
         N, K = map(int, shape.split("x"))
-        for masked in (False, True) if i == 0 else (False,):
+        for masked in (False, True) if i == 0 and not ns.decode_batches else (False,):
             table = {}
-            for rpe in ns.rows_per_expert:
-                best, s = tune_case(ns.experts, N, K, rpe, masked, gen)
+            if ns.decode_batches:
+                layouts = [decode_counts(ns.experts, ns.shared, ns.top_k, T, gen) for T in ns.decode_batches]
+            else:
+                layouts = [torch.full((ns.experts,), r, dtype=torch.int32, device="cuda") for r in ns.rows_per_expert]
+            for counts in layouts:
+                best, s = tune_case(N, K, counts, masked, gen, gate_up=i == 0)
+                key = round(s["M"] * ns.experts / counts.shape[0])  # the same rows per expert in E's table
                 if best is None:
                     print(f"{s['op']} N={N} K={K} M={s['M']}: no configuration ran")
                     continue
-                table[s["M"]] = best
-                print(f"{s['op']:24s} E={ns.experts} N={N:5d} K={K:5d} M={s['M']:6d}: {s['best_tflops']:6.0f} TFLOP/s "
-                      f"= {s['best_tflops'] / s['scaled_mm_tflops']:.0%} of _scaled_mm {s['scaled_mm_tflops']:.0f} "
-                      f"(bf16 grouped {s['bf16_grouped_mm_tflops']:.0f}) | {best}", flush=True)
+                table[key] = best
+                print(f"{s['op']:24s} E={counts.shape[0]} N={N:5d} K={K:5d} M={s['M']:6d}: {s['best_tflops']:6.0f} "
+                      f"TFLOP/s = {s['best_tflops'] / s['scaled_mm_tflops']:.0%} of _scaled_mm "
+                      f"{s['scaled_mm_tflops']:.0f} (bf16 grouped {s['bf16_grouped_mm_tflops']:.0f}); "
+                      f"{s['best_ms'] * 1e3:.1f} us, {s['best_weight_TBps']:.2f} TB/s of weights (bf16 Triton "
+                      f"{s['bf16_triton_ms'] * 1e3:.1f} us, {s['bf16_triton_weight_TBps']:.2f}) | {best}", flush=True)
                 if ns.stats:
                     with open(ns.stats, "a") as f:
                         f.write(json.dumps(s) + "\n")
             if table:
-                path = config_file(OPS[masked], ns.experts, N, K, FP8_DTYPE, device_name())
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({str(m): c for m, c in sorted(table.items())}, indent=1) + "\n")
-                print(f"wrote {path}")
+                write_table(OPS[masked], ns.experts, N, K, table, max(table) if ns.decode_batches else -1)
     print(f"tuned in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -65,6 +65,9 @@ def candidates(rows_per_expert: float) -> list[dict]:
         out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, TMA=True))
         for st, g in [(3, 8), (4, 8), (3, 4), (4, 16)]:  # grouped-M order: rows and weights shared in L2
             out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=st, TMA=True, GROUP_M=g))
+        for st, g in [(3, 0), (4, 0), (3, 8), (4, 8)]:  # the tiles read from a map built before the GEMM
+            out.append(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=st, TMA=True, GROUP_M=g,
+                            TILE_MAP=True))
     return out
 
 

@@ -41,6 +41,8 @@ def test_contiguous_matches_reference(dtype, silu, counts, align, device):
     _check_rows(got, ref, counts, offsets, dtype)
     got = moe_gemm(*args, silu=silu, config={**SMALL, "GROUP_M": 3}).cpu()  # grouped-M order, pointer reads
     _check_rows(got, ref, counts, offsets, dtype)
+    got = moe_gemm(*args, silu=silu, config={**SMALL, "GROUP_M": 3, "TILE_MAP": True}).cpu()  # tiles from a map
+    _check_rows(got, ref, counts, offsets, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,6 +90,7 @@ def test_tensor_descriptor_reads(dtype, silu, gather, group_m, device):
     rows = tokens.index_select(0, plan.src.long() // k)  # the layout's rows, for the ungathered GEMM
     w = (torch.randn(E, N, K, generator=gen) * K**-0.5).to(dtype)
     cfg = {**SMALL, "TMA": True, "GROUP_M": group_m}  # GROUP_M 2: a 1-D grid in grouped-M order
+    cfg["TILE_MAP"] = bool(group_m)  # (and the tiles read from a map)
     x, pairs = (tokens, plan.src) if gather else (rows, None)
     ref = moe_gemm_reference(x.float(), w.float(), plan.offsets, plan.counts, silu, pairs=pairs, top_k=k)
     got = moe_gemm(x.to(device), w.to(device), plan.offsets.to(device), plan.counts.to(device), silu=silu,
@@ -158,3 +161,27 @@ def test_tally_adds_the_first_counts(masked, device):
     moe_gemm(empty.to(device), w.to(device), torch.zeros(5, dtype=torch.int32, device=device),
              torch.zeros(4, dtype=torch.int32, device=device), True, config=SMALL, tally=tally)
     assert tally.cpu().tolist() == [8, 1, 9]
+
+
+@pytest.mark.parametrize("counts,block_m", [([0, 37, 1, 0, 18], 16), ([1], 64), ([64, 64, 0], 64), ([0, 0], 16),
+                                            ([3] * 70, 16)])
+def test_tile_map_lists_every_tile_in_order(counts, block_m, device):
+    """tile_map against the tiles counted on the host: each expert's row tiles in turn, rows left in the segment,
+    then zeros for the grid's spare programs (the static bound cdiv(M, BLOCK_M) + min(E, M))."""
+    import triton
+
+    from moeserve.kernels.triton_ops.tile_order import tile_map
+
+    c = torch.tensor(counts, dtype=torch.int32)
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(c, 0)
+    rows = int(starts[-1])
+    num_m = triton.cdiv(rows, block_m) + min(len(counts), rows)
+    want = [(e, int(starts[e]) + t * block_m, n - t * block_m)
+            for e, n in enumerate(counts) for t in range(triton.cdiv(n, block_m))]
+    if num_m == 0:
+        return
+    got = tile_map(starts.to(device), c.to(device), num_m, block_m).cpu()
+    assert got.shape == (3, num_m)
+    assert [tuple(t) for t in got[:, :len(want)].t().tolist()] == want
+    assert (got[2, len(want):] == 0).all()  # spare programs: nothing to do

@@ -6,6 +6,8 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
 - contiguous: segments need no padding to the block; the grid is the static bound cdiv(M, BLOCK_M) + min(E, M)
   row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). Padding rows are left
   unwritten, as the bf16 grouped GEMM leaves them (the combines read valid rows only);
+  With "TILE_MAP": true in the configuration, the programs read their tiles from a map built before the GEMM
+  (`tile_map`, one small launch): a lookup of one load, where the prefix sum takes two dependent ones;
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
 the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); else pointers
@@ -22,7 +24,7 @@ import triton.language as tl
 from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
-from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
+from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
@@ -35,14 +37,15 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, N, K, cap, tiles_per_expert,
-                        num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
+                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
                         stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr):
+                        BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
+                        TILE_MAP: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
-                                        BLOCK_M)
+    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
+                                        E_P2, MASKED, BLOCK_M, TILE_MAP)
     if tile * BLOCK_M >= count:
         return
     m0 = (start + tile * BLOCK_M).to(tl.int64)  # the tile's first row in a and c
@@ -74,11 +77,13 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
         return out
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
     a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
+    mapped = bool(cfg.get("TILE_MAP")) and not masked
+    tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        a, x_scale, b, w_scale_inv, out, starts, counts, n, k, cap, tiles_per_expert, num_m,
+        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
-        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, num_warps=cfg["num_warps"],
+        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, TILE_MAP=mapped, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
 

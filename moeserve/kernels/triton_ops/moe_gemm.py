@@ -12,6 +12,8 @@ TMA (a configuration's "TMA": true): w read through a tensor descriptor, and a t
 (the down GEMM), as the FP8 grouped GEMM reads them (Hopper; the pointer path elsewhere).
 GROUP_M (a configuration's "GROUP_M": g > 0): a 1-D grid in grouped-M order, g row tiles sweeping every column tile
 before the next g start, so that the programs resident together share rows and weights in L2; 0, a 2-D grid.
+TILE_MAP (a configuration's "TILE_MAP": true, contiguous): each program reads its tile from a map built before the
+GEMM (tile_order.py `tile_map`, one small launch) instead of summing the tile counts itself.
 TALLY: the first program also adds the first num_tally counts into an int64 tally (the expert-utilization
 counter, ep/stats.py), where an add of its own was a launch per MoE layer.
 """
@@ -24,17 +26,17 @@ import triton.language as tl
 
 from moeserve.kernels.moe_config import default_config, get_config
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
-from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order
+from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 
 @triton.jit(do_not_specialize=["num_m"])  # (read only in grouped order: no recompile per grid size)
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, tally_ptr, num_tally, N, K, cap,
-                     tiles_per_expert, num_m, stride_am, stride_we, stride_wn, stride_om,
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, tally_ptr, map_ptr, num_tally, N, K,
+                     cap, tiles_per_expert, num_m, stride_am, stride_we, stride_wn, stride_om,
                      E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, SILU: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
                      TALLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TMA: tl.constexpr, A_TMA: tl.constexpr, GROUP_M: tl.constexpr):
+                     TMA: tl.constexpr, A_TMA: tl.constexpr, GROUP_M: tl.constexpr, TILE_MAP: tl.constexpr):
     if GROUP_M > 0:  # a 1-D grid in grouped-M order (tile_order.py)
         pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     else:
@@ -46,8 +48,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, pairs_ptr, t
             tm = ei < num_tally
             c = tl.load(counts_ptr + ei, mask=tm, other=0).to(tl.int64)
             tl.store(tally_ptr + ei, tl.load(tally_ptr + ei, mask=tm, other=0) + c, mask=tm)
-    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, E, E_P2, MASKED,
-                                        BLOCK_M)
+    e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
+                                        E_P2, MASKED, BLOCK_M, TILE_MAP)
     if tile * BLOCK_M >= count:
         return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,12 +128,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
     tma = bool(cfg.get("TMA")) and descriptor_usable(w)
     a_tma = tma and pairs is None and not masked and descriptor_usable(a)
+    mapped = bool(cfg.get("TILE_MAP")) and not masked
+    tmap = tile_map(starts, counts, grid_m, bm) if mapped else counts
     args = (a, w, out, counts if starts is None else starts, counts, counts if pairs is None else pairs,
-            counts if tally is None else tally, 0 if tally is None else tally.shape[0], N, K, cap,
+            counts if tally is None else tally, tmap, 0 if tally is None else tally.shape[0], N, K, cap,
             tiles, grid_m, a.stride(-2), w.stride(0), w.stride(1), out.stride(-2))
     meta = dict(E=E, E_P2=triton.next_power_of_2(E), MASKED=masked, SILU=silu, PRECISION=precision, UPCAST=upcast,
                 GATHER=pairs is not None, TOPK=top_k, TALLY=tally is not None,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 0),
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 0), TILE_MAP=mapped,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (grid_m * triton.cdiv(N, bn),) if meta["GROUP_M"] else (grid_m, triton.cdiv(N, bn))
     if not tma:
