@@ -60,11 +60,13 @@ def candidates(rows_per_expert: int) -> list[dict]:
         return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=g, num_warps=w, num_stages=st, **({"TMA": True} if tma else {}))
 
     if rows_per_expert <= 64:  # weight streaming: the weights' bytes in flight (BLOCK_N x 128 a stage) count most
-        out = [cfg(16, 64, 4, st) for st in (4, 6)] + [cfg(16, 128, 4, 4), cfg(32, 64, 4, 4)]
-        out += [cfg(32, 128, 4, st) for st in (3, 4, 5)] + [cfg(64, 64, 4, st) for st in (4, 6)]
-        out += [cfg(64, 128, 4, st) for st in (3, 4, 5)] + [cfg(64, 128, 8, 4), cfg(64, 128, 4, 4, 1)]
-        out += [cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True), cfg(64, 128, 4, 5, tma=True),
-                cfg(64, 64, 4, 4, tma=True)]
+        # (the first sweep, 2026-12-03: 16-row tiles, 6 stages and 32 x 128 by pointers lost at 64-256 tokens)
+        out = [cfg(16, 64, 4, 4), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3), cfg(64, 128, 4, 4), cfg(64, 128, 8, 4)]
+        out += [cfg(32, 128, 4, 4, tma=True), cfg(64, 128, 4, 4, tma=True), cfg(64, 64, 4, 4, tma=True),
+                cfg(64, 256, 8, 3, tma=True)]
+        # w through a descriptor, the rows by pointers: a tile's rows past its expert's few are not read
+        out += [dict(cfg(bm, bn, w, st, tma=True), A_TMA=False)
+                for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4)]]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
     out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison

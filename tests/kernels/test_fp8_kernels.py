@@ -269,11 +269,14 @@ def test_triton_grouped_tma_reads_match_reference(device):
     assert tma_usable(args[0].to(device), args[2].to(device))
     ref = fp8_grouped_gemm_reference(*args, torch.float32)
     valid = _valid_rows(args[4], args[5])
-    for scales, cfg in ((args[1], tma), (scales_mn_major(args[1]), tma), (args[1], dict(tma, TILE_MAP=True))):
+    a_ptr = dict(tma, A_TMA=False)  # b through a descriptor, a by pointers (its rows past the segment not read)
+    for scales, cfg in ((args[1], tma), (scales_mn_major(args[1]), tma), (args[1], dict(tma, TILE_MAP=True)),
+                        (scales_mn_major(args[1]), a_ptr)):
         got = fp8_grouped_gemm(*(t.to(device) for t in (args[0], scales, *args[2:])), torch.float32, config=cfg).cpu()
         assert _rel(got[valid], ref[valid]) < KERNEL_REL
     _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=12, config=tma)
     _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=14, config=tma, mn_major=True)
+    _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=15, config=a_ptr, mn_major=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's block-scaled FP8 GEMM needs a CUDA device")

@@ -91,19 +91,28 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 
 @triton.jit
 def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
-                          stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP: tl.constexpr):
-    """`block_scaled_tile` with a and b read by the tensor-memory accelerator: a_desc over a [rows, K] with blocks
-    [BLOCK_M, GROUP], b_desc over b [rows, K] with blocks [BLOCK_N, GROUP]; the tile starts at row a_row0 of a and
-    b_row0 of b (reads past a segment's end or past K are zeros or other experts' rows, masked at the store).
+                          stride_am, stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP: tl.constexpr, A_TMA: tl.constexpr):
+    """`block_scaled_tile` with b read by the tensor-memory accelerator: b_desc over b [rows, K] with blocks
+    [BLOCK_N, GROUP], from row b_row0 (columns past N read other experts' rows or zeros, masked at the store). a
+    from row a_row0: with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP] (rows past
+    the segment are other experts' or zeros); else a pointer to a (row stride stride_am), its rows past the
+    segment not read (at decode, an expert's few rows in a 64-row tile: no reads of its neighbours' rows).
     cols count from n0 here."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, n0 + cols, col_ok, n0, stride_asm,
                                               stride_ask, stride_bsn, BLOCK_N, GROUP)
+    if not A_TMA:
+        ks = tl.arange(0, GROUP)
+        a_ptrs = a_desc + (a_row0 + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
     nk = tl.cdiv(K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, nk):
-        a = a_desc.load([a_row0, kb * GROUP])
+        if A_TMA:
+            a = a_desc.load([a_row0, kb * GROUP])
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
+            a_ptrs += GROUP
         b = b_desc.load([b_row0, kb * GROUP])
         a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)

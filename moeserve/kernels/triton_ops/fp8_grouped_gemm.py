@@ -10,8 +10,9 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
   (`tile_map`, one small launch): a lookup of one load, where the prefix sum takes two dependent ones;
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
-the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); else pointers
-with 64-bit row and column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
+the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic), a by pointers
+where the configuration says "A_TMA": false (decode: a 64-row tile's rows past the expert's few are not read);
+else pointers with 64-bit row and column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
 `fp8_grouped_gemm` and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
@@ -42,7 +43,7 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
                         stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
-                        TILE_MAP: tl.constexpr):
+                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
@@ -53,10 +54,10 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
-    if TMA:  # a_ptr, b_ptr are descriptors over xq [M, K] and w viewed as [E * N, K]
+    if TMA:  # b_ptr a descriptor over w viewed as [E * N, K], a_ptr one over xq [M, K] with A_TMA
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
-                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K,
-                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K, stride_am,
+                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
                                 m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
@@ -76,14 +77,16 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     if num_m == 0 or n == 0:
         return out
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
-    a, b = (_descriptors(xq, w, bm, bn) if tma else (xq, w))
+    a_tma = tma and cfg.get("A_TMA", True)
+    a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
     mapped = bool(cfg.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
         a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
-        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, TILE_MAP=mapped, num_warps=cfg["num_warps"],
+        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
 
@@ -93,12 +96,13 @@ def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:
     return descriptor_usable(xq) and descriptor_usable(w)
 
 
-def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int):
+def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int, a_tma: bool):
+    """(a, b) for the kernel: descriptors over xq (or xq itself, read by pointers) and over w viewed [E * N, K]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, n, k = w.shape
-    return (TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK]),
-            TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK]))
+    a = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK]) if a_tma else xq
+    return a, TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK])
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
