@@ -67,8 +67,6 @@ def candidates(rows_per_expert: int) -> list[dict]:
         # w through a descriptor, the rows by pointers: a tile's rows past its expert's few are not read
         out += [dict(cfg(bm, bn, w, st, tma=True), A_TMA=False)
                 for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4)]]
-        out += [dict(cfg(64, 128, 4, 4, tma=True), PERSISTENT=2), dict(cfg(64, 128, 4, 4, tma=True), PERSISTENT=2,
-                                                                       A_TMA=False)]  # a fixed grid over the map
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
     out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison
@@ -76,9 +74,6 @@ def candidates(rows_per_expert: int) -> list[dict]:
     out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
     out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
     out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st in (3, 4) for g in (1, 8)]  # (contiguous)
-    # (contiguous) a fixed grid of 2 or 3 programs a multiprocessor looping over the map's tiles, pipelined across them
-    out += [dict(cfg(64, 128, 4, st, 8, tma=True), PERSISTENT=p) for st, p in [(3, 2), (3, 3), (4, 2)]]
-    out += [dict(cfg(64, 128, 4, 3, 8, tma=True), PERSISTENT=2, FLATTEN=False)]
     return out
 
 

@@ -211,15 +211,12 @@ def _contiguous_inputs(counts: list[int], align: int, n: int, k: int, seed: int)
                                                      ([5, 0, 21], 8, SMALL), ([0, 37, 1, 0, 18], 1, GROUPED_2),
                                                      ([200, 3, 0, 130], 1, None), ([0, 37, 1, 0, 18], 1, WIDE_N),
                                                      ([0, 37, 1, 0, 18], 1, dict(GROUPED_2, TILE_MAP=True)),
-                                                     ([5, 0, 21], 8, dict(SMALL, TILE_MAP=True)),
-                                                     ([0, 37, 1, 0, 18], 1, dict(GROUPED_2, PERSISTENT=1)),
-                                                     ([5, 0, 21], 8, dict(SMALL, PERSISTENT=2, FLATTEN=False))])
+                                                     ([5, 0, 21], 8, dict(SMALL, TILE_MAP=True))])
 @pytest.mark.parametrize("mn_major", [False, True])
 def test_triton_grouped_contiguous_matches_reference(device, counts, align, config, mn_major):
     """SMALL: several tiles; GROUPED_2: row tiles in groups of 2 (partial groups at the end); None: the default
     launch configuration (64 x 128 tiles, a partial N tile; K 200 takes the pointer path); WIDE_N: a tile across two
-    scale blocks of columns; TILE_MAP: the tiles read from a map built before the GEMM; PERSISTENT: a fixed grid
-    whose programs loop over the map's tiles. mn_major: the activation scales stored [groups, rows]."""
+    scale blocks of columns; TILE_MAP: the tiles read from a map built before the GEMM. mn_major: the activation scales stored [groups, rows]."""
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import default_config, fp8_grouped_gemm
 
     args = _contiguous_inputs(counts, align, 150, 200, seed=len(counts) + align)
@@ -274,7 +271,7 @@ def test_triton_grouped_tma_reads_match_reference(device):
     valid = _valid_rows(args[4], args[5])
     a_ptr = dict(tma, A_TMA=False)  # b through a descriptor, a by pointers (its rows past the segment not read)
     for scales, cfg in ((args[1], tma), (scales_mn_major(args[1]), tma), (args[1], dict(tma, TILE_MAP=True)),
-                        (scales_mn_major(args[1]), a_ptr), (scales_mn_major(args[1]), dict(tma, PERSISTENT=1))):
+                        (scales_mn_major(args[1]), a_ptr)):
         got = fp8_grouped_gemm(*(t.to(device) for t in (args[0], scales, *args[2:])), torch.float32, config=cfg).cpu()
         assert _rel(got[valid], ref[valid]) < KERNEL_REL
     _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=12, config=tma)

@@ -39,8 +39,8 @@ def default_config(M: int, E: int) -> dict:
 
 @triton.jit
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
-                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
-                        stride_bsn, stride_cm,
+                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
+                        stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
                         A_TMA: tl.constexpr, TILE_MAP: tl.constexpr):
@@ -49,46 +49,15 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
     if tile * BLOCK_M >= count:
         return
-    _tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, e, start + tile * BLOCK_M, count - tile * BLOCK_M, pid_n, N, K,
-          stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, BLOCK_M, BLOCK_N,
-          GROUP, TMA, A_TMA)
-
-
-@triton.jit
-def _fp8_grouped_persistent_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, map_ptr, N, K, num_m, num_programs,
-                                   stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
-                                   stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                                   GROUP: tl.constexpr, TMA: tl.constexpr, A_TMA: tl.constexpr,
-                                   FLATTEN: tl.constexpr):
-    """Contiguous layout, a fixed grid: each program takes every num_programs-th tile of the map's valid row tiles
-    (tile_map puts them first and their number after the map) times the column tiles, in grouped-M order; with
-    FLATTEN, Triton pipelines the loads across a program's tiles (the next tile's first steps load while this
-    one's last compute and store)."""
-    num_n = tl.cdiv(N, BLOCK_N)
-    valid_m = tl.load(map_ptr + 3 * num_m)
-    for t in tl.range(tl.program_id(0), valid_m * num_n, num_programs, flatten=FLATTEN):
-        pid_m, pid_n = grouped_order(t, valid_m, num_n, GROUP_M)
-        e = tl.load(map_ptr + pid_m)
-        start = tl.load(map_ptr + num_m + pid_m)
-        count = tl.load(map_ptr + 2 * num_m + pid_m)
-        _tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, e, start, count, pid_n, N, K, stride_am, stride_asm, stride_ask,
-              stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, BLOCK_M, BLOCK_N, GROUP, TMA, A_TMA)
-
-
-@triton.jit
-def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, e, row0, rows_left, pid_n, N, K, stride_am, stride_asm, stride_ask,
-          stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          GROUP: tl.constexpr, TMA: tl.constexpr, A_TMA: tl.constexpr):
-    """Computes and stores the tile of expert e's rows row0 .. row0 + min(rows_left, BLOCK_M) and column tile pid_n."""
-    m0 = row0.to(tl.int64)  # the tile's first row in a and c
+    m0 = (start + tile * BLOCK_M).to(tl.int64)  # the tile's first row in a and c
     n0 = pid_n * BLOCK_N
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < rows_left, cols < N - n0
+    row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
     if TMA:  # b_ptr a descriptor over w viewed as [E * N, K], a_ptr one over xq [M, K] with A_TMA
-        acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse, row0,
-                                    e * N + n0, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm, stride_ask,
-                                    stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA)
+        acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K, stride_am,
+                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
                                 m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
@@ -110,30 +79,16 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
     a_tma = tma and cfg.get("A_TMA", True)
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
-    persistent = cfg.get("PERSISTENT", 0) if not masked else 0
-    mapped = (bool(cfg.get("TILE_MAP")) or persistent > 0) and not masked
+    mapped = bool(cfg.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    strides = (xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
-               w_scale_inv.stride(1), out.stride(0))
-    if persistent:  # PERSISTENT: programs a multiprocessor
-        programs = min(persistent * _multiprocessors(xq.device), num_m * triton.cdiv(n, bn))
-        _fp8_grouped_persistent_kernel[(programs,)](
-            a, x_scale, b, w_scale_inv, out, tiles, n, k, num_m, programs, *strides, BLOCK_M=bm, BLOCK_N=bn,
-            GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, FLATTEN=cfg.get("FLATTEN", True),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return out
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m, *strides,
-        E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8),
-        GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped, num_warps=cfg["num_warps"],
+        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
+        xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
+        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
+        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter (CPU tests): a few programs, each looping over several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ triton_ops/fp8_grouped_gemm.py).
   past the last tile get count 0. Masked: pid_m is tile pid_m % tiles of expert pid_m // tiles, rows capped at cap.
   A program whose tile * BLOCK_M >= count has nothing to do (no host read: CUDA-graph safe).
   With TILE_MAP, contiguous programs read their tile from a map `tile_map` wrote before the GEMM ([3, num_m]:
-  expert, first row, rows left; then the count of tiles with rows): one load where the prefix sum is two dependent ones. At prefill sizes a tile's
+  expert, first row, rows left): one load where the prefix sum is two dependent ones. At prefill sizes a tile's
   lookup is a few percent of its time; a configuration's "TILE_MAP": true picks it (a launch more, so not at decode).
 - `grouped_order`: a 1-D program id -> (pid_m, pid_n) in groups of GROUP_M row tiles that sweep every column tile
   before the next group starts, so the programs resident together share their A rows (and an expert's B) in L2.
@@ -70,19 +70,16 @@ def _tile_map_kernel(starts_ptr, counts_ptr, map_ptr, num_m, E: tl.constexpr, E_
     tile = pids - tl.sum(tl.where(mine, (incl - tiles)[None, :], 0), 1)
     left = tl.sum(tl.where(mine, counts[None, :], 0), 1) - tile * BLOCK_M  # <= 0 past the expert's last tile
     ok = pids < num_m
-    if tl.program_id(0) == 0:  # after the map: how many row tiles hold rows (the persistent grouped GEMM's bound)
-        tl.store(map_ptr + 3 * num_m, tl.sum(tiles, 0))
     tl.store(map_ptr + pids, e, mask=ok)
     tl.store(map_ptr + num_m + pids, tl.load(starts_ptr + e, mask=ok, other=0) + tile * BLOCK_M, mask=ok)
     tl.store(map_ptr + 2 * num_m + pids, tl.maximum(left, 0), mask=ok)
 
 
 def tile_map(starts: torch.Tensor, counts: torch.Tensor, num_m: int, block_m: int) -> torch.Tensor:
-    """int32 [3 * num_m + 1] for the contiguous layout's row tiles of block_m rows, in program order: each tile's
-    expert, first row and rows left in its segment (0 past the last tile), as [3, num_m]; then the number of tiles
-    that hold rows. One launch, no host read."""
+    """int32 [3, num_m] for the contiguous layout's row tiles of block_m rows, in program order: each tile's expert,
+    first row and rows left in its segment (0 past the last tile). One launch, no host read."""
     E = counts.shape[0]
-    out = torch.empty(3 * num_m + 1, dtype=torch.int32, device=counts.device)
+    out = torch.empty(3, num_m, dtype=torch.int32, device=counts.device)
     block = max(16, 8192 // triton.next_power_of_2(E))  # [block, E] compares a program
     _tile_map_kernel[(triton.cdiv(num_m, block),)](starts, counts, out, num_m, E=E, E_P2=triton.next_power_of_2(E),
                                                    BLOCK_M=block_m, BLOCK=block)
