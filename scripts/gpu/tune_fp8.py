@@ -67,13 +67,17 @@ def candidates(rows_per_expert: int) -> list[dict]:
         # w through a descriptor, the rows by pointers: a tile's rows past its expert's few are not read
         out += [dict(cfg(bm, bn, w, st, tma=True), A_TMA=False)
                 for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4)]]
+        # the scales loaded in the step that uses them (0) or two steps ahead (2), where 1 is the default
+        out += [dict(cfg(64, 128, 4, st, tma=True), SCALE_AHEAD=ahead, **a) for st, a in [(3, {"A_TMA": False}), (4, {})]
+                for ahead in (0, 2)]
         return out
-    # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere
-    out = [cfg(64, 128, 4, 3, 1), cfg(128, 128, 8, 3, 1)]  # the pointer path, for comparison
-    out += [cfg(64, 128, 4, st, g, tma=True) for st in (3, 4, 5) for g in (1, 8)]
-    out += [cfg(64, 128, 8, 4, tma=True), cfg(64, 64, 4, 4, tma=True)]
-    out += [cfg(128, 128, 8, st, g, tma=True) for st in (3, 4) for g in (1, 8)]
-    out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st in (3, 4) for g in (1, 8)]  # (contiguous)
+    # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
+    # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid
+    out = [cfg(64, 128, 4, 3, 1)]  # the pointer path, for comparison
+    out += [cfg(64, 128, 4, st, g, tma=True) for st in (3, 4) for g in (1, 8)] + [cfg(128, 128, 8, 4, tma=True)]
+    # (contiguous) the tiles read from a map; then the scales loaded in the step that uses them (0) or 2 steps ahead
+    out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st, g in [(3, 8), (4, 8), (3, 1)]]
+    out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=ahead) for ahead in (0, 2)]
     return out
 
 

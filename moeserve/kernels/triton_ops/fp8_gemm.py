@@ -92,12 +92,13 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 @triton.jit
 def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
                           stride_am, stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP: tl.constexpr, A_TMA: tl.constexpr):
+                          GROUP: tl.constexpr, A_TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr = 1):
     """`block_scaled_tile` with b read by the tensor-memory accelerator: b_desc over b [rows, K] with blocks
     [BLOCK_N, GROUP], from row b_row0 (columns past N read other experts' rows or zeros, masked at the store). a
     from row a_row0: with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP] (rows past
     the segment are other experts' or zeros); else a pointer to a (row stride stride_am), its rows past the
     segment not read (at decode, an expert's few rows in a 64-row tile: no reads of its neighbours' rows).
+    SCALE_AHEAD: how many K blocks ahead the scales are loaded (1, 2; 0: in the step that uses them).
     cols count from n0 here."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, n0 + cols, col_ok, n0, stride_asm,
@@ -106,6 +107,7 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
         ks = tl.arange(0, GROUP)
         a_ptrs = a_desc + (a_row0 + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
     nk = tl.cdiv(K, GROUP)
+    a_s1, b_s1 = _scales(as_ptrs, bs_ptrs, tl.minimum(1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, nk):
         if A_TMA:
@@ -114,9 +116,16 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
             a_ptrs += GROUP
         b = b_desc.load([b_row0, kb * GROUP])
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
+        if SCALE_AHEAD == 0:
+            a_s, b_s = _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + SCALE_AHEAD, nk - 1), stride_ask, row_ok, col_ok,
+                           B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
-        a_s, b_s = a_n, b_n
+        if SCALE_AHEAD == 2:
+            a_s, b_s = a_s1, b_s1
+            a_s1, b_s1 = a_n, b_n
+        else:
+            a_s, b_s = a_n, b_n
     return acc
 
 
