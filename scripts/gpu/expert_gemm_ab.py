@@ -1,0 +1,133 @@
+"""The experts' GEMMs at a prefill size, each beside its ceiling and with the tuned tables' tile map on and off, in
+rounds that alternate the variants (one H200 drifts by a few percent over a minute; alternating keeps the pairs fair).
+
+V2-Lite's shapes (E 64, top-6, H 2048, I 1408) at T tokens (default 8,192: a 4 x 2,048 prefill), random top-k routing
+with distinct experts a token (scripts/gpu/tune_moe.py's layout):
+- bf16: the gate/up GEMM with SiLU fused (reading the tokens by pairs, as at runtime) and the down GEMM, each with
+  the tuned table's entry (`moeserve.kernels.moe_gemm.moe_gemm`: Triton, or torch's grouped GEMM where the table
+  says) and the Triton entry without its tile map; beside a dense bf16 8,192^3 `torch.mm` (the peak).
+- FP8 (--quantization fp8's recipe): the contiguous gate/up and down grouped GEMMs (table entry, and without the tile
+  map) and the masked gate/up; beside `torch._scaled_mm` on the gate/up's M x N x K (per-tensor scales, the ceiling).
+Prints the median over the rounds of each, in us and TFLOP/s; --result-file appends them as one JSON line.
+
+Run on the GPU machine: python3 scripts/gpu/expert_gemm_ab.py [--tokens 8192] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_moe import layout  # noqa: E402
+
+from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
+from moeserve.kernels.fp8_quant import quantize_activations, quantize_weight  # noqa: E402
+from moeserve.kernels.moe_config import get_config  # noqa: E402
+from moeserve.kernels.moe_gemm import gemm_op, moe_gemm  # noqa: E402
+from moeserve.kernels.triton_ops import moe_gemm as triton_moe_gemm  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def without_map(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "TILE_MAP"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--result-file", default=None)
+    ns = p.parse_args()
+    E, k, H, inter, T = 64, 6, 2048, 1408, ns.tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H**-0.5
+    w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * inter**-0.5
+    x, offsets, counts, pairs = layout(T, E, k, H, torch.bfloat16, gen)
+    M = pairs.shape[0]
+    h = torch.randn(M, inter, device="cuda", dtype=torch.bfloat16, generator=gen)  # the down GEMM's rows
+    flops_up, flops_down = 2 * M * 2 * inter * H, 2 * M * H * inter
+    cfg_up = get_config(gemm_op(True), M, E, inter, H, torch.bfloat16, x.device)
+    cfg_down = get_config(gemm_op(False), M, E, H, inter, torch.bfloat16, x.device)
+    print(f"tables: gate/up {cfg_up}; down {cfg_down}")
+    # FP8: the same layout's rows, quantized as the experts quantize them
+    rows = x.index_select(0, pairs.long() // k)
+    xq, xs = quantize_activations(rows, mn_major=True)
+    hq, hs = quantize_activations(h, mn_major=True)
+    w13q, w13s = quantize_weight(w13)
+    w2q, w2s = quantize_weight(w2)
+    cap = int(counts.max())
+    slots = torch.zeros(E, cap, H, device="cuda", dtype=torch.bfloat16)
+    for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        slots[e, :c] = rows[o:o + c]
+    sq, ss = quantize_activations(slots.view(E * cap, H), mn_major=True)
+    f8_up = get_config(OPS[False], M, E, 2 * inter, H, FP8_DTYPE, x.device)
+    f8_down = get_config(OPS[False], M, E, H, inter, FP8_DTYPE, x.device)
+    f8_masked = get_config(OPS[True], E * cap, E, 2 * inter, H, FP8_DTYPE, x.device)
+    print(f"FP8 tables: gate/up {f8_up}; down {f8_down}; masked gate/up {f8_masked}")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    one = torch.ones((), device="cuda")
+    wt = w13q[0].t()
+    cases = {  # name -> (fn, flops)
+        "bf16 dense mm 8192^3 (peak)": (lambda: torch.mm(a, b), 2 * 8192**3),
+        "bf16 gate/up + SiLU, table": (lambda: moe_gemm(x, w13, offsets, counts, silu=True, pairs=pairs, top_k=k),
+                                        flops_up),
+        "bf16 gate/up + SiLU, no map": (lambda: triton_moe_gemm.moe_gemm(x, w13, offsets, counts, True,
+                                                                         without_map(cfg_up), pairs=pairs, top_k=k),
+                                         flops_up),
+        "bf16 down, table": (lambda: moe_gemm(h, w2, offsets, counts), flops_down),
+        "fp8 _scaled_mm gate/up shape (ceiling)": (
+            lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), flops_up),
+        "fp8 gate/up, table": (lambda: fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16),
+                               flops_up),
+        "fp8 gate/up, no map": (lambda: fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16,
+                                                         without_map(f8_up)), flops_up),
+        "fp8 gate/up masked, table": (lambda: fp8_grouped_gemm_masked(sq.view(E, cap, H), ss.view(E, cap, -1), w13q,
+                                                                      w13s, counts, torch.bfloat16), flops_up),
+        "fp8 down, table": (lambda: fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16), flops_down),
+        "fp8 down, no map": (lambda: fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16,
+                                                      without_map(f8_down)), flops_down),
+    }
+    if "BLOCK_M" in cfg_down:  # the down GEMM's table entry is a Triton one: time it without the map too
+        cases["bf16 down, no map"] = (lambda: triton_moe_gemm.moe_gemm(h, w2, offsets, counts, False,
+                                                                       without_map(cfg_down)), flops_down)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(ns.rounds):
+        for name, (fn, _) in cases.items():
+            times[name].append(bench(fn))
+    out = dict(tokens=T, rows=M, device=torch.cuda.get_device_name(), tables=dict(
+        bf16_up=cfg_up, bf16_down=cfg_down, fp8_up=f8_up, fp8_down=f8_down, fp8_masked=f8_masked), cases={})
+    for name, (_, flops) in cases.items():
+        ms = statistics.median(times[name])
+        out["cases"][name] = dict(us=ms * 1e3, tflops=flops / ms / 1e9, rounds_us=[t * 1e3 for t in times[name]])
+        print(f"{name:40s} {ms * 1e3:9.1f} us  {flops / ms / 1e9:7.1f} TFLOP/s")
+    c = out["cases"]
+    both = (flops_up + flops_down) / (c["bf16 gate/up + SiLU, table"]["us"] + c["bf16 down, table"]["us"]) / 1e6
+    fp8_both = (flops_up + flops_down) / (c["fp8 gate/up, table"]["us"] + c["fp8 down, table"]["us"]) / 1e6
+    peak = c["bf16 dense mm 8192^3 (peak)"]["tflops"]
+    print(f"bf16 experts (gate/up + down, tables): {both:.1f} TFLOP/s = {both / 779:.1%} of 779, "
+          f"{both / peak:.1%} of this run's dense mm ({peak:.0f})")
+    print(f"fp8 experts (gate/up + down, tables): {fp8_both:.1f} TFLOP/s; gate/up "
+          f"{c['fp8 gate/up, table']['tflops'] / 1416:.1%} of 1,416, masked {c['fp8 gate/up masked, table']['tflops'] / 1416:.1%}")
+    out.update(bf16_experts_tflops=both, fp8_experts_tflops=fp8_both, dense_peak_tflops=peak)
+    if ns.result_file:
+        with open(ns.result_file, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
