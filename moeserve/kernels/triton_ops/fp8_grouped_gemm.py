@@ -5,16 +5,16 @@ K in steps of 128, the scale blocks, one scale multiply per step on the fp32 acc
 grouped-M order and each program finds its expert and tile with `expert_tile` (triton_ops/tile_order.py):
 - contiguous: segments need no padding to the block; the grid is the static bound cdiv(M, BLOCK_M) + min(E, M)
   row tiles and programs past the last tile return at once (no host read: CUDA-graph safe). Padding rows are left
-  unwritten, as the bf16 grouped GEMM leaves them (the combines read valid rows only);
-  With "TILE_MAP": true in the configuration, the programs read their tiles from a map built before the GEMM
-  (`tile_map`, one small launch): a lookup of one load, where the prefix sum takes two dependent ones;
+  unwritten, as the bf16 grouped GEMM leaves them (the combines read valid rows only). With "TILE_MAP": true in the
+  configuration, the programs read their tiles from a map built before the GEMM (`tile_map`, one small launch):
+  one load, where the prefix sum takes two dependent ones;
 - masked: tiles at or past masked_m[e] return at once (their rows stay unspecified, as the layout allows).
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
-the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic), a by pointers
-where the configuration says "A_TMA": false (decode: a 64-row tile's rows past the expert's few are not read),
-and the scales loaded "SCALE_AHEAD" K blocks ahead (1 by default; 0 or 2);
-else pointers with 64-bit row and column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops
-`fp8_grouped_gemm` and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
+the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); a by pointers where
+the configuration says "A_TMA": false (decode: a 64-row tile's rows past its expert's few are not read); the scales
+"SCALE_AHEAD" K blocks ahead of their step (1 by default; 0 or 2). Else pointers with 64-bit row and column
+indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
+and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def default_config(M: int, E: int) -> dict:
 
 @triton.jit
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
-                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse, stride_bsn,
-                        stride_cm,
+                        tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
+                        stride_bsn, stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
                         A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr):

@@ -8,7 +8,8 @@ triton_ops/fp8_grouped_gemm.py).
   A program whose tile * BLOCK_M >= count has nothing to do (no host read: CUDA-graph safe).
   With TILE_MAP, contiguous programs read their tile from a map `tile_map` wrote before the GEMM ([3, num_m]:
   expert, first row, rows left): one load where the prefix sum is two dependent ones. At prefill sizes a tile's
-  lookup is a few percent of its time; a configuration's "TILE_MAP": true picks it (a launch more, so not at decode).
+  lookup is a few percent of its time (the FP8 grouped GEMMs gained 3-4% on an H200); a configuration's
+  "TILE_MAP": true picks it (a launch more, so not at decode).
 - `grouped_order`: a 1-D program id -> (pid_m, pid_n) in groups of GROUP_M row tiles that sweep every column tile
   before the next group starts, so the programs resident together share their A rows (and an expert's B) in L2.
 """
