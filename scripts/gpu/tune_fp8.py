@@ -70,6 +70,8 @@ def candidates(rows_per_expert: int) -> list[dict]:
         # the scales loaded in the step that uses them (0) or two steps ahead (2), where 1 is the default
         out += [dict(cfg(64, 128, 4, st, tma=True), SCALE_AHEAD=ahead, **a) for st, a in [(3, {"A_TMA": False}), (4, {})]
                 for ahead in (0, 2)]
+        # registers capped so that 3 programs fit an SM (Nsight Compute, 2026-12-03: 182 a thread held it to 2)
+        out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid
@@ -78,6 +80,7 @@ def candidates(rows_per_expert: int) -> list[dict]:
     # (contiguous) the tiles read from a map; then the scales loaded in the step that uses them (0) or 2 steps ahead
     out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st, g in [(3, 8), (4, 8), (3, 1)]]
     out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=ahead) for ahead in (0, 2)]
+    out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=0, maxnreg=168)]  # 3 programs an SM
     return out
 
 

@@ -272,7 +272,8 @@ def test_triton_grouped_tma_reads_match_reference(device):
     a_ptr = dict(tma, A_TMA=False)  # b through a descriptor, a by pointers (its rows past the segment not read)
     for scales, cfg in ((args[1], tma), (scales_mn_major(args[1]), tma), (args[1], dict(tma, TILE_MAP=True)),
                         (scales_mn_major(args[1]), a_ptr), (args[1], dict(tma, SCALE_AHEAD=0)),
-                        (scales_mn_major(args[1]), dict(a_ptr, SCALE_AHEAD=2))):  # scales loaded 0 or 2 steps ahead
+                        (scales_mn_major(args[1]), dict(a_ptr, SCALE_AHEAD=2)),  # scales loaded 0 or 2 steps ahead
+                        (args[1], dict(tma, maxnreg=168))):  # a register cap a thread
         got = fp8_grouped_gemm(*(t.to(device) for t in (args[0], scales, *args[2:])), torch.float32, config=cfg).cpu()
         assert _rel(got[valid], ref[valid]) < KERNEL_REL
     _check_masked(fp8_grouped_gemm_masked, device, k=256, seed=12, config=tma)

@@ -12,8 +12,9 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
 the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); a by pointers where
 the configuration says "A_TMA": false (decode: a 64-row tile's rows past its expert's few are not read); the scales
-"SCALE_AHEAD" K blocks ahead of their step (1 by default; 0 or 2). Else pointers with 64-bit row and column
-indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
+"SCALE_AHEAD" K blocks ahead of their step (1 by default; 0 or 2); "maxnreg" caps the registers a thread (182 at
+64 x 128 on 4 warps hold an SM to 2 programs, where shared memory allows 3). Else pointers with 64-bit row and
+column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
 and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`.
 """
 
@@ -88,7 +89,8 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
         BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
-        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
 
 
