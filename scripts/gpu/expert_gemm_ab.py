@@ -28,6 +28,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tune_fp8 import masked_rows  # noqa: E402
 from tune_moe import layout  # noqa: E402
 
 from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
@@ -72,10 +73,7 @@ def main() -> int:
     w13q, w13s = quantize_weight(w13)
     w2q, w2s = quantize_weight(w2)
     cap = int(counts.max())
-    slots = torch.zeros(E, cap, H, device="cuda", dtype=torch.bfloat16)
-    for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
-        slots[e, :c] = rows[o:o + c]
-    sq, ss = quantize_activations(slots.view(E * cap, H), mn_major=True)
+    sq, ss = quantize_activations(masked_rows(rows, offsets, counts).view(E * cap, H), mn_major=True)
     f8_up = get_config(OPS[False], M, E, 2 * inter, H, FP8_DTYPE, x.device)
     f8_down = get_config(OPS[False], M, E, H, inter, FP8_DTYPE, x.device)
     f8_masked = get_config(OPS[True], E * cap, E, 2 * inter, H, FP8_DTYPE, x.device)

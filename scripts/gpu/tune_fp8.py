@@ -177,11 +177,8 @@ def tune_case(N: int, K: int, counts: torch.Tensor, masked: bool, gen: torch.Gen
     wq, ws = quantize_weight(w)
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(counts, 0)
-    if masked:  # each expert's rows at the head of its cap-row slot
-        slots = torch.zeros(E, cap, K, device="cuda", dtype=torch.bfloat16)
-        for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
-            slots[e, :c] = x[o:o + c]
-        xq, xs = quantize_activations(slots.view(E * cap, K), mn_major=True)
+    if masked:
+        xq, xs = quantize_activations(masked_rows(x, offsets, counts).view(E * cap, K), mn_major=True)
     else:
         xq, xs = quantize_activations(x, mn_major=True)  # as the experts quantize them
     deq = dequantize_activations(xq, xs)
@@ -231,6 +228,16 @@ def tune_case(N: int, K: int, counts: torch.Tensor, masked: bool, gen: torch.Gen
                  bf16_triton_ms=bf16_triton_ms, bf16_triton_weight_TBps=2 * weight_bytes / bf16_triton_ms / 1e9,
                  device=torch.cuda.get_device_name(), all=rows)
     return best, stats
+
+
+def masked_rows(x: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The contiguous layout's rows x [M, K] as the masked layout [E, max(counts), K]: each expert's rows at the head
+    of its slot, zeros after."""
+    E, cap = counts.shape[0], int(counts.max())
+    slots = x.new_zeros(E, cap, x.shape[1])
+    for e, (o, c) in enumerate(zip(offsets.tolist(), counts.tolist(), strict=False)):
+        slots[e, :c] = x[o:o + c]
+    return slots
 
 
 def decode_counts(E: int, shared: int, top_k: int, T: int, gen: torch.Generator) -> torch.Tensor:

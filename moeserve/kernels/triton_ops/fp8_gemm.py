@@ -5,9 +5,9 @@ A program computes a [BLOCK_M, BLOCK_N] tile. K runs in steps of 128, the scale 
 is accumulated in fp32 after multiplying by the row scales of a and the column-block scales of b, as DeepSeek's
 fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
 at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
-`block_scaled_tile_tma`, the same sum with a and b read through tensor descriptors. Launch configurations come from
-the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py --dense), else 64 x 128;
-an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM instead (`cublas_block_fp8`).
+`block_scaled_tile_tma`, the same sum with b (and a, or a by pointers) read through tensor descriptors. Launch
+configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py
+--dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM instead (`cublas_block_fp8`).
 """
 
 from __future__ import annotations
