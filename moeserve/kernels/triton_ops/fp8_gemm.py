@@ -7,7 +7,8 @@ fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N nee
 at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
 `block_scaled_tile_tma`, the same sum with b (and a, or a by pointers) read through tensor descriptors. Launch
 configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py
---dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM instead (`cublas_block_fp8`).
+--dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM
+instead (`cublas_block_fp8`).
 """
 
 from __future__ import annotations
