@@ -47,12 +47,54 @@ def without_map(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k != "TILE_MAP"}
 
 
+WGMMA_FORMS = [dict(BLOCK_M=bm, BLOCK_N=128, num_warps=w, num_stages=st, GROUP_M=8, WGMMA=True)
+               for bm, w, stages in [(64, 4, (3, 4, 5)), (128, 8, (3, 4))] for st in stages]
+
+
+def add_wgmma(cases: dict, fp8: tuple, offsets, counts, E: int, cap: int, H: int, flops_up: int,
+              flops_down: int) -> None:
+    """The Gluon kernel's cases, each form checked against the table's kernel on the same inputs (relative error
+    of the bf16 outputs; a form that errs is reported and left out)."""
+    xq, xs, w13q, w13s, hq, hs, w2q, w2s, sq, ss = fp8
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    def up(c=None):
+        return fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16, c)
+
+    def down(c=None):
+        return fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16, c)
+
+    def masked(c=None):
+        return fp8_grouped_gemm_masked(sq.view(E, cap, H), ss.view(E, cap, -1), w13q, w13s, counts, torch.bfloat16, c)
+
+    valid = torch.cat([torch.arange(e * cap, e * cap + n, device="cuda") for e, n in enumerate(counts.tolist())])
+    refs = {"gate/up": up(), "down": down(), "gate/up masked": masked().view(E * cap, -1)[valid]}
+    for c in WGMMA_FORMS:
+        tag = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+        for name, fn, flops in (("gate/up", up, flops_up), ("down", down, flops_down),
+                                ("gate/up masked", masked, flops_up)):
+            try:
+                got = fn(c)
+                err = rel(got.view(E * cap, -1)[valid] if name == "gate/up masked" else got, refs[name])
+            except Exception as e:  # noqa: BLE001 (a form that does not compile or fit: reported, left out)
+                print(f"wgmma {tag} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(f"wgmma {tag} {name}: rel {err:.2e} against the table's kernel", flush=True)
+            if err < 2e-2:
+                cases[f"fp8 {name}, wgmma {tag}"] = (lambda fn=fn, c=c: fn(c), flops)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup-s", type=float, default=0.0,
                    help="run dense matrix products this long first (a machine's first minute measures slow)")
+    p.add_argument("--wgmma", action="store_true",
+                   help="also the Gluon FP8 kernel (triton_ops/fp8_grouped_wgmma.py) in each of WGMMA_FORMS, checked "
+                        "against the table's kernel first")
     p.add_argument("--result-file", default=None)
     ns = p.parse_args()
     E, k, H, inter, T = 64, 6, 2048, 1408, ns.tokens
@@ -108,6 +150,9 @@ def main() -> int:
     if "BLOCK_M" in cfg_down:  # the down GEMM's table entry is a Triton one: time it without the map too
         cases["bf16 down, no map"] = (lambda: triton_moe_gemm.moe_gemm(h, w2, offsets, counts, False,
                                                                        without_map(cfg_down)), flops_down)
+    if ns.wgmma:
+        add_wgmma(cases, (xq, xs, w13q, w13s, hq, hs, w2q, w2s, sq, ss), offsets, counts, E, cap, H,
+                  flops_up, flops_down)
     end = time.perf_counter() + ns.warmup_s
     while time.perf_counter() < end:
         torch.mm(a, b)

@@ -72,6 +72,8 @@ def candidates(rows_per_expert: int) -> list[dict]:
                 for ahead in (0, 2)]
         # registers capped so that 3 programs fit an SM (Nsight Compute, 2026-12-03: 182 a thread held it to 2)
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
+        # the Gluon kernel: step k's MMA in flight while step k - 1's product is scaled
+        out += [dict(cfg(64, 128, 4, st), WGMMA=True) for st in (4, 6)]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid
@@ -81,6 +83,9 @@ def candidates(rows_per_expert: int) -> list[dict]:
     out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st, g in [(3, 8), (4, 8), (3, 1)]]
     out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=ahead) for ahead in (0, 2)]
     out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=0, maxnreg=168)]  # 3 programs an SM
+    # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py; its tiles always come from the map, contiguous)
+    out += [dict(cfg(bm, 128, w, st, g), WGMMA=True) for bm, w in [(64, 4), (128, 8)] for st in (3, 4, 5)
+            for g in (8, 16)]
     return out
 
 

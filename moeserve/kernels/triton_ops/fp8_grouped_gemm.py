@@ -79,6 +79,11 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     num_m = e * tiles_per_expert if masked else triton.cdiv(m, bm) + min(e, m)
     if num_m == 0 or n == 0:
         return out
+    if cfg.get("WGMMA") and _wgmma_usable(xq, w, cfg):
+        from moeserve.kernels.triton_ops import fp8_grouped_wgmma
+
+        tiles = counts if masked else tile_map(starts, counts, num_m, bm)
+        return fp8_grouped_wgmma.launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, cfg)
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
     a_tma = tma and cfg.get("A_TMA", True)
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
@@ -92,6 +97,16 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
         SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
+
+
+def _wgmma_usable(xq: torch.Tensor, w: torch.Tensor, cfg: dict) -> bool:
+    """The Gluon kernel (triton_ops/fp8_grouped_wgmma.py) runs where the table asks for it ("WGMMA": true), on a
+    Hopper-class GPU, for shapes it takes; elsewhere this module's kernel runs the same configuration's tiles."""
+    if not (xq.is_cuda and torch.cuda.get_device_capability(xq.device)[0] >= 9 and tma_usable(xq, w)):
+        return False
+    from moeserve.kernels.triton_ops import fp8_grouped_wgmma
+
+    return fp8_grouped_wgmma.usable(xq, w, cfg)
 
 
 def tma_usable(xq: torch.Tensor, w: torch.Tensor) -> bool:

@@ -1,0 +1,179 @@
+"""The block-scaled FP8 grouped GEMM written with Gluon (Triton's explicit layer over Hopper's warpgroup MMA), for
+prefill sizes (moeserve/kernels/fp8_grouped_gemm.py sends a shape here where its tuned table says "WGMMA": true).
+
+Why a second kernel: each 128-wide K step's product is scaled (a's row scales times b's block scale) before it is
+added to the fp32 accumulator. In the Triton kernel (triton_ops/fp8_gemm.py) that product is a fresh accumulator
+Triton must wait for right after the MMA is issued, so the tensor cores idle while the warps scale and add. Here the
+MMA of step k is issued before the product of step k - 1 is scaled: `warpgroup_mma_wait(num_outstanding=1)` waits
+for step k - 1 only, and its multiply-adds run while step k is on the tensor cores (three [BLOCK_M, BLOCK_N] fp32
+tiles live a thread: the sum, the product being scaled and the one in flight).
+
+A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows. a ([rows, K] e4m3) and b ([E * N, K] e4m3) come
+through tensor descriptors into STAGES shared-memory slots, each with its barrier, refilled as soon as the MMA that
+read it is done. Row tiles come from the contiguous layout's tile map (`tile_order.tile_map`: expert, first row,
+rows left) or from the masked layout (tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid), in
+grouped-M order. Rows past the segment are read (other experts' rows or zeros) and not stored. BLOCK_N divides 128,
+so b's scale is one scalar a K step. The scales of step k + 1 are loaded while step k runs.
+
+Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (tests/kernels/test_fp8_wgmma_compile.py); on a
+GPU it is checked against the torch reference like the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from moeserve.kernels.fp8_format import BLOCK
+
+# Triton 3.6 (the GPU machine's) names these async_copy_global_to_shared and thread_barrier; later versions (CI's)
+# async_load and barrier.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.constexpr_function
+def _warps(block_m, num_warps):
+    """The warpgroup MMA's warps_per_cta: [4, 1] (one warpgroup, 64 rows) doubled along M while the tile has rows
+    for it, then along N."""
+    w = [4, 1]
+    while w[0] * w[1] < num_warps:
+        if block_m > 16 * w[0]:
+            w[0] *= 2
+        else:
+            w[1] *= 2
+    return w
+
+
+@gluon.constexpr_function
+def _store_threads(block_n):
+    """threads_per_warp of the store layout: 8 columns (16 bytes of bf16) a thread, a warp across the tile's width."""
+    across = min(block_n // 8, 32)
+    return [32 // across, across]
+
+
+@gluon.jit
+def _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask):
+    """K step kb's row scales of a ([BLOCK_M], in the accumulator's row layout) and b's block scale (a scalar)."""
+    return gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0), gl.load(bs_ptr + kb)
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb, a_row, b_row, STAGES: gl.constexpr, pred):
+    """Start the TMA reads of K step kb into its slot kb % STAGES (when pred)."""
+    s = kb % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    _tma_load(a_desc, [a_row, kb * 128], bar, a_bufs.index(s), pred=pred)
+    _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s), pred=pred)
+
+
+@gluon.jit
+def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr, map_ptr, N, K, cap,
+                              tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
+                              MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # grouped-M order (triton_ops/tile_order.grouped_order)
+    pid = gl.program_id(0)
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size
+    pid_n = (pid % width) // size
+    if MASKED:
+        e = pid_m // tiles_per_expert
+        tile = pid_m % tiles_per_expert
+        row0 = e * cap + tile * BLOCK_M
+        left = gl.minimum(gl.load(counts_ptr + e), cap) - tile * BLOCK_M
+    else:
+        e = gl.load(map_ptr + pid_m)
+        row0 = gl.load(map_ptr + num_m + pid_m)
+        left = gl.load(map_ptr + 2 * num_m + pid_m)
+    if left <= 0:
+        return
+    n0 = pid_n * BLOCK_N
+    b_row = e * N + n0
+    nk = gl.cdiv(K, 128)
+
+    warps: gl.constexpr = _warps(BLOCK_M, num_warps)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                                  instr_shape=[16, BLOCK_N // warps[1], 32])
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    for i in gl.static_range(STAGES):
+        _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, i, row0, b_row, STAGES, i < nk)
+
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    row_ok = rows < left
+    as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
+    bs_ptr = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+    zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
+
+    a_s, b_s = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
+    mbarrier.wait(bars.index(0), 0)
+    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    for kb in range(1, nk):
+        s = kb % STAGES
+        a_n, b_n = _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask)
+        mbarrier.wait(bars.index(s), (kb // STAGES) & 1)
+        nxt = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))  # step kb - 1; step kb stays in flight
+        _barrier()  # every warp is past step kb - 1: its slot may be refilled
+        _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb - 1 + STAGES, row0, b_row, STAGES, kb - 1 + STAGES < nk)
+        acc += done * (a_s * b_s)[:, None]
+        part = nxt
+        a_s, b_s = a_n, b_n
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+    acc += done * (a_s * b_s)[:, None]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    out: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=_store_threads(BLOCK_N),
+                                         warps_per_cta=[num_warps, 1], order=[1, 0])
+    res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out))
+    c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out))
+    ptrs = c_ptr + (row0 + r).to(gl.int64)[:, None] * stride_cm + (n0 + c)[None, :]
+    gl.store(ptrs, res, mask=(r < left)[:, None] & (c < N - n0)[None, :])
+
+
+def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
+    """The shapes this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16 bytes), N a
+    multiple of BLOCK_N, which divides 128 (one b scale a K step)."""
+    bn = config["BLOCK_N"]
+    return (xq.shape[1] % BLOCK == 0 and BLOCK % bn == 0 and w.shape[1] % bn == 0 and xq.stride(1) == 1
+            and w.is_contiguous() and xq.stride(0) % 16 == 0)
+
+
+def launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, config):
+    """out[rows of each tile] = the block-scaled product. tiles: the contiguous layout's tile map (tile_order.tile_map)
+    for num_m row tiles; masked: counts is masked_m and tiles unused."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    e, n, k = w.shape
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, BLOCK], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([bn, BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK], a_layout)
+    b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
+    grid = (num_m * triton.cdiv(n, bn),)
+    _fp8_grouped_wgmma_kernel[grid](
+        a_desc, b_desc, x_scale, w_scale_inv, out, counts, tiles, n, k, cap,
+        triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
+        w_scale_inv.stride(1), out.stride(0), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8),
+        STAGES=config["num_stages"], num_warps=config["num_warps"])
+    return out

@@ -1,0 +1,129 @@
+"""The Gluon block-scaled FP8 grouped GEMM (triton_ops/fp8_grouped_wgmma.py). Gluon has no interpreter: on CPU the
+kernel is compiled for an sm_90 GPU (Triton's own compiler and ptxas, no device needed), which checks that every
+tile form builds, fits the registers without spilling (cuobjdump's resource usage), and keeps one MMA in flight while the previous product is
+scaled (a `wgmma.wait_group 1` in the loop); on a GPU each form runs against the torch reference, in both layouts,
+with ragged experts (empty ones, a single row, partial tiles) and both layouts of the activation scales."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.kernels.fp8_grouped_gemm import fp8_grouped_gemm_masked_reference, fp8_grouped_gemm_reference
+from moeserve.kernels.fp8_quant import quantize_activations_reference, quantize_weight, scales_mn_major
+
+gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon")
+
+FORMS = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=16),
+         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1)]
+WGMMA_REL = 5e-4  # as tests/kernels/test_fp8_kernels.py: the warpgroup MMA's reduced-precision sums a K block
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def _compile(cfg: dict, masked: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moeserve.kernels.triton_ops import fp8_grouped_wgmma as g
+
+    kern = g._fp8_grouped_wgmma_kernel
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    sig = dict.fromkeys(kern.arg_names, "i32")
+    la = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    sig.update(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
+               as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", counts_ptr="*i32", map_ptr="*i32")
+    consts = dict(MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
+                  num_warps=cfg["num_warps"])
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = GluonASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+
+
+@pytest.mark.parametrize("cfg", FORMS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiles_for_hopper_with_one_mma_in_flight(cfg, masked, tmp_path):
+    import triton
+
+    kernel = _compile(cfg, masked)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "e4m3" in ptx
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
+    assert "1" in waits and "0" in waits, waits  # in the loop: the previous step only; after it: all
+    (tmp_path / "k.cubin").write_bytes(kernel.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"  # shipped with Triton
+    usage = subprocess.run([str(tool), "--dump-resource-usage", str(tmp_path / "k.cubin")], capture_output=True,
+                           text=True, check=True).stdout
+    assert " LOCAL:0 " in usage, usage  # no registers spilled to local memory
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                          reason="the warpgroup MMA needs a Hopper-class GPU")
+
+
+def _contiguous(counts: list[int], n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.tensor(counts, dtype=torch.int32)
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(c, 0)
+    xq, xs = quantize_activations_reference(torch.randn(int(offsets[-1]), k, generator=gen))
+    wq, ws = quantize_weight(torch.randn(len(counts), n, k, generator=gen))
+    return xq, xs, wq, ws, offsets, c
+
+
+@cuda
+@pytest.mark.parametrize("cfg", FORMS)
+@pytest.mark.parametrize("counts", [[0, 37, 1, 0, 200], [1], [130, 64, 0, 3]])
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_contiguous_matches_reference(cfg, counts, mn_major):
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import _wgmma_usable, fp8_grouped_gemm
+
+    args = _contiguous(counts, 256, 384, seed=len(counts))
+    if mn_major:
+        args = (args[0], scales_mn_major(args[1]), *args[2:])
+    ref = fp8_grouped_gemm_reference(*args, torch.float32)
+    dev = [t.cuda() for t in args]
+    assert _wgmma_usable(dev[0], dev[2], dict(cfg, WGMMA=True))
+    got = fp8_grouped_gemm(*dev, torch.bfloat16, config=dict(cfg, WGMMA=True)).float().cpu()
+    assert _rel(got, ref) < WGMMA_REL + 4e-3  # bf16 output: 8 mantissa bits
+
+
+@cuda
+@pytest.mark.parametrize("cfg", FORMS)
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_masked_matches_reference(cfg, mn_major):
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked
+
+    gen = torch.Generator().manual_seed(21)
+    xq, xs = quantize_activations_reference(torch.randn(3, 140, 512, generator=gen), mn_major)
+    wq, ws = quantize_weight(torch.randn(3, 256, 512, generator=gen))
+    masked_m = torch.tensor([17, 0, 140], dtype=torch.int32)
+    ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
+    got = fp8_grouped_gemm_masked(*(t.cuda() for t in (xq, xs, wq, ws, masked_m)), torch.bfloat16,
+                                  config=dict(cfg, WGMMA=True)).float().cpu()
+    for i, mm in enumerate(masked_m.tolist()):
+        if mm:
+            assert _rel(got[i, :mm], ref[i, :mm]) < WGMMA_REL + 4e-3
+
+
+@cuda
+def test_fp32_output_and_the_triton_kernel_agree():
+    """fp32 out: the Gluon kernel against the Triton kernel on the same tiles, at a prefill-like size."""
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm
+
+    counts = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    dev = [t.cuda() for t in _contiguous(counts, 512, 1024, seed=4)]
+    cfg = dict(FORMS[0], TMA=True)
+    a = fp8_grouped_gemm(*dev, torch.float32, config=dict(cfg, WGMMA=True))
+    b = fp8_grouped_gemm(*dev, torch.float32, config=cfg)
+    assert _rel(a, b) < WGMMA_REL
