@@ -74,6 +74,10 @@ def candidates(rows_per_expert: int) -> list[dict]:
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
         # the Gluon kernel: step k's MMA in flight while step k - 1's product is scaled
         out += [dict(cfg(64, 128, 4, st), WGMMA=True) for st in (4, 6)]
+        # ... with the weights' rows on the MMA's M side and the experts' few rows on its N side (SWAP_AB)
+        out += [dict(cfg(bm, bn, w, st), WGMMA=True, SWAP_AB=True)
+                for bm, bn, w, st in [(32, 128, 4, 4), (32, 128, 4, 6), (16, 128, 4, 6), (64, 128, 8, 4), (32, 64, 4, 6),
+                                      (64, 128, 8, 6)]]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid

@@ -20,7 +20,11 @@ gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", 
 
 FORMS = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=16),
-         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1)]
+         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1),
+         # SWAP_AB (decode): the weights' rows on the MMA's M side, a's few rows on its N side
+         dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, SWAP_AB=True),
+         dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1, SWAP_AB=True),
+         dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=8, SWAP_AB=True)]
 WGMMA_REL = 5e-4  # as tests/kernels/test_fp8_kernels.py: the warpgroup MMA's reduced-precision sums a K block
 
 
@@ -44,7 +48,7 @@ def _compile(cfg: dict, masked: bool):
     sig.update(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
                as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", counts_ptr="*i32", map_ptr="*i32")
     consts = dict(MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
-                  num_warps=cfg["num_warps"])
+                  SWAP=bool(cfg.get("SWAP_AB")), num_warps=cfg["num_warps"])
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = GluonASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))

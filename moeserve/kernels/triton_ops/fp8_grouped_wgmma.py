@@ -55,10 +55,11 @@ def _warps(block_m, num_warps):
 
 
 @gluon.constexpr_function
-def _store_threads(block_n):
-    """threads_per_warp of the store layout: 8 columns (16 bytes of bf16) a thread, a warp across the tile's width."""
+def _store_threads(block_n, columns_first=False):
+    """threads_per_warp of the store layout: 8 columns (16 bytes of bf16) a thread, a warp across the tile's width
+    ([columns, rows] where the tile holds c's columns along dim 0)."""
     across = min(block_n // 8, 32)
-    return [32 // across, across]
+    return [across, 32 // across] if columns_first else [32 // across, across]
 
 
 @gluon.jit
@@ -81,7 +82,8 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb, a_row, b_row, STAGES: g
 def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr, map_ptr, N, K, cap,
                               tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
                               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
+                              num_warps: gl.constexpr):
     # grouped-M order (triton_ops/tile_order.grouped_order)
     pid = gl.program_id(0)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)
@@ -104,9 +106,11 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr,
     b_row = e * N + n0
     nk = gl.cdiv(K, 128)
 
-    warps: gl.constexpr = _warps(BLOCK_M, num_warps)
+    # the MMA's M side: a's rows, or with SWAP the weights' rows (BLOCK_N of them) and a's rows its N side
+    warps: gl.constexpr = _warps(BLOCK_N if SWAP else BLOCK_M, num_warps)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
-                                                  instr_shape=[16, BLOCK_N // warps[1], 32])
+                                                  instr_shape=[16, (BLOCK_M if SWAP else BLOCK_N) // warps[1], 32])
+    SHAPE: gl.constexpr = [BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -116,39 +120,74 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr,
     for i in gl.static_range(STAGES):
         _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, i, row0, b_row, STAGES, i < nk)
 
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0 if SWAP else 1, mma))
     row_ok = rows < left
     as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
     bs_ptr = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-    zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
-    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
+    zero = gl.zeros(SHAPE, gl.float32, layout=mma)
+    acc = gl.zeros(SHAPE, gl.float32, layout=mma)
 
     a_s, b_s = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
     mbarrier.wait(bars.index(0), 0)
-    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    part = _mma(a_bufs.index(0), b_bufs.index(0), zero, SWAP)
     for kb in range(1, nk):
         s = kb % STAGES
         a_n, b_n = _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask)
         mbarrier.wait(bars.index(s), (kb // STAGES) & 1)
-        nxt = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        nxt = _mma(a_bufs.index(s), b_bufs.index(s), zero, SWAP)
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))  # step kb - 1; step kb stays in flight
         _barrier()  # every warp is past step kb - 1: its slot may be refilled
         _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb - 1 + STAGES, row0, b_row, STAGES, kb - 1 + STAGES < nk)
-        acc += done * (a_s * b_s)[:, None]
+        acc = _scaled_add(acc, done, a_s * b_s, SWAP)
         part = nxt
         a_s, b_s = a_n, b_n
     done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-    acc += done * (a_s * b_s)[:, None]
+    acc = _scaled_add(acc, done, a_s * b_s, SWAP)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M, BLOCK_N, SWAP, num_warps)
 
-    out: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=_store_threads(BLOCK_N),
-                                         warps_per_cta=[num_warps, 1], order=[1, 0])
-    res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out))
-    c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out))
-    ptrs = c_ptr + (row0 + r).to(gl.int64)[:, None] * stride_cm + (n0 + c)[None, :]
-    gl.store(ptrs, res, mask=(r < left)[:, None] & (c < N - n0)[None, :])
+
+@gluon.jit
+def _mma(a_buf, b_buf, zero, SWAP: gl.constexpr):
+    """Issue one K step's product (asynchronously, into fresh registers): a . b^T, or b . a^T with SWAP."""
+    if SWAP:
+        part = warpgroup_mma(b_buf, a_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        part = warpgroup_mma(a_buf, b_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return part
+
+
+@gluon.jit
+def _scaled_add(acc, part, row_scale, SWAP: gl.constexpr):
+    """acc + part * the scales of a's rows (times b's block scale), a's rows along dim 1 with SWAP."""
+    if SWAP:
+        acc = acc + part * row_scale[None, :]
+    else:
+        acc = acc + part * row_scale[:, None]
+    return acc
+
+
+@gluon.jit
+def _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           SWAP: gl.constexpr, num_warps: gl.constexpr):
+    """c[row0 + r, n0 + c] for the tile's rows below left and columns below N, 16 bytes a thread along c's rows."""
+    if SWAP:  # acc [BLOCK_N, BLOCK_M]: c's columns along dim 0
+        out: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=_store_threads(BLOCK_N, True),
+                                             warps_per_cta=[1, num_warps], order=[0, 1])
+        res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
+        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
+        ptrs = c_ptr + (row0 + r).to(gl.int64)[None, :] * stride_cm + (n0 + c)[:, None]
+        gl.store(ptrs, res, mask=(r < left)[None, :] & (c < N - n0)[:, None])
+    else:
+        out: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=_store_threads(BLOCK_N),
+                                             warps_per_cta=[num_warps, 1], order=[1, 0])
+        res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out))
+        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out))
+        ptrs = c_ptr + (row0 + r).to(gl.int64)[:, None] * stride_cm + (n0 + c)[None, :]
+        gl.store(ptrs, res, mask=(r < left)[:, None] & (c < N - n0)[None, :])
 
 
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
@@ -175,5 +214,5 @@ def launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, 
         a_desc, b_desc, x_scale, w_scale_inv, out, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8),
-        STAGES=config["num_stages"], num_warps=config["num_warps"])
+        STAGES=config["num_stages"], SWAP=bool(config.get("SWAP_AB")), num_warps=config["num_warps"])
     return out
