@@ -18,8 +18,8 @@ from moeserve.kernels.fp8_quant import quantize_activations_reference, quantize_
 
 gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon")
 
-FORMS = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=16),
+FORMS = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, TILE_MAP=True),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=16, TILE_MAP=True),
          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1),
          # SWAP_AB (decode): the weights' rows on the MMA's M side, a's few rows on its N side
          dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, SWAP_AB=True),
@@ -46,8 +46,8 @@ def _compile(cfg: dict, masked: bool):
     la = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     sig.update(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
-               as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", counts_ptr="*i32", map_ptr="*i32")
-    consts = dict(MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
+               as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", starts_ptr="*i32", counts_ptr="*i32", map_ptr="*i32")
+    consts = dict(E=64, E_P2=64, TILE_MAP=bool(cfg.get("TILE_MAP")) and not masked, MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"],
                   SWAP=bool(cfg.get("SWAP_AB")), num_warps=cfg["num_warps"])
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = GluonASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})

@@ -82,8 +82,7 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     if cfg.get("WGMMA") and _wgmma_usable(xq, w, cfg):
         from moeserve.kernels.triton_ops import fp8_grouped_wgmma
 
-        tiles = counts if masked else tile_map(starts, counts, num_m, bm)
-        return fp8_grouped_wgmma.launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, cfg)
+        return fp8_grouped_wgmma.launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, cfg)
     tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
     a_tma = tma and cfg.get("A_TMA", True)
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from moeserve.kernels.fp8_format import BLOCK
+from moeserve.kernels.triton_ops.tile_order import tile_map
 
 # Triton 3.6 (the GPU machine's) names these async_copy_global_to_shared and thread_barrier; later versions (CI's)
 # async_load and barrier.
@@ -79,8 +80,34 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb, a_row, b_row, STAGES: g
 
 
 @gluon.jit
-def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr, map_ptr, N, K, cap,
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _tile_of(pid_m, starts_ptr, counts_ptr, E: gl.constexpr, E_P2: gl.constexpr, BLOCK_M: gl.constexpr,
+             num_warps: gl.constexpr):
+    """Contiguous layout without a map: (expert, first row, rows left) of row tile pid_m, from the experts' tile
+    counts summed in registers (triton_ops/tile_order.expert_tile); rows left <= 0 past the last tile."""
+    lay: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
+                                         order=[0])
+    ei = gl.arange(0, E_P2, layout=lay)
+    counts = gl.load(counts_ptr + ei, mask=ei < E, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    incl = gl.associative_scan(tiles, 0, _add)
+    # (gl.reduce with a combine of ours, not gl.sum: Triton's standard library is interpreted under TRITON_INTERPRET)
+    e = gl.reduce((incl <= pid_m).to(gl.int32), 0, _add)  # the first expert whose tiles reach past pid_m
+    tile = pid_m - gl.reduce(gl.where(ei < e, tiles, 0), 0, _add)
+    e = gl.minimum(e, E - 1)
+    count = gl.reduce(gl.where(ei == e, counts, 0), 0, _add)
+    left = gl.where(tile < gl.reduce(gl.where(ei == e, tiles, 0), 0, _add), count - tile * BLOCK_M, 0)
+    return e, gl.load(starts_ptr + e) + tile * BLOCK_M, left
+
+
+@gluon.jit
+def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
                               tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
+                              E: gl.constexpr, E_P2: gl.constexpr, TILE_MAP: gl.constexpr,
                               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
                               num_warps: gl.constexpr):
@@ -96,10 +123,12 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, counts_ptr,
         tile = pid_m % tiles_per_expert
         row0 = e * cap + tile * BLOCK_M
         left = gl.minimum(gl.load(counts_ptr + e), cap) - tile * BLOCK_M
-    else:
+    elif TILE_MAP:
         e = gl.load(map_ptr + pid_m)
         row0 = gl.load(map_ptr + num_m + pid_m)
         left = gl.load(map_ptr + 2 * num_m + pid_m)
+    else:
+        e, row0, left = _tile_of(pid_m, starts_ptr, counts_ptr, E, E_P2, BLOCK_M, num_warps)
     if left <= 0:
         return
     n0 = pid_n * BLOCK_N
@@ -198,9 +227,10 @@ def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
             and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
 
-def launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, config):
-    """out[rows of each tile] = the block-scaled product. tiles: the contiguous layout's tile map (tile_order.tile_map)
-    for num_m row tiles; masked: counts is masked_m and tiles unused."""
+def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, config):
+    """out[rows of each tile] = the block-scaled product over num_m row tiles. Contiguous: starts / counts the
+    experts' segments, and with the configuration's "TILE_MAP" the tiles come from a map (tile_order.tile_map, one
+    launch more) where the kernel would sum the tile counts itself; masked: counts is masked_m."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     e, n, k = w.shape
@@ -209,10 +239,12 @@ def launch(xq, x_scale, w, w_scale_inv, out, counts, tiles, cap, masked, num_m, 
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, BLOCK], gl.float8e4nv)
     a_desc = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK], a_layout)
     b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
+    mapped = bool(config.get("TILE_MAP")) and not masked
+    tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
     grid = (num_m * triton.cdiv(n, bn),)
     _fp8_grouped_wgmma_kernel[grid](
-        a_desc, b_desc, x_scale, w_scale_inv, out, counts, tiles, n, k, cap,
+        a_desc, b_desc, x_scale, w_scale_inv, out, starts, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
-        w_scale_inv.stride(1), out.stride(0), MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8),
+        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), TILE_MAP=mapped, MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8),
         STAGES=config["num_stages"], SWAP=bool(config.get("SWAP_AB")), num_warps=config["num_warps"])
     return out
