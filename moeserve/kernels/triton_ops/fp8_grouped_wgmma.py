@@ -1,5 +1,5 @@
-"""The block-scaled FP8 grouped GEMM written with Gluon (Triton's explicit layer over Hopper's warpgroup MMA), for
-prefill sizes (moeserve/kernels/fp8_grouped_gemm.py sends a shape here where its tuned table says "WGMMA": true).
+"""The block-scaled FP8 grouped GEMM written with Gluon (Triton's explicit layer over Hopper's warpgroup MMA)
+(moeserve/kernels/fp8_grouped_gemm.py sends a shape here where its tuned table says "WGMMA": true).
 
 Why a second kernel: each 128-wide K step's product is scaled (a's row scales times b's block scale) before it is
 added to the fp32 accumulator. In the Triton kernel (triton_ops/fp8_gemm.py) that product is a fresh accumulator
@@ -10,12 +10,17 @@ tiles live a thread: the sum, the product being scaled and the one in flight).
 
 A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows. a ([rows, K] e4m3) and b ([E * N, K] e4m3) come
 through tensor descriptors into STAGES shared-memory slots, each with its barrier, refilled as soon as the MMA that
-read it is done. Row tiles come from the contiguous layout's tile map (`tile_order.tile_map`: expert, first row,
-rows left) or from the masked layout (tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid), in
-grouped-M order. Rows past the segment are read (other experts' rows or zeros) and not stored. BLOCK_N divides 128,
-so b's scale is one scalar a K step. The scales of step k + 1 are loaded while step k runs.
+read it is done. Row tiles, in grouped-M order: contiguous, from the tile map (`tile_order.tile_map`: expert, first
+row, rows left) where the configuration says "TILE_MAP", else from the experts' counts summed in registers (no
+launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid. Rows past the
+segment are read (other experts' rows or zeros) and not stored. BLOCK_N divides 128, so b's scale is one scalar a K
+step. The scales of step k + 1 are loaded while step k runs.
 
-Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (tests/kernels/test_fp8_wgmma_compile.py); on a
+"SWAP_AB" (decode): the product is computed as b . a^T, the weights' BLOCK_N rows on the MMA's M side (64 a
+warpgroup) and an expert's few rows on its N side (BLOCK_M of 16 to 64), so a tile no longer pads an expert's ~24
+rows to 64 and the accumulators are small; the tile is stored transposed.
+
+Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (tests/kernels/test_fp8_wgmma.py); on a
 GPU it is checked against the torch reference like the Triton kernel.
 """
 
