@@ -48,7 +48,7 @@ def without_map(cfg: dict) -> dict:
 
 
 WGMMA_FORMS = [dict(BLOCK_M=bm, BLOCK_N=128, num_warps=w, num_stages=st, GROUP_M=8, WGMMA=True)
-               for bm, w, stages in [(64, 4, (3, 4, 5)), (128, 8, (3, 4))] for st in stages]
+               for bm, w, stages in [(64, 4, (3, 4)), (128, 8, (3, 4))] for st in stages]
 
 
 def add_wgmma(cases: dict, fp8: tuple, offsets, counts, E: int, cap: int, H: int, flops_up: int,

@@ -14,7 +14,7 @@ read it is done. Row tiles, in grouped-M order: contiguous, from the tile map (`
 row, rows left) where the configuration says "TILE_MAP", else from the experts' counts summed in registers (no
 launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid. Rows past the
 segment are read (other experts' rows or zeros) and not stored. BLOCK_N divides 128, so b's scale is one scalar a K
-step. The scales of step k + 1 are loaded while step k runs.
+step. The scales are loaded three steps ahead of their use.
 
 "SWAP_AB" (decode): the product is computed as b . a^T, the weights' BLOCK_N rows on the MMA's M side (64 a
 warpgroup) and an expert's few rows on its N side (BLOCK_M of 16 to 64), so a tile no longer pads an expert's ~24
@@ -161,22 +161,25 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
     zero = gl.zeros(SHAPE, gl.float32, layout=mma)
     acc = gl.zeros(SHAPE, gl.float32, layout=mma)
 
-    a_s, b_s = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
+    # the scales three steps ahead of their use (a step's global loads would stall the next step's multiply-adds)
+    a0, b0 = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
+    a1, b1 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 1), stride_ask)
+    a2, b2 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 2), stride_ask)
     mbarrier.wait(bars.index(0), 0)
     part = _mma(a_bufs.index(0), b_bufs.index(0), zero, SWAP)
     for kb in range(1, nk):
         s = kb % STAGES
-        a_n, b_n = _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask)
+        a3, b3 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)
         mbarrier.wait(bars.index(s), (kb // STAGES) & 1)
         nxt = _mma(a_bufs.index(s), b_bufs.index(s), zero, SWAP)
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))  # step kb - 1; step kb stays in flight
         _barrier()  # every warp is past step kb - 1: its slot may be refilled
         _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb - 1 + STAGES, row0, b_row, STAGES, kb - 1 + STAGES < nk)
-        acc = _scaled_add(acc, done, a_s * b_s, SWAP)
+        acc = _scaled_add(acc, done, a0 * b0, SWAP)
         part = nxt
-        a_s, b_s = a_n, b_n
+        a0, b0, a1, b1, a2, b2 = a1, b1, a2, b2, a3, b3
     done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-    acc = _scaled_add(acc, done, a_s * b_s, SWAP)
+    acc = _scaled_add(acc, done, a0 * b0, SWAP)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M, BLOCK_N, SWAP, num_warps)
