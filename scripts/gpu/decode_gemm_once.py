@@ -8,11 +8,14 @@ runs the FP8 contiguous grouped GEMM, bf16 the bf16 gate/up + SiLU kernel.
 Run on the GPU machine, e.g.:
     ncu --kernel-name regex:"_fp8_grouped_kernel|_moe_gemm_kernel" --launch-skip 2 --launch-count 1 --set full \
         python3 scripts/gpu/decode_gemm_once.py --which fp8
+(--tokens 8192 gives a prefill's layout; --config '{"BLOCK_M": 64, ..., "WGMMA": true}' a configuration of one's
+choice instead of the table's.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +36,7 @@ def main() -> int:
     p.add_argument("--which", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--launches", type=int, default=4)
+    p.add_argument("--config", default=None, help="fp8: a launch configuration (JSON) instead of the table's entry")
     ns = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     N, K = 2816, 2048
@@ -42,13 +46,14 @@ def main() -> int:
     offsets[1:] = torch.cumsum(counts, 0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
+    cfg = json.loads(ns.config) if ns.config else None
     if ns.which == "fp8":
         xq, xs = quantize_activations(x, mn_major=True)
         wq, ws = quantize_weight(w)
         del w
 
         def run():
-            return fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16)
+            return fp8_grouped_gemm(xq, xs, wq, ws, offsets, counts, torch.bfloat16, cfg)
     else:
         def run():
             return moe_gemm(x, w, offsets, counts, silu=True)
