@@ -47,8 +47,8 @@ def without_map(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k != "TILE_MAP"}
 
 
-WGMMA_FORMS = [dict(BLOCK_M=bm, BLOCK_N=128, num_warps=w, num_stages=st, GROUP_M=8, WGMMA=True)
-               for bm, w, stages in [(64, 4, (3, 4)), (128, 8, (3, 4))] for st in stages]
+WGMMA_FORMS = [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=4, num_stages=st, GROUP_M=8, WGMMA=True, TILE_MAP=True)
+               for bn, st in [(128, 4), (128, 5), (128, 6), (64, 6)]]
 
 
 def add_wgmma(cases: dict, fp8: tuple, offsets, counts, E: int, cap: int, H: int, flops_up: int,

@@ -72,12 +72,10 @@ def candidates(rows_per_expert: int) -> list[dict]:
                 for ahead in (0, 2)]
         # registers capped so that 3 programs fit an SM (Nsight Compute, 2026-12-03: 182 a thread held it to 2)
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
-        # the Gluon kernel: step k's MMA in flight while step k - 1's product is scaled
-        out += [dict(cfg(64, 128, 4, st), WGMMA=True) for st in (4, 6)]
-        # ... with the weights' rows on the MMA's M side and the experts' few rows on its N side (SWAP_AB)
-        out += [dict(cfg(bm, bn, w, st), WGMMA=True, SWAP_AB=True)
-                for bm, bn, w, st in [(32, 128, 4, 4), (32, 128, 4, 6), (16, 128, 4, 6), (64, 128, 8, 4), (32, 64, 4, 6),
-                                      (64, 128, 8, 6)]]
+        # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py), its decode form: the weights' rows on the MMA's M side
+        # and the experts' few rows on its N side (SWAP_AB)
+        out += [dict(cfg(bm, 128, 4, st), WGMMA=True, SWAP_AB=True)
+                for bm, st in [(16, 8), (32, 4), (32, 6), (64, 4), (64, 5)]]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid
@@ -87,8 +85,8 @@ def candidates(rows_per_expert: int) -> list[dict]:
     out += [dict(cfg(64, 128, 4, st, g, tma=True), TILE_MAP=True) for st, g in [(3, 8), (4, 8), (3, 1)]]
     out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=ahead) for ahead in (0, 2)]
     out += [dict(cfg(64, 128, 4, 3, 8, tma=True), TILE_MAP=True, SCALE_AHEAD=0, maxnreg=168)]  # 3 programs an SM
-    # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py; its tiles always come from the map, contiguous)
-    out += [dict(cfg(bm, 128, w, st, g), WGMMA=True) for bm, w in [(64, 4), (128, 8)] for st in (3, 4, 5)
+    # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py: a producer warp and two consumer warpgroups, 128-row tiles)
+    out += [dict(cfg(128, bn, 4, st, g), WGMMA=True, TILE_MAP=True) for bn, st in [(128, 4), (128, 5), (128, 6), (64, 6)]
             for g in (8, 16)]
     return out
 

@@ -1,24 +1,26 @@
-"""The block-scaled FP8 grouped GEMM written with Gluon (Triton's explicit layer over Hopper's warpgroup MMA)
-(moeserve/kernels/fp8_grouped_gemm.py sends a shape here where its tuned table says "WGMMA": true).
+"""The block-scaled FP8 grouped GEMM written with Gluon (Triton's explicit layer over Hopper's warpgroup MMA),
+warp-specialized (moeserve/kernels/fp8_grouped_gemm.py sends a shape here where its tuned table says "WGMMA": true).
 
 Why a second kernel: each 128-wide K step's product is scaled (a's row scales times b's block scale) before it is
-added to the fp32 accumulator. In the Triton kernel (triton_ops/fp8_gemm.py) that product is a fresh accumulator
-Triton must wait for right after the MMA is issued, so the tensor cores idle while the warps scale and add. Here the
-MMA of step k is issued before the product of step k - 1 is scaled: `warpgroup_mma_wait(num_outstanding=1)` waits
-for step k - 1 only, and its multiply-adds run while step k is on the tensor cores (three [BLOCK_M, BLOCK_N] fp32
-tiles live a thread: the sum, the product being scaled and the one in flight).
+added to the fp32 accumulator, so the MMA must be waited for every step. In the Triton kernel (triton_ops/
+fp8_gemm.py) the whole program waits, and the tensor cores idle while its warps scale and add. Keeping one step's
+MMA in flight while the previous product is scaled, in one warpgroup, made ptxas serialize the MMAs (its warning
+C7514: registers of an MMA in flight read, by the copies a loop-carried product needs), measured 25-30% slower on an
+H200. So, as DeepSeek's DeepGEMM does, a program here is three partitions: one producer warp issues the TMA reads
+of a ([rows, K] e4m3) and b ([E * N, K] e4m3) into STAGES shared-memory slots (a "ready" barrier each, and an
+"empty" one the consumers release); two consumer warpgroups each own 64 rows of the MMA's M side, wait for their own
+product, release the slot, and scale and add while the other warpgroup's MMA runs. The scales are loaded two steps
+ahead of their use.
 
-A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows. a ([rows, K] e4m3) and b ([E * N, K] e4m3) come
-through tensor descriptors into STAGES shared-memory slots, each with its barrier, refilled as soon as the MMA that
-read it is done. Row tiles, in grouped-M order: contiguous, from the tile map (`tile_order.tile_map`: expert, first
-row, rows left) where the configuration says "TILE_MAP", else from the experts' counts summed in registers (no
-launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid. Rows past the
-segment are read (other experts' rows or zeros) and not stored. BLOCK_N divides 128, so b's scale is one scalar a K
-step. The scales are loaded three steps ahead of their use.
+A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows: BLOCK_M 128 (64 a warpgroup), BLOCK_N 64 or 128
+(one b scale a K step). Row tiles, in grouped-M order: contiguous, from the tile map (`tile_order.tile_map`:
+expert, first row, rows left) where the configuration says "TILE_MAP", else from the experts' counts summed in
+registers (no launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid.
+Rows past the segment are read (other experts' rows or zeros) and not stored.
 
-"SWAP_AB" (decode): the product is computed as b . a^T, the weights' BLOCK_N rows on the MMA's M side (64 a
-warpgroup) and an expert's few rows on its N side (BLOCK_M of 16 to 64), so a tile no longer pads an expert's ~24
-rows to 64 and the accumulators are small; the tile is stored transposed.
+"SWAP_AB" (decode): the product is computed as b . a^T, the weights' 128 rows (BLOCK_N) on the MMA's M side, 64 a
+warpgroup, and an expert's few rows on its N side (BLOCK_M of 16 to 64): a tile no longer pads an expert's ~24 rows
+to 64, and its accumulators are small; the tile is stored transposed.
 
 Gluon has no interpreter: on CPU the kernel is compiled for sm_90 (tests/kernels/test_fp8_wgmma.py); on a
 GPU it is checked against the torch reference like the Triton kernel.
@@ -41,23 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moeserve.kernels.fp8_format import BLOCK
 from moeserve.kernels.triton_ops.tile_order import tile_map
 
-# Triton 3.6 (the GPU machine's) names these async_copy_global_to_shared and thread_barrier; later versions (CI's)
-# async_load and barrier.
+# Triton 3.6 (the GPU machine's) names the TMA load async_copy_global_to_shared; later versions (CI's) async_load.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-@gluon.constexpr_function
-def _warps(block_m, num_warps):
-    """The warpgroup MMA's warps_per_cta: [4, 1] (one warpgroup, 64 rows) doubled along M while the tile has rows
-    for it, then along N."""
-    w = [4, 1]
-    while w[0] * w[1] < num_warps:
-        if block_m > 16 * w[0]:
-            w[0] *= 2
-        else:
-            w[1] *= 2
-    return w
 
 
 @gluon.constexpr_function
@@ -72,16 +59,6 @@ def _store_threads(block_n, columns_first=False):
 def _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask):
     """K step kb's row scales of a ([BLOCK_M], in the accumulator's row layout) and b's block scale (a scalar)."""
     return gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0), gl.load(bs_ptr + kb)
-
-
-@gluon.jit
-def _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb, a_row, b_row, STAGES: gl.constexpr, pred):
-    """Start the TMA reads of K step kb into its slot kb % STAGES (when pred)."""
-    s = kb % STAGES
-    bar = bars.index(s)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    _tma_load(a_desc, [a_row, kb * 128], bar, a_bufs.index(s), pred=pred)
-    _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s), pred=pred)
 
 
 @gluon.jit
@@ -114,8 +91,7 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
                               tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
                               E: gl.constexpr, E_P2: gl.constexpr, TILE_MAP: gl.constexpr,
                               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     # grouped-M order (triton_ops/tile_order.grouped_order)
     pid = gl.program_id(0)
     width = GROUP_M * gl.cdiv(N, BLOCK_N)
@@ -137,62 +113,97 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
     if left <= 0:
         return
     n0 = pid_n * BLOCK_N
-    b_row = e * N + n0
     nk = gl.cdiv(K, 128)
-
-    # the MMA's M side: a's rows, or with SWAP the weights' rows (BLOCK_N of them) and a's rows its N side
-    warps: gl.constexpr = _warps(BLOCK_N if SWAP else BLOCK_M, num_warps)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
-                                                  instr_shape=[16, (BLOCK_M if SWAP else BLOCK_N) // warps[1], 32])
-    SHAPE: gl.constexpr = [BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups have read the slot
     fence_async_shared()
-    for i in gl.static_range(STAGES):
-        _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, i, row0, b_row, STAGES, i < nk)
-
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0 if SWAP else 1, mma))
-    row_ok = rows < left
-    as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
-    bs_ptr = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-    zero = gl.zeros(SHAPE, gl.float32, layout=mma)
-    acc = gl.zeros(SHAPE, gl.float32, layout=mma)
-
-    # the scales three steps ahead of their use (a step's global loads would stall the next step's multiply-adds)
-    a0, b0 = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
-    a1, b1 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 1), stride_ask)
-    a2, b2 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 2), stride_ask)
-    mbarrier.wait(bars.index(0), 0)
-    part = _mma(a_bufs.index(0), b_bufs.index(0), zero, SWAP)
-    for kb in range(1, nk):
-        s = kb % STAGES
-        a3, b3 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)
-        mbarrier.wait(bars.index(s), (kb // STAGES) & 1)
-        nxt = _mma(a_bufs.index(s), b_bufs.index(s), zero, SWAP)
-        done = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))  # step kb - 1; step kb stays in flight
-        _barrier()  # every warp is past step kb - 1: its slot may be refilled
-        _load_step(a_desc, b_desc, a_bufs, b_bufs, bars, kb - 1 + STAGES, row0, b_row, STAGES, kb - 1 + STAGES < nk)
-        acc = _scaled_add(acc, done, a0 * b0, SWAP)
-        part = nxt
-        a0, b0, a1, b1, a2, b2 = a1, b1, a2, b2, a3, b3
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-    acc = _scaled_add(acc, done, a0 * b0, SWAP)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M, BLOCK_N, SWAP, num_warps)
+    # (a partition's arguments arrive as values, not constants: the tile shapes are read off the buffers)
+    consumer = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
+                stride_ask, stride_bse, stride_bsn, stride_cm)
+    gl.warp_specialize([(_consume_first, consumer), (_consume_second, consumer),
+                        (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, e * N + n0, nk))],
+                       [4, 1], [232, 40])
 
 
 @gluon.jit
-def _mma(a_buf, b_buf, zero, SWAP: gl.constexpr):
-    """Issue one K step's product (asynchronously, into fresh registers): a . b^T, or b . a^T with SWAP."""
+def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_row, b_row, nk):
+    """The producer warp: each K step's a and b tiles into slot kb % STAGES once both warpgroups are done with it
+    (a fresh barrier's phase "1" is complete: the first STAGES steps do not wait)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    for kb in range(nk):
+        s = kb % STAGES
+        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [a_row, kb * 128], bar, a_bufs.index(s))
+        _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+
+
+@gluon.jit
+def _consume_first(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
+                   stride_ask, stride_bse, stride_bsn, stride_cm):
+    _consume(0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm, stride_ask,
+             stride_bse, stride_bsn, stride_cm)
+
+
+@gluon.jit
+def _consume_second(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
+                    stride_ask, stride_bse, stride_bsn, stride_cm):
+    _consume(1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm, stride_ask,
+             stride_bse, stride_bsn, stride_cm)
+
+
+@gluon.jit
+def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk,
+             stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm):
+    """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'): each K step's
+    product, waited for, its slot released, then scaled and added. The other warpgroup's MMA runs meanwhile."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    SWAP: gl.constexpr = BLOCK_M < 128  # (the plain form splits 128 rows of a between the warpgroups)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M if SWAP else BLOCK_N, 32])
+    if SWAP:  # weights' rows n0 + wg * 64.. (BLOCK_N is 128: one b scale block), a's BLOCK_M rows on the N side
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        row_ok = rows < left
+        as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
+        acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
+    else:  # a's rows wg * 64..
+        rows = wg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        row_ok = rows < left
+        as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
+        acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    bs_ptr = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+    zero = gl.zeros_like(acc)
+    a0, b0 = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
+    a1, b1 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 1), stride_ask)
+    for kb in range(nk):
+        s = kb % STAGES
+        a2, b2 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two steps ahead
+        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+        if SWAP:
+            w_tile = b_bufs.index(s).slice(wg * 64, 64)
+            x_tile = a_bufs.index(s)
+            part = warpgroup_mma(w_tile, x_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        else:
+            x_tile = a_bufs.index(s).slice(wg * 64, 64)
+            w_tile = b_bufs.index(s)
+            part = warpgroup_mma(x_tile, w_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = _scaled_add(acc, part, a0 * b0, SWAP)
+        a0, b0, a1, b1 = a1, b1, a2, b2
     if SWAP:
-        part = warpgroup_mma(b_buf, a_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+        _store(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
     else:
-        part = warpgroup_mma(a_buf, b_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return part
+        _store(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
 
 
 @gluon.jit
@@ -228,11 +239,13 @@ def _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M: gl.constexpr, BLOC
 
 
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
-    """The shapes this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16 bytes), N a
-    multiple of BLOCK_N, which divides 128 (one b scale a K step)."""
-    bn = config["BLOCK_N"]
-    return (xq.shape[1] % BLOCK == 0 and BLOCK % bn == 0 and w.shape[1] % bn == 0 and xq.stride(1) == 1
-            and w.is_contiguous() and xq.stride(0) % 16 == 0)
+    """The shapes and forms this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16
+    bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; SWAP_AB, BLOCK_N 128 and BLOCK_M 16, 32 or 64; N a multiple
+    of BLOCK_N; 4 warps a warpgroup (the producer warp comes on top)."""
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    form = (bn == 128 and bm in (16, 32, 64)) if config.get("SWAP_AB") else (bm == 128 and bn in (64, 128))
+    return (form and config["num_warps"] == 4 and xq.shape[1] % BLOCK == 0 and w.shape[1] % bn == 0
+            and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
 
 def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, config):
@@ -249,10 +262,9 @@ def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m,
     b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
     mapped = bool(config.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    grid = (num_m * triton.cdiv(n, bn),)
-    _fp8_grouped_wgmma_kernel[grid](
+    _fp8_grouped_wgmma_kernel[(num_m * triton.cdiv(n, bn),)](
         a_desc, b_desc, x_scale, w_scale_inv, out, starts, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
-        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), TILE_MAP=mapped, MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8),
-        STAGES=config["num_stages"], SWAP=bool(config.get("SWAP_AB")), num_warps=config["num_warps"])
+        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), TILE_MAP=mapped, MASKED=masked,
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8), STAGES=config["num_stages"], num_warps=4)
     return out
