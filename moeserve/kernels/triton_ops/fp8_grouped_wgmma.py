@@ -28,6 +28,8 @@ GPU it is checked against the torch reference like the Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -87,18 +89,16 @@ def _tile_of(pid_m, starts_ptr, counts_ptr, E: gl.constexpr, E_P2: gl.constexpr,
 
 
 @gluon.jit
-def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
-                              tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
-                              E: gl.constexpr, E_P2: gl.constexpr, TILE_MAP: gl.constexpr,
-                              MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    # grouped-M order (triton_ops/tile_order.grouped_order)
-    pid = gl.program_id(0)
-    width = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
+def _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E: gl.constexpr,
+          E_P2: gl.constexpr, MASKED: gl.constexpr, TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
+          GROUP_M: gl.constexpr):
+    """Tile t of the num_m x num_n grid in grouped-M order (triton_ops/tile_order.grouped_order) -> (expert, its
+    first row, rows left (<= 0: nothing to do), column tile)."""
+    width = GROUP_M * num_n
+    first_m = (t // width) * GROUP_M
     size = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size
-    pid_n = (pid % width) // size
+    pid_m = first_m + (t % width) % size
+    pid_n = (t % width) // size
     if MASKED:
         e = pid_m // tiles_per_expert
         tile = pid_m % tiles_per_expert
@@ -109,11 +109,16 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
         row0 = gl.load(map_ptr + num_m + pid_m)
         left = gl.load(map_ptr + 2 * num_m + pid_m)
     else:
-        e, row0, left = _tile_of(pid_m, starts_ptr, counts_ptr, E, E_P2, BLOCK_M, num_warps)
-    if left <= 0:
-        return
-    n0 = pid_n * BLOCK_N
-    nk = gl.cdiv(K, 128)
+        e, row0, left = _tile_of(pid_m, starts_ptr, counts_ptr, E, E_P2, BLOCK_M, gl.num_warps())
+    return e, row0, left, pid_n
+
+
+@gluon.jit
+def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
+                              tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
+                              E: gl.constexpr, E_P2: gl.constexpr, TILE_MAP: gl.constexpr,
+                              MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -122,88 +127,96 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both warpgroups have read the slot
     fence_async_shared()
-    # (a partition's arguments arrive as values, not constants: the tile shapes are read off the buffers)
-    consumer = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
-                stride_ask, stride_bse, stride_bsn, stride_cm)
-    gl.warp_specialize([(_consume_first, consumer), (_consume_second, consumer),
-                        (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, e * N + n0, nk))],
-                       [4, 1], [232, 40])
+    num_n = gl.cdiv(N, BLOCK_N)
+    # (each partition's arguments spelt out: a tuple built with + would turn the constants into values)
+    gl.warp_specialize([
+        (_consume, (0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask, stride_bse,
+                    stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
+                    E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+        (_consume, (1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask, stride_bse,
+                    stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
+                    E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+        (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
+                    tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M))], [4, 1], [232, 40])
 
 
 @gluon.jit
-def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_row, b_row, nk):
-    """The producer warp: each K step's a and b tiles into slot kb % STAGES once both warpgroups are done with it
-    (a fresh barrier's phase "1" is complete: the first STAGES steps do not wait)."""
+def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
+             tiles_per_expert, num_m, num_n, E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr,
+             TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """The producer warp: every K step of this program's tiles, in order, into the slots by turns, each once both
+    warpgroups are done with it (a fresh barrier's phase "1" counts as complete: the first round does not wait).
+    It runs ahead into the next tile while the warpgroups finish and store the last."""
     STAGES: gl.constexpr = a_bufs.shape[0]
-    for kb in range(nk):
-        s = kb % STAGES
-        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [a_row, kb * 128], bar, a_bufs.index(s))
-        _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    nk = gl.cdiv(K, 128)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        e, row0, left, pid_n = _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
+                                     E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        if left > 0:
+            b_row = e * N + pid_n * BLOCK_N
+            for kb in range(nk):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
+                _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+                it += 1
 
 
 @gluon.jit
-def _consume_first(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
-                   stride_ask, stride_bse, stride_bsn, stride_cm):
-    _consume(0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm, stride_ask,
-             stride_bse, stride_bsn, stride_cm)
-
-
-@gluon.jit
-def _consume_second(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm,
-                    stride_ask, stride_bse, stride_bsn, stride_cm):
-    _consume(1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk, stride_asm, stride_ask,
-             stride_bse, stride_bsn, stride_cm)
-
-
-@gluon.jit
-def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, e, row0, left, n0, N, nk,
-             stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm):
-    """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'): each K step's
-    product, waited for, its slot released, then scaled and added. The other warpgroup's MMA runs meanwhile."""
+def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask,
+             stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n,
+             E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr, TILE_MAP: gl.constexpr,
+             BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'), tile after tile:
+    each K step's product waited for, its slot released, then scaled and added while the other warpgroup's MMA
+    runs; then the tile's rows stored."""
     STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     SWAP: gl.constexpr = BLOCK_M < 128  # (the plain form splits 128 rows of a between the warpgroups)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M if SWAP else BLOCK_N, 32])
-    if SWAP:  # weights' rows n0 + wg * 64.. (BLOCK_N is 128: one b scale block), a's BLOCK_M rows on the N side
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        row_ok = rows < left
-        as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
-        acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
-    else:  # a's rows wg * 64..
-        rows = wg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-        row_ok = rows < left
-        as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
-        acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
-    bs_ptr = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-    zero = gl.zeros_like(acc)
-    a0, b0 = _scales(as_ptrs, bs_ptr, row_ok, 0, stride_ask)
-    a1, b1 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, 1), stride_ask)
-    for kb in range(nk):
-        s = kb % STAGES
-        a2, b2 = _scales(as_ptrs, bs_ptr, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two steps ahead
-        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-        if SWAP:
-            w_tile = b_bufs.index(s).slice(wg * 64, 64)
-            x_tile = a_bufs.index(s)
-            part = warpgroup_mma(w_tile, x_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-        else:
-            x_tile = a_bufs.index(s).slice(wg * 64, 64)
-            w_tile = b_bufs.index(s)
-            part = warpgroup_mma(x_tile, w_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc = _scaled_add(acc, part, a0 * b0, SWAP)
-        a0, b0, a1, b1 = a1, b1, a2, b2
-    if SWAP:
-        _store(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
-    else:
-        _store(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
+    SHAPE: gl.constexpr = [64, BLOCK_M] if SWAP else [64, BLOCK_N]
+    nk = gl.cdiv(K, 128)
+    zero = gl.zeros(SHAPE, gl.float32, layout=mma)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        e, row0, left, pid_n = _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
+                                     E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        if left > 0:
+            n0 = pid_n * BLOCK_N
+            if SWAP:  # weights' rows n0 + wg * 64.. (BLOCK_N is 128: one b scale block); a's rows on the N side
+                rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+            else:  # a's rows wg * 64..
+                rows = wg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+            row_ok = rows < left
+            as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
+            bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+            a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask)
+            a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask)
+            acc = gl.zeros(SHAPE, gl.float32, layout=mma)
+            for kb in range(nk):
+                s = it % STAGES
+                a2, b2 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two ahead
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if SWAP:
+                    part = warpgroup_mma(b_bufs.index(s).slice(wg * 64, 64), a_bufs.index(s).permute((1, 0)), zero,
+                                         use_acc=False, is_async=True)
+                else:
+                    part = warpgroup_mma(a_bufs.index(s).slice(wg * 64, 64), b_bufs.index(s).permute((1, 0)), zero,
+                                         use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = _scaled_add(acc, part, a0 * b0, SWAP)
+                a0, b0, a1, b1 = a1, b1, a2, b2
+                it += 1
+            if SWAP:
+                _store(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
+            else:
+                _store(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
 
 
 @gluon.jit
@@ -248,6 +261,11 @@ def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
             and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, config):
     """out[rows of each tile] = the block-scaled product over num_m row tiles. Contiguous: starts / counts the
     experts' segments, and with the configuration's "TILE_MAP" the tiles come from a map (tile_order.tile_map, one
@@ -262,7 +280,8 @@ def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m,
     b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
     mapped = bool(config.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    _fp8_grouped_wgmma_kernel[(num_m * triton.cdiv(n, bn),)](
+    grid = (min(num_m * triton.cdiv(n, bn), _sm_count(xq.device)),)  # persistent: a program an SM at most
+    _fp8_grouped_wgmma_kernel[grid](
         a_desc, b_desc, x_scale, w_scale_inv, out, starts, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), TILE_MAP=mapped, MASKED=masked,
