@@ -74,8 +74,8 @@ def candidates(rows_per_expert: int) -> list[dict]:
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
         # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py), its decode form: the weights' rows on the MMA's M side
         # and the experts' few rows on its N side (SWAP_AB)
-        out += [dict(cfg(bm, 128, 4, st), WGMMA=True, SWAP_AB=True)
-                for bm, st in [(16, 8), (32, 4), (32, 6), (64, 4), (64, 5)]]
+        out += [dict(cfg(bm, 128, 4, st), WGMMA=True, SWAP_AB=True, **m)
+                for bm, st in [(32, 6), (64, 4), (64, 5)] for m in ({}, {"TILE_MAP": True})]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid

@@ -151,9 +151,14 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     nk = gl.cdiv(K, 128)
     it = 0
+    last = num_m * num_n - 1
+    nxt = _tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
+                MASKED, TILE_MAP, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        e, row0, left, pid_n = _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
-                                     E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        e, row0, left, pid_n = nxt
+        # the next tile's lookup now: its loads land while this tile's steps run
+        nxt = _tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+                    num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
         if left > 0:
             b_row = e * N + pid_n * BLOCK_N
             for kb in range(nk):
@@ -183,9 +188,13 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
     nk = gl.cdiv(K, 128)
     zero = gl.zeros(SHAPE, gl.float32, layout=mma)
     it = 0
+    last = num_m * num_n - 1
+    nxt = _tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
+                MASKED, TILE_MAP, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        e, row0, left, pid_n = _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
-                                     E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        e, row0, left, pid_n = nxt
+        nxt = _tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+                    num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
         if left > 0:
             n0 = pid_n * BLOCK_N
             if SWAP:  # weights' rows n0 + wg * 64.. (BLOCK_N is 128: one b scale block); a's rows on the N side
