@@ -29,7 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_fp8 import masked_rows  # noqa: E402
+from tune_fp8 import masked_rows, rel  # noqa: E402
 from tune_moe import layout  # noqa: E402
 
 from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
@@ -58,9 +58,6 @@ def add_wgmma(cases: dict, fp8: tuple, offsets, counts, E: int, cap: int, H: int
     of the bf16 outputs; a form that errs is reported and left out)."""
     xq, xs, w13q, w13s, hq, hs, w2q, w2s, sq, ss = fp8
 
-    def rel(a, b):
-        return float((a.float() - b.float()).norm() / b.float().norm())
-
     def up(c=None):
         return fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16, c)
 
@@ -71,7 +68,7 @@ def add_wgmma(cases: dict, fp8: tuple, offsets, counts, E: int, cap: int, H: int
         return fp8_grouped_gemm_masked(sq.view(E, cap, H), ss.view(E, cap, -1), w13q, w13s, counts, torch.bfloat16, c)
 
     valid = torch.cat([torch.arange(e * cap, e * cap + n, device="cuda") for e, n in enumerate(counts.tolist())])
-    refs = {"gate/up": up(), "down": down(), "gate/up masked": masked().view(E * cap, -1)[valid]}
+    refs = {"gate/up": up().float(), "down": down().float(), "gate/up masked": masked().view(E * cap, -1)[valid].float()}
     for c in WGMMA_FORMS:
         tag = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
         for name, fn, flops in (("gate/up", up, flops_up), ("down", down, flops_down),
