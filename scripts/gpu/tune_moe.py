@@ -38,10 +38,20 @@ from moeserve.kernels.moe_route import moe_route  # noqa: E402
 from moeserve.kernels.triton_ops.moe_gemm import moe_gemm  # noqa: E402
 
 
-def candidates(rows_per_expert: float) -> list[dict]:
+def wgmma_candidates(silu: bool) -> list[dict]:
+    """The Gluon kernel's forms (triton_ops/moe_gemm_wgmma.py, Hopper): 128-row tiles, 64 or 128 columns (and 256
+    without SiLU: one product a step), persistent programs in grouped-M order."""
+    forms = [(128, 4, 8, True), (128, 3, 8, True), (128, 4, 16, True), (128, 4, 8, False), (64, 6, 16, True)]
+    if not silu:
+        forms += [(128, 6, 8, True), (256, 4, 8, True), (256, 3, 16, True)]
+    return [dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, num_warps=4, num_stages=st, GROUP_M=g, WGMMA=True,
+                 **({"TILE_MAP": True} if mapped else {})) for bn, st, g, mapped in forms]
+
+
+def candidates(rows_per_expert: float, silu: bool = False, hopper: bool = False) -> list[dict]:
     """Launch configurations worth timing at this many rows per expert (weight streaming at few rows, tensor-core
-    tiles at many)."""
-    out = []
+    tiles at many; on Hopper also the Gluon kernel's at many)."""
+    out = wgmma_candidates(silu) if hopper and rows_per_expert > 64 else []
     if rows_per_expert <= 24:  # weight streaming: thin tiles, deep pipelines
         for bn, bk in itertools.product([32, 64, 128], [128, 256]):
             out.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4))
@@ -95,7 +105,8 @@ def tune_op(x, w, offsets, counts, silu: bool, T: int, pairs=None, top_k: int = 
     torch_ms = bench(lambda: moe_gemm_reference(x, w, offsets, counts, silu, pairs, top_k))
     best, best_ms = None, float("inf")
     times = {}  # every candidate's median, in us
-    for cfg in candidates(rows / E):
+    hopper = torch.cuda.get_device_capability(w.device)[0] >= 9
+    for cfg in candidates(rows / E, silu, hopper):
         try:
             ms = bench(lambda cfg=cfg: moe_gemm(x, w, offsets, counts, silu, cfg, pairs=pairs, top_k=top_k))
         except Exception as e:  # a configuration that does not compile or fit (shared memory): skip it

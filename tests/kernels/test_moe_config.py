@@ -62,6 +62,8 @@ def test_shipped_tables_parse():
             known.add("TILE_MAP")  # (the contiguous layout's)
         if path.parent.name.startswith("fp8_grouped_gemm"):
             known |= {"WGMMA", "SWAP_AB"}  # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py)
+        if path.parent.name.startswith("moe_gemm"):
+            known.add("WGMMA")  # the Gluon kernel (triton_ops/moe_gemm_wgmma.py)
         for cfg in table.values():
             # a picker's other backend: torch's grouped GEMM (bf16 MoE), cuBLAS's block-scaled GEMM (FP8 linear)
             other = {"backend": "cublas" if path.parent.name == "fp8_gemm" else "torch"}

@@ -28,8 +28,6 @@ GPU it is checked against the torch reference like the Triton kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -37,80 +35,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from moeserve.kernels.fp8_format import BLOCK
+from moeserve.kernels.triton_ops.gluon_tiles import sm_count, store_tile, tile, tma_load
 from moeserve.kernels.triton_ops.tile_order import tile_map
-
-# Triton 3.6 (the GPU machine's) names the TMA load async_copy_global_to_shared; later versions (CI's) async_load.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.constexpr_function
-def _store_threads(block_n, columns_first=False):
-    """threads_per_warp of the store layout: 8 columns (16 bytes of bf16) a thread, a warp across the tile's width
-    ([columns, rows] where the tile holds c's columns along dim 0)."""
-    across = min(block_n // 8, 32)
-    return [across, 32 // across] if columns_first else [32 // across, across]
 
 
 @gluon.jit
 def _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask):
     """K step kb's row scales of a ([BLOCK_M], in the accumulator's row layout) and b's block scale (a scalar)."""
     return gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0), gl.load(bs_ptr + kb)
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _tile_of(pid_m, starts_ptr, counts_ptr, E: gl.constexpr, E_P2: gl.constexpr, BLOCK_M: gl.constexpr,
-             num_warps: gl.constexpr):
-    """Contiguous layout without a map: (expert, first row, rows left) of row tile pid_m, from the experts' tile
-    counts summed in registers (triton_ops/tile_order.expert_tile); rows left <= 0 past the last tile."""
-    lay: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
-                                         order=[0])
-    ei = gl.arange(0, E_P2, layout=lay)
-    counts = gl.load(counts_ptr + ei, mask=ei < E, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    incl = gl.associative_scan(tiles, 0, _add)
-    # (gl.reduce with a combine of ours, not gl.sum: Triton's standard library is interpreted under TRITON_INTERPRET)
-    e = gl.reduce((incl <= pid_m).to(gl.int32), 0, _add)  # the first expert whose tiles reach past pid_m
-    tile = pid_m - gl.reduce(gl.where(ei < e, tiles, 0), 0, _add)
-    e = gl.minimum(e, E - 1)
-    count = gl.reduce(gl.where(ei == e, counts, 0), 0, _add)
-    left = gl.where(tile < gl.reduce(gl.where(ei == e, tiles, 0), 0, _add), count - tile * BLOCK_M, 0)
-    return e, gl.load(starts_ptr + e) + tile * BLOCK_M, left
-
-
-@gluon.jit
-def _tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E: gl.constexpr,
-          E_P2: gl.constexpr, MASKED: gl.constexpr, TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
-          GROUP_M: gl.constexpr):
-    """Tile t of the num_m x num_n grid in grouped-M order (triton_ops/tile_order.grouped_order) -> (expert, its
-    first row, rows left (<= 0: nothing to do), column tile)."""
-    width = GROUP_M * num_n
-    first_m = (t // width) * GROUP_M
-    size = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (t % width) % size
-    pid_n = (t % width) // size
-    if MASKED:
-        e = pid_m // tiles_per_expert
-        tile = pid_m % tiles_per_expert
-        row0 = e * cap + tile * BLOCK_M
-        left = gl.minimum(gl.load(counts_ptr + e), cap) - tile * BLOCK_M
-    elif TILE_MAP:
-        e = gl.load(map_ptr + pid_m)
-        row0 = gl.load(map_ptr + num_m + pid_m)
-        left = gl.load(map_ptr + 2 * num_m + pid_m)
-    else:
-        e, row0, left = _tile_of(pid_m, starts_ptr, counts_ptr, E, E_P2, BLOCK_M, gl.num_warps())
-    return e, row0, left, pid_n
 
 
 @gluon.jit
@@ -152,12 +89,12 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
     nk = gl.cdiv(K, 128)
     it = 0
     last = num_m * num_n - 1
-    nxt = _tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
+    nxt = tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
                 MASKED, TILE_MAP, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         e, row0, left, pid_n = nxt
         # the next tile's lookup now: its loads land while this tile's steps run
-        nxt = _tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+        nxt = tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
                     num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
         if left > 0:
             b_row = e * N + pid_n * BLOCK_N
@@ -166,8 +103,8 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
-                _tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+                tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
+                tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
                 it += 1
 
 
@@ -189,11 +126,11 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
     zero = gl.zeros(SHAPE, gl.float32, layout=mma)
     it = 0
     last = num_m * num_n - 1
-    nxt = _tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
+    nxt = tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
                 MASKED, TILE_MAP, BLOCK_M, GROUP_M)
     for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         e, row0, left, pid_n = nxt
-        nxt = _tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+        nxt = tile(gl.minimum(t + gl.num_programs(0), last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
                     num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
         if left > 0:
             n0 = pid_n * BLOCK_N
@@ -223,9 +160,9 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
                 a0, b0, a1, b1 = a1, b1, a2, b2
                 it += 1
             if SWAP:
-                _store(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
+                store_tile(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
             else:
-                _store(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
+                store_tile(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
 
 
 @gluon.jit
@@ -238,28 +175,6 @@ def _scaled_add(acc, part, row_scale, SWAP: gl.constexpr):
     return acc
 
 
-@gluon.jit
-def _store(c_ptr, acc, row0, left, n0, N, stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-           SWAP: gl.constexpr, num_warps: gl.constexpr):
-    """c[row0 + r, n0 + c] for the tile's rows below left and columns below N, 16 bytes a thread along c's rows."""
-    if SWAP:  # acc [BLOCK_N, BLOCK_M]: c's columns along dim 0
-        out: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=_store_threads(BLOCK_N, True),
-                                             warps_per_cta=[1, num_warps], order=[0, 1])
-        res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
-        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out))
-        ptrs = c_ptr + (row0 + r).to(gl.int64)[None, :] * stride_cm + (n0 + c)[:, None]
-        gl.store(ptrs, res, mask=(r < left)[None, :] & (c < N - n0)[:, None])
-    else:
-        out: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=_store_threads(BLOCK_N),
-                                             warps_per_cta=[num_warps, 1], order=[1, 0])
-        res = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out)
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out))
-        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out))
-        ptrs = c_ptr + (row0 + r).to(gl.int64)[:, None] * stride_cm + (n0 + c)[None, :]
-        gl.store(ptrs, res, mask=(r < left)[:, None] & (c < N - n0)[None, :])
-
-
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
     """The shapes and forms this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16
     bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; SWAP_AB, BLOCK_N 128 and BLOCK_M 16, 32 or 64; N a multiple
@@ -268,11 +183,6 @@ def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
     form = (bn == 128 and bm in (16, 32, 64)) if config.get("SWAP_AB") else (bm == 128 and bn in (64, 128))
     return (form and config["num_warps"] == 4 and xq.shape[1] % BLOCK == 0 and w.shape[1] % bn == 0
             and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, config):
@@ -289,7 +199,7 @@ def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m,
     b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
     mapped = bool(config.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    grid = (min(num_m * triton.cdiv(n, bn), _sm_count(xq.device)),)  # persistent: a program an SM at most
+    grid = (min(num_m * triton.cdiv(n, bn), sm_count(xq.device)),)  # persistent: a program an SM at most
     _fp8_grouped_wgmma_kernel[grid](
         a_desc, b_desc, x_scale, w_scale_inv, out, starts, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),

@@ -14,6 +14,8 @@ GROUP_M (a configuration's "GROUP_M": g > 0): a 1-D grid in grouped-M order, g r
 before the next g start, so that the programs resident together share rows and weights in L2; 0, a 2-D grid.
 TILE_MAP (a configuration's "TILE_MAP": true, contiguous): each program reads its tile from a map built before the
 GEMM (tile_order.py `tile_map`, one small launch) instead of summing the tile counts itself.
+WGMMA (a configuration's "WGMMA": true, Hopper): the Gluon kernel (triton_ops/moe_gemm_wgmma.py, warp-specialized
+and persistent) runs the configuration's tiles instead, where it takes the shape; the tally is then a torch add.
 TALLY: the first program also adds the first num_tally counts into an int64 tally (the expert-utilization
 counter, ep/stats.py), where an add of its own was a launch per MoE layer.
 """
@@ -124,6 +126,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
         grid_m = triton.cdiv(rows, bm) + min(E, rows)
     if grid_m == 0:  # no rows: the counts are zeros, nothing to tally either
         return
+    if cfg.get("WGMMA") and _wgmma_usable(a, w, cfg, silu, pairs is not None, masked):
+        from moeserve.kernels.triton_ops import moe_gemm_wgmma
+
+        if tally is not None:
+            tally += counts[:tally.shape[0]]
+        moe_gemm_wgmma.launch(a, w, out, counts if starts is None else starts, counts, cap, masked, grid_m, silu,
+                              pairs, top_k, cfg)
+        return
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     upcast = not a.is_cuda and a.dtype != torch.float32  # only under TRITON_INTERPRET (CPU tensors)
     tma = bool(cfg.get("TMA")) and descriptor_usable(w)
@@ -148,6 +158,16 @@ def _launch(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, count
     w_desc = TensorDescriptor(w, [E * n_w, K], [K, 1], [bn, bk])
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [bm, bk]) if a_tma else a
     _moe_gemm_kernel[grid](a_desc, w_desc, *args[2:], TMA=True, A_TMA=a_tma, **meta)
+
+
+def _wgmma_usable(a: torch.Tensor, w: torch.Tensor, cfg: dict, silu: bool, gather: bool, masked: bool) -> bool:
+    """The Gluon kernel (triton_ops/moe_gemm_wgmma.py) runs where the table asks for it ("WGMMA": true), on a
+    Hopper-class GPU, for shapes it takes; elsewhere this module's kernel runs the same configuration's tiles."""
+    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9 and descriptor_usable(w)):
+        return False
+    from moeserve.kernels.triton_ops import moe_gemm_wgmma
+
+    return moe_gemm_wgmma.usable(a, w, cfg, silu, gather, masked)
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
