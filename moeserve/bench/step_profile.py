@@ -22,7 +22,8 @@ import torch
 # (part, regex over the kernel name), in order. Names: Triton kernels by function name, torch's by their C++ name.
 PARTS: list[tuple[str, str]] = [
     ("attention", r"_mla_decode_|_mla_rope_cache"),  # moeserve's MLA kernels (their names hold "combine", "split")
-    ("experts", r"_moe_gemm_kernel|grouped_?mm|Grouped|GroupProblemShape"),
+    # the bf16 and FP8 grouped GEMMs, Triton's and Gluon's, and torch's (CUTLASS) grouped GEMM
+    ("experts", r"_moe_gemm_(wgmma_)?kernel|_fp8_grouped_(wgmma_)?kernel|grouped_?mm|Grouped|GroupProblemShape"),
     ("dispatch", r"_count_kernel|_place_kernel|_combine_kernel|_select_kernel|_router_logits|index_select|"
                  r"indexSelect|index_put|scatter|gather|sort|Sort|radix|topk|TopK|cumsum|scan|bitonic"),
     ("fp8 quant", r"_quantize_groups_kernel"),  # plain and SiLU-and-mul inputs: one kernel

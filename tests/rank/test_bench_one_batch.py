@@ -41,7 +41,8 @@ def test_profile_parts_name_the_decode_kernels():
     """The per-part table of `bench one-batch --profile` sorts kernel names into the parts (first rule wins)."""
     from moeserve.bench.step_profile import classify, format_table
 
-    assert classify("_moe_gemm_kernel") == "experts"
+    for kernel in ("_moe_gemm_kernel", "_moe_gemm_wgmma_kernel", "_fp8_grouped_kernel", "_fp8_grouped_wgmma_kernel"):
+        assert classify(kernel) == "experts", kernel  # the grouped GEMMs: bf16 and FP8, Triton's and Gluon's
     assert classify("_place_kernel") == "dispatch" and classify("_select_kernel") == "dispatch"
     assert classify("_quantize_groups_kernel") == "fp8 quant"
     assert classify("_extend_attention_kernel") == "attention"
