@@ -164,3 +164,24 @@ def test_prefill_size_agrees_with_the_triton_kernel():
     b = moe_gemm(*args, dict(FORMS[0], num_warps=8, TMA=True), pairs=pairs.cuda(), top_k=6).float()
     valid = torch.cat([torch.arange(int(o), int(o) + int(m)) for o, m in zip(offsets[:-1], c, strict=True)]).cuda()
     assert _rel(a[valid], b[valid]) < 1e-2
+
+
+@cuda
+def test_v2_lite_prefill_through_the_shipped_tables():
+    """V2-Lite's two expert GEMMs at a 4 x 2,048 prefill through the public entry (kernels/moe_gemm.py) and the
+    shipped tables (on an H200: the Gluon kernel), against the reference (torch's grouped GEMM) on the same rows."""
+    from moeserve.kernels.moe_gemm import moe_gemm as public_moe_gemm
+    from moeserve.kernels.moe_route import moe_route
+
+    E, top_k, H, inter, T = 64, 6, 2048, 1408, 8192
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    ids = torch.rand(T, E, generator=gen, device="cuda").topk(top_k, dim=1).indices
+    plan = moe_route(ids, E, all_valid=True)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = (torch.randn(E, 2 * inter, H, device="cuda", generator=gen) * H**-0.5).bfloat16()
+    w2 = (torch.randn(E, H, inter, device="cuda", generator=gen) * inter**-0.5).bfloat16()
+    h = public_moe_gemm(x, w13, plan.offsets, plan.counts, silu=True, pairs=plan.src, top_k=top_k)
+    h_ref = moe_gemm_reference(x, w13, plan.offsets, plan.counts, True, plan.src, top_k)
+    assert _rel(h.float(), h_ref.float()) < 1e-2
+    y = public_moe_gemm(h_ref, w2, plan.offsets, plan.counts)
+    assert _rel(y.float(), moe_gemm_reference(h_ref, w2, plan.offsets, plan.counts).float()) < 1e-2
