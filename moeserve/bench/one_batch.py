@@ -96,7 +96,8 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     r["dtype"] = str(runner.dtype)
     r["prompts"], r["tokens"] = rounds[0]["prompts"], rounds[0]["tokens"]  # for the token check, not the report
     if dummy_weights and args.load_format == "dummy":
-        r["checkpoint"] = {s.key: dummy_tensor(s.key, s.shape, runner.dtype, torch.device("cpu"), args.random_seed)
+        # drawn on the runner's device, as fill_dummy drew them (a CUDA generator's numbers are not a CPU one's)
+        r["checkpoint"] = {s.key: dummy_tensor(s.key, s.shape, runner.dtype, runner.device, args.random_seed).cpu()
                            for s in model_weight_specs(runner.model)}
     return r
 
