@@ -276,6 +276,9 @@ def main() -> int:
                    help="tune decode's layout at these token counts (random top-k routing, shared slots)")
     p.add_argument("--top-k", type=int, default=6, help="--decode-batches: experts a token")
     p.add_argument("--shared", type=int, default=2, help="--decode-batches: shared-expert slots (T rows each)")
+    p.add_argument("--drop-below", action="store_true",
+                   help="--decode-batches: drop the table's rows at or below the largest one tuned now (rows tuned "
+                        "from another layout); by default the rows not tuned now stay")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
@@ -308,7 +311,8 @@ def main() -> int:
                     with open(ns.stats, "a") as f:
                         f.write(json.dumps(s) + "\n")
             if table:
-                write_table(OPS[masked], ns.experts, N, K, table, max(table) if ns.decode_batches else -1)
+                write_table(OPS[masked], ns.experts, N, K, table,
+                            max(table) if ns.decode_batches and ns.drop_below else -1)
     print(f"tuned in {time.perf_counter() - start:.0f} s")
     return 0
 
