@@ -87,6 +87,9 @@ def test_usable_refuses_what_it_does_not_take():
     assert not usable(a[:, :200], w[:, :, :200], FORMS[0], silu=False, gather=False, masked=False)  # K % 64
     assert not usable(a, w, dict(FORMS[0], BLOCK_M=64), silu=False, gather=False, masked=False)
     assert not usable(a, w, FORMS[0], silu=False, gather=True, masked=True)
+    wide = torch.empty(10, 264, dtype=torch.bfloat16)[:, :256]  # rows 264 apart: 16 bytes, not 16 elements
+    assert usable(wide, w, FORMS[0], silu=True, gather=False, masked=False)
+    assert not usable(wide, w, FORMS[0], silu=True, gather=True, masked=False)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

@@ -218,13 +218,16 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, c_ptr, N, K, stride
 def usable(a: torch.Tensor, w: torch.Tensor, config: dict, silu: bool, gather: bool, masked: bool) -> bool:
     """The shapes and forms this kernel takes: bf16 or fp16 operands; BLOCK_M 128 (64 rows a warpgroup), BLOCK_N
     64, 128 or (without SiLU) 256, BLOCK_K 64 (128 bytes a row, the TMA's widest swizzle); K a multiple of BLOCK_K
-    and N of BLOCK_N; rows gathered only in the contiguous layout; 4 warps a warpgroup."""
+    and N of BLOCK_N; rows gathered only in the contiguous layout, from a 16-byte aligned a whose row stride is a
+    multiple of 16 elements (what Triton's launcher must see to emit 16-byte cp.async copies); 4 warps a
+    warpgroup."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     n = w.shape[1] // 2 if silu else w.shape[1]
     return (a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype and bm == 128
             and bn in ((64, 128) if silu else (64, 128, 256)) and bk == 64 and config["num_warps"] == 4
             and a.shape[-1] % bk == 0 and n % bn == 0 and not (gather and masked) and a.stride(-1) == 1
-            and w.is_contiguous() and (a.stride(-2) * a.element_size()) % 16 == 0)
+            and w.is_contiguous() and (a.stride(-2) * a.element_size()) % 16 == 0
+            and (not gather or (a.stride(-2) % 16 == 0 and a.data_ptr() % 16 == 0)))
 
 
 def launch(a, w, out, starts, counts, cap, masked, num_m, silu, pairs, top_k, config):
