@@ -7,14 +7,13 @@ activation scales."""
 from __future__ import annotations
 
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from moeserve.kernels.fp8_grouped_gemm import fp8_grouped_gemm_masked_reference, fp8_grouped_gemm_reference
 from moeserve.kernels.fp8_quant import quantize_activations_reference, quantize_weight, scales_mn_major
+from tests.kernels.gluon_build import compile_for_hopper, ptxas_report
 
 gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon")
 
@@ -33,25 +32,18 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compile(cfg: dict, masked: bool):
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from moeserve.kernels.triton_ops import fp8_grouped_wgmma as g
 
-    kern = g._fp8_grouped_wgmma_kernel
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    sig = dict.fromkeys(kern.arg_names, "i32")
     la = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
     lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-    sig.update(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
+    sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
                as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", starts_ptr="*i32", counts_ptr="*i32", map_ptr="*i32")
     consts = dict(E=64, E_P2=64, TILE_MAP=bool(cfg.get("TILE_MAP")) and not masked, MASKED=masked, BLOCK_M=bm,
                   BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    src = GluonASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    return compile_for_hopper(g._fp8_grouped_wgmma_kernel, sig, consts)
 
 
 @pytest.mark.parametrize("cfg", FORMS)
@@ -59,17 +51,10 @@ def _compile(cfg: dict, masked: bool):
 def test_compiles_for_hopper_warp_specialized(cfg, masked, tmp_path):
     """Each form builds for sm_90 as three partitions (registers moved between them with setmaxnreg), its MMAs
     waited for in full, without spills, and without ptxas serializing its MMAs (warning C7514)."""
-    import triton
-
-    kernel = _compile(cfg, masked)
-    ptx = kernel.asm["ptx"]
+    ptx = _compile(cfg, masked).asm["ptx"]
     assert "wgmma.mma_async" in ptx and "e4m3" in ptx and "setmaxnreg" in ptx
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == {"0"}
-    (tmp_path / "k.ptx").write_text(ptx)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # shipped with Triton
-    ptxas = next(p for p in (tools / "ptxas-blackwell", tools / "ptxas") if p.exists())  # (the newer one first)
-    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
-                          capture_output=True, text=True, check=True).stderr
+    info = ptxas_report(ptx, tmp_path)
     assert "C7514" not in info and " 0 bytes spill stores" in info, info
 
 

@@ -7,13 +7,12 @@ SiLU, over ragged experts (empty ones, a single row, partial tiles)."""
 from __future__ import annotations
 
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from moeserve.kernels.moe_gemm import moe_gemm_masked_reference, moe_gemm_reference
+from tests.kernels.gluon_build import compile_for_hopper, ptxas_report
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="Triton without Gluon")
 
@@ -30,30 +29,21 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _compile(cfg: dict, silu: bool, gather: bool, masked: bool):
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from moeserve.kernels.triton_ops import moe_gemm_wgmma as g
 
-    kern = g._moe_gemm_wgmma_kernel
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict.fromkeys(kern.arg_names, "i32")
     lb = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
     la = lb if gather else gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
-    sig.update(a_desc=f"tensordesc<bf16[{bn if gather else bm}, {bk}],{la!r}>", a_ptr="*bf16",
+    sig = dict(a_desc=f"tensordesc<bf16[{bn if gather else bm}, {bk}],{la!r}>", a_ptr="*bf16",
                b_desc=f"tensordesc<bf16[{bn}, {bk}],{lb!r}>", c_ptr="*bf16", starts_ptr="*i32", counts_ptr="*i32",
                pairs_ptr="*i32", map_ptr="*i32")
     consts = dict(E=64, E_P2=64, MASKED=masked, TILE_MAP=bool(cfg.get("TILE_MAP")) and not masked, SILU=silu,
                   GATHER=gather, TOPK=6, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                   STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    # what Triton's launcher specializes on: 16-byte aligned pointers, strides and sizes divisible by 16
-    div = [(kern.arg_names.index(k),) for k in ("a_ptr", "c_ptr", "stride_am", "stride_cm", "N", "K")]
-    src = GluonASTSource(fn=kern, signature=sig, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs={d: [["tt.divisibility", 16]] for d in div})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    return compile_for_hopper(g._moe_gemm_wgmma_kernel, sig, consts,
+                              divisible=("a_ptr", "c_ptr", "stride_am", "stride_cm", "N", "K"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -61,19 +51,12 @@ def test_compiles_for_hopper_warp_specialized(case, tmp_path):
     """Each form builds for sm_90 as three partitions (registers moved between them with setmaxnreg), one step's MMAs
     in flight (wait_group 1, 2 with SiLU's two products), the gathered rows copied by cp.async onto the ready
     barrier, without spills, and without ptxas serializing its MMAs (warning C7514)."""
-    import triton
-
     form, silu, gather, masked = case
-    kernel = _compile(FORMS[form], silu, gather, masked)
-    ptx = kernel.asm["ptx"]
+    ptx = _compile(FORMS[form], silu, gather, masked).asm["ptx"]
     assert "wgmma.mma_async" in ptx and ".bf16" in ptx and "setmaxnreg" in ptx
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)) == {"0", "2" if silu else "1"}
     assert ("cp.async.mbarrier.arrive.noinc" in ptx) == gather
-    (tmp_path / "k.ptx").write_text(ptx)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # shipped with Triton
-    ptxas = next(p for p in (tools / "ptxas-blackwell", tools / "ptxas") if p.exists())  # (the newer one first)
-    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
-                          capture_output=True, text=True, check=True).stderr
+    info = ptxas_report(ptx, tmp_path)
     assert "C7514" not in info and " 0 bytes spill stores" in info, info
 
 
