@@ -279,6 +279,8 @@ def main() -> int:
     p.add_argument("--drop-below", action="store_true",
                    help="--decode-batches: drop the table's rows at or below the largest one tuned now (rows tuned "
                         "from another layout); by default the rows not tuned now stay")
+    p.add_argument("--masked", action=argparse.BooleanOptionalAction, default=True,
+                   help="also tune the first shape's masked layout (default on; not with --decode-batches)")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
@@ -289,7 +291,7 @@ def main() -> int:
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):
         N, K = map(int, shape.split("x"))
-        for masked in (False, True) if i == 0 and not ns.decode_batches else (False,):
+        for masked in (False, True) if i == 0 and ns.masked and not ns.decode_batches else (False,):
             table = {}
             if ns.decode_batches:
                 layouts = [decode_counts(ns.experts, ns.shared, ns.top_k, T, gen) for T in ns.decode_batches]
