@@ -298,14 +298,16 @@ def fill_dummy(model: nn.Module, specs: list[WeightSpec], seed: int, show_progre
 def dummy_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  seed: int) -> torch.Tensor:
     """The dummy value of checkpoint tensor `key`: drawn from its own generator seeded by (seed, key) on `device`,
-    so every rank, and the EPLB weight source later, draws the same numbers."""
-    full = torch.empty(shape, dtype=dtype, device=device)
+    so every rank, and the EPLB weight source later, draws the same numbers. Drawn in float32, then cast: torch's
+    normal_ draws another sequence in bf16 than in float32 for some sizes (1,000 values on CPU), so a tensor held
+    in float32 by one reader (the router's weight) and in the model's dtype by another must not depend on it."""
     if key.endswith("norm.weight"):
-        return full.fill_(1.0)
+        return torch.ones(shape, dtype=dtype, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63))
     std = DUMMY_BIAS_STD if key.endswith("e_score_correction_bias") else DUMMY_STD
-    return full.normal_(0.0, std, generator=gen)
+    full = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+    return full if dtype == torch.float32 else full.to(dtype)
 
 
 def _check_written(model: nn.Module, params: dict[str, nn.Parameter], written: dict[str, int]) -> None:

@@ -144,3 +144,16 @@ def test_path_errors(tmp_path):
     write_config_only("DeepSeek-V2-Lite", tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model(ServerArgs(model_path=str(tmp_path), dtype="float32"), "cpu")
+
+
+def test_dummy_tensor_does_not_depend_on_the_dtype():
+    """A checkpoint tensor's dummy value in bf16 is its float32 value rounded (torch's normal_ alone draws another
+    sequence in bf16 than in float32 at 1,000 values): a tensor one reader holds in float32 (the router's weight) and
+    another in the model's dtype (bench one-batch's checkpoint for transformers) is the same tensor."""
+    from moeserve.models.loader import dummy_tensor
+
+    for shape in [(1000,), (16, 250), (7,)]:
+        f32 = dummy_tensor("model.layers.1.mlp.gate.weight", shape, torch.float32, torch.device("cpu"), 5)
+        bf16 = dummy_tensor("model.layers.1.mlp.gate.weight", shape, torch.bfloat16, torch.device("cpu"), 5)
+        assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, f32.bfloat16())
+        assert 0.015 < f32.std() < 0.025
