@@ -22,7 +22,6 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.bench.results import append_results
-from moeserve.layers.weights import model_weight_specs
 from moeserve.models.default_model import resolve_model_path
 from moeserve.models.loader import dummy_tensor
 
@@ -97,8 +96,9 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     r["prompts"], r["tokens"] = rounds[0]["prompts"], rounds[0]["tokens"]  # for the token check, not the report
     if dummy_weights and args.load_format == "dummy":
         # drawn on the runner's device, as fill_dummy drew them (a CUDA generator's numbers are not a CPU one's)
-        r["checkpoint"] = {s.key: dummy_tensor(s.key, s.shape, runner.dtype, runner.device, args.random_seed).cpu()
-                           for s in model_weight_specs(runner.model)}
+        # (every tensor the loader drew: the fused shared experts' too, which the loaded model no longer names)
+        r["checkpoint"] = {key: dummy_tensor(key, shape, runner.dtype, runner.device, args.random_seed).cpu()
+                           for key, shape in runner.model.checkpoint_shapes.items()}
     return r
 
 

@@ -72,6 +72,9 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
     start = time.perf_counter()
     model = build_model(config, model_options(server_args, config, device), device, dtype, fp8=fp8 is not None)
     specs = list(model_weight_specs(model))
+    # the checkpoint tensors it reads, kept: finish_loading may fold some away (the shared experts fused into the
+    # routed experts' slots), and a reader of the same checkpoint (bench one-batch's transformers) needs them all
+    model.checkpoint_shapes = {s.key: s.shape for s in specs}
     if server_args.load_format == "dummy":
         fill_dummy(model, specs, server_args.random_seed, show_progress)
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from moeserve.bench.one_batch import main
 
 
@@ -28,11 +30,15 @@ def test_one_batch_with_transformers(tmp_path, capsys):
         assert t["requests"] == r["batch_size"] and (t["equal"] == t["requests"] or t["near_ties_only"])
 
 
-def test_dummy_weights_are_the_same_in_both(capsys):
-    """--load-format dummy: transformers runs moeserve's dummy weights, so the greedy tokens agree."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_dummy_weights_are_the_same_in_both(capsys, fused):
+    """--load-format dummy: transformers runs moeserve's dummy weights, so the greedy tokens agree; also with the
+    shared experts fused into the routed experts' slots (the default on one CUDA rank), whose loaded model no longer
+    names the shared experts' tensors (transformers drew its own for them, and differed from the first token)."""
     config = str(Path(__file__).parents[2] / "benchmarks" / "configs" / "deepseek-v3-tiny-kv512")
     assert main(["--model-path", config, "--load-format", "dummy", "--batch-size", "3", "--input-len", "6",
-                 "--output-len", "6", "--compare-transformers"]) == 0
+                 "--output-len", "6", "--compare-transformers"]
+                + (["--enable-shared-experts-fusion"] if fused else [])) == 0
     out = capsys.readouterr().out
     assert "greedy tokens: 3/3 requests equal to transformers'" in out, out
 
