@@ -3,9 +3,10 @@
 V2-Lite's expert GEMMs at a decode batch (T tokens, top-6, the 2 shared slots of T rows each), through the tuned
 tables, FP8 (the block-scaled grouped GEMM) and bf16 (gate/up with SiLU fused, then down):
 
-1. The fit: each GEMM timed alone (`do_bench`, L2 flushed) with the tokens routed to the first 8, 16, 32 and 64 of
-   the 64 experts, so the weights read scale with the experts used. A least-squares line through (bytes, us) gives
-   the fixed cost a launch (us) and the rate the bytes stream at (TB/s).
+1. The fit: each GEMM timed alone (`do_bench`, L2 flushed) with T * u / 64 tokens routed to the first u = 8, 16,
+   32 and 64 of the 64 experts (each expert's rows as at T tokens over all of them), so the weights read scale
+   with the experts used. A least-squares line through (bytes, us) gives the fixed cost a launch (us) and the rate
+   the bytes stream at (TB/s).
 2. The chain: --layers copies of a layer's experts (their own weights: nothing stays in L2), FP8's gate/up GEMM,
    SiLU-and-mul + quantize and down GEMM (bf16: gate/up + SiLU, down), captured in one CUDA graph as a decode step
    runs them. Its replay time beside the sum of the same kernels timed alone (each with a cold L2, as in the chain)
@@ -58,8 +59,9 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def time_layout(T: int, used: int, w13, w2, w13q, w13s, w2q, w2s, gen: torch.Generator) -> dict:
-    """Each GEMM alone on T tokens routed to the first `used` experts: {name: (weight bytes read, us)}."""
-    offsets, counts = layout(T, used, gen)
+    """Each GEMM alone on T * used / E tokens routed to the first `used` experts (an expert's rows as at T tokens
+    over all E): {name: (weight bytes read, us)}."""
+    offsets, counts = layout(max(1, T * used // E), used, gen)
     M = int(counts.sum())
     slots = int((counts > 0).sum())
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
