@@ -76,6 +76,11 @@ def candidates(rows_per_expert: int) -> list[dict]:
         # and the experts' few rows on its N side (SWAP_AB)
         out += [dict(cfg(bm, 128, 4, st), WGMMA=True, SWAP_AB=True, **m)
                 for bm, st in [(32, 6), (64, 4), (64, 5)] for m in ({}, {"TILE_MAP": True})]
+        # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, two tiles' K steps interleaved: up to 8 stages of
+        # 16 KB of weights, where Triton's 64 x 128 tile keeps 2-3 in flight a program), and its plain 128-row form
+        out += [dict(cfg(64, bn, 4, st), WGMMA=True, PAIRS=True, **m)
+                for bn, st in [(128, 6), (128, 8), (64, 8), (64, 12)] for m in ({}, {"TILE_MAP": True})]
+        out += [dict(cfg(128, 128, 4, 6), WGMMA=True, TILE_MAP=True)]
         return out
     # the first sweep (2026-12-01): wider tiles (x 256), 128 x 128 on 4 warps and grouped-M 16 / 32 lost everywhere;
     # the second (2026-12-03): 128 x 128 on 8 warps and 5 stages lost, and a persistent grid

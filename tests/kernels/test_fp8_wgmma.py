@@ -20,6 +20,9 @@ gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", 
 FORMS = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, TILE_MAP=True),
          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=16, TILE_MAP=True),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=1),
+         # PAIRS (decode): two 64-row tiles at once, a warpgroup each, their K steps interleaved in the slots
+         dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=8, GROUP_M=8, PAIRS=True),
+         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=7, GROUP_M=1, PAIRS=True, TILE_MAP=True),
          # SWAP_AB (decode): the weights' rows on the MMA's M side, a's few rows on its N side
          dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, SWAP_AB=True),
          dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=8, GROUP_M=1, SWAP_AB=True),
@@ -42,7 +45,8 @@ def _compile(cfg: dict, masked: bool):
     sig = dict(a_desc=f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
                as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", starts_ptr="*i32", counts_ptr="*i32", map_ptr="*i32")
     consts = dict(E=64, E_P2=64, TILE_MAP=bool(cfg.get("TILE_MAP")) and not masked, MASKED=masked, BLOCK_M=bm,
-                  BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], num_warps=cfg["num_warps"])
+                  BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], PAIRS=bool(cfg.get("PAIRS")),
+                  num_warps=cfg["num_warps"])
     return compile_for_hopper(g._fp8_grouped_wgmma_kernel, sig, consts)
 
 

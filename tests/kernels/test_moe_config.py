@@ -61,7 +61,7 @@ def test_shipped_tables_parse():
         if not path.parent.name.endswith("_masked"):
             known.add("TILE_MAP")  # (the contiguous layout's)
         if path.parent.name.startswith("fp8_grouped_gemm"):
-            known |= {"WGMMA", "SWAP_AB"}  # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py)
+            known |= {"WGMMA", "SWAP_AB", "PAIRS"}  # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py)
         if path.parent.name.startswith("moe_gemm"):
             known.add("WGMMA")  # the Gluon kernel (triton_ops/moe_gemm_wgmma.py)
         for cfg in table.values():

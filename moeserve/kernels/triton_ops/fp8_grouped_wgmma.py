@@ -18,6 +18,12 @@ expert, first row, rows left) where the configuration says "TILE_MAP", else from
 registers (no launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid.
 Rows past the segment are read (other experts' rows or zeros) and not stored.
 
+"PAIRS" (decode; BLOCK_M 64): each warpgroup owns a whole tile of 64 rows, the two warpgroups two tiles at once
+(tiles t and t + programs of the persistent walk), whose K steps the producer interleaves in the slots. So the two
+MMAs in flight read different slots, a slot carries 64 rows of a (at decode mostly other experts' rows) where the
+plain form's carries 128, and more stages fit: more of the weights' bytes in flight an SM. A slot is released by
+the one warpgroup that reads it.
+
 "SWAP_AB" (decode): the product is computed as b . a^T, the weights' 128 rows (BLOCK_N) on the MMA's M side, 64 a
 warpgroup, and an expert's few rows on its N side (BLOCK_M of 16 to 64): a tile no longer pads an expert's ~24 rows
 to 64, and its accumulators are small; the tile is stored transposed.
@@ -55,26 +61,54 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
                               tiles_per_expert, num_m, stride_asm, stride_ask, stride_bse, stride_bsn, stride_cm,
                               E: gl.constexpr, E_P2: gl.constexpr, TILE_MAP: gl.constexpr,
                               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, PAIRS: gl.constexpr,
+                              num_warps: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both warpgroups have read the slot
+        mbarrier.init(empty.index(i), count=1 if PAIRS else 2)  # the warpgroups that read the slot are done
     fence_async_shared()
     num_n = gl.cdiv(N, BLOCK_N)
     # (each partition's arguments spelt out: a tuple built with + would turn the constants into values)
-    gl.warp_specialize([
-        (_consume, (0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask, stride_bse,
-                    stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
-                    E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
-        (_consume, (1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask, stride_bse,
-                    stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E,
-                    E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
-        (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
-                    tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M))], [4, 1], [232, 40])
+    if PAIRS:
+        gl.warp_specialize([
+            (_consume_pairs, (0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask,
+                              stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap,
+                              tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+            (_consume_pairs, (1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask,
+                              stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap,
+                              tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+            (_produce_pairs, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr,
+                              cap, tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M))],
+            [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consume, (0, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask,
+                        stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+                        num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+            (_consume, (1, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm, stride_ask,
+                        stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert,
+                        num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)),
+            (_produce, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
+                        tiles_per_expert, num_m, num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M))],
+            [4, 1], [232, 40])
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it):
+    """K step kb of a tile (a's rows from row0, b's from b_row) into slot it % STAGES, once it is free (a fresh
+    barrier's phase "1" counts as complete: the first round does not wait); returns it + 1."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
+    tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+    return it + 1
 
 
 @gluon.jit
@@ -84,7 +118,6 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
     """The producer warp: every K step of this program's tiles, in order, into the slots by turns, each once both
     warpgroups are done with it (a fresh barrier's phase "1" counts as complete: the first round does not wait).
     It runs ahead into the next tile while the warpgroups finish and store the last."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     nk = gl.cdiv(K, 128)
     it = 0
@@ -99,13 +132,40 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
         if left > 0:
             b_row = e * N + pid_n * BLOCK_N
             for kb in range(nk):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
-                tma_load(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
-                it += 1
+                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it)
+
+
+@gluon.jit
+def _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E: gl.constexpr,
+          E_P2: gl.constexpr, MASKED: gl.constexpr, TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr,
+          GROUP_M: gl.constexpr):
+    """PAIRS: tiles t and t + programs (nothing to do past the grid): (e, row0, left, pid_n) of each."""
+    last = num_m * num_n - 1
+    u = t + gl.num_programs(0)
+    ea, ra, la, na = tile(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2, MASKED,
+                          TILE_MAP, BLOCK_M, GROUP_M)
+    eb, rb, lb, nb = tile(gl.minimum(u, last), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n,
+                          E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+    return ea, ra, la, na, eb, rb, gl.where(u <= last, lb, 0), nb
+
+
+@gluon.jit
+def _produce_pairs(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
+                   tiles_per_expert, num_m, num_n, E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr,
+                   TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """PAIRS: the producer walks the tiles two at a time (warpgroup 0's and 1's) and interleaves their K steps in
+    the slots: a's step kb, then b's, where both have rows; one tile's steps in a row where only it has."""
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    nk = gl.cdiv(K, 128)
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, 2 * gl.num_programs(0)):
+        ea, ra, la, na, eb, rb, lb, nb = _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m,
+                                               num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        for kb in range(nk):
+            if la > 0:
+                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ra, ea * N + na * BLOCK_N, kb, it)
+            if lb > 0:
+                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rb, eb * N + nb * BLOCK_N, kb, it)
 
 
 @gluon.jit
@@ -116,7 +176,6 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
     """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'), tile after tile:
     each K step's product waited for, its slot released, then scaled and added while the other warpgroup's MMA
     runs; then the tile's rows stored."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     SWAP: gl.constexpr = BLOCK_M < 128  # (the plain form splits 128 rows of a between the warpgroups)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -141,28 +200,74 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
             row_ok = rows < left
             as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
             bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-            a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask)
-            a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask)
-            acc = gl.zeros(SHAPE, gl.float32, layout=mma)
-            for kb in range(nk):
-                s = it % STAGES
-                a2, b2 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two ahead
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if SWAP:
-                    part = warpgroup_mma(b_bufs.index(s).slice(wg * 64, 64), a_bufs.index(s).permute((1, 0)), zero,
-                                         use_acc=False, is_async=True)
-                else:
-                    part = warpgroup_mma(a_bufs.index(s).slice(wg * 64, 64), b_bufs.index(s).permute((1, 0)), zero,
-                                         use_acc=False, is_async=True)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc = _scaled_add(acc, part, a0 * b0, SWAP)
-                a0, b0, a1, b1 = a1, b1, a2, b2
-                it += 1
+            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, 1,
+                              wg * 64, zero, SWAP)
+            it += nk
             if SWAP:
                 store_tile(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
             else:
                 store_tile(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
+
+
+@gluon.jit
+def _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, first, step, half,
+                zero, SWAP: gl.constexpr):
+    """One tile's nk K steps from slots first, first + step, ... (in turns of STAGES): each step's product waited
+    for, its slot released, then scaled by the step's scales (loaded two steps ahead) and added in fp32. The MMA
+    reads rows half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the other operand."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask)
+    a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask)
+    acc = gl.zeros_like(zero)
+    for kb in range(nk):
+        it = first + kb * step
+        s = it % STAGES
+        a2, b2 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two ahead
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if SWAP:
+            part = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero,
+                                 use_acc=False, is_async=True)
+        else:
+            part = warpgroup_mma(a_bufs.index(s).slice(half, 64), b_bufs.index(s).permute((1, 0)), zero,
+                                 use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = _scaled_add(acc, part, a0 * b0, SWAP)
+        a0, b0, a1, b1 = a1, b1, a2, b2
+    return acc
+
+
+@gluon.jit
+def _consume_pairs(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, N, K, stride_asm,
+                   stride_ask, stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap,
+                   tiles_per_expert, num_m, num_n, E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr,
+                   TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """PAIRS: warpgroup wg's tile of each pair, all 64 rows of it: its K steps are every other slot where both
+    tiles of the pair have rows (warpgroup 0's first), every slot where only its own has."""
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    nk = gl.cdiv(K, 128)
+    zero = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    it = 0
+    for t in range(gl.program_id(0), num_m * num_n, 2 * gl.num_programs(0)):
+        ea, ra, la, na, eb, rb, lb, nb = _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m,
+                                               num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
+        both = ((la > 0) & (lb > 0)).to(gl.int32)
+        if wg == 0:
+            e, row0, left, pid_n = ea, ra, la, na
+        else:
+            e, row0, left, pid_n = eb, rb, lb, nb
+        if left > 0:
+            n0 = pid_n * BLOCK_N
+            row_ok = rows < left
+            as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
+            bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
+            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk,
+                              it + wg * both, 1 + both, 0, zero, False)
+            store_tile(c_ptr, acc, row0, left, n0, N, stride_cm, 64, BLOCK_N, False, 4)
+        it += nk * ((la > 0).to(gl.int32) + (lb > 0).to(gl.int32))
 
 
 @gluon.jit
@@ -177,10 +282,13 @@ def _scaled_add(acc, part, row_scale, SWAP: gl.constexpr):
 
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
     """The shapes and forms this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16
-    bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; SWAP_AB, BLOCK_N 128 and BLOCK_M 16, 32 or 64; N a multiple
-    of BLOCK_N; 4 warps a warpgroup (the producer warp comes on top)."""
+    bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; PAIRS, BLOCK_M 64 and BLOCK_N 64 or 128; SWAP_AB, BLOCK_N
+    128 and BLOCK_M 16, 32 or 64; N a multiple of BLOCK_N; 4 warps a warpgroup (the producer warp comes on top)."""
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    form = (bn == 128 and bm in (16, 32, 64)) if config.get("SWAP_AB") else (bm == 128 and bn in (64, 128))
+    if config.get("SWAP_AB"):
+        form = bn == 128 and bm in (16, 32, 64) and not config.get("PAIRS")
+    else:
+        form = bm == (64 if config.get("PAIRS") else 128) and bn in (64, 128)
     return (form and config["num_warps"] == 4 and xq.shape[1] % BLOCK == 0 and w.shape[1] % bn == 0
             and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
@@ -204,5 +312,6 @@ def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m,
         a_desc, b_desc, x_scale, w_scale_inv, out, starts, counts, tiles, n, k, cap,
         triton.cdiv(cap, bm) if masked else 0, num_m, x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), TILE_MAP=mapped, MASKED=masked,
-        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8), STAGES=config["num_stages"], num_warps=4)
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=config.get("GROUP_M", 8), STAGES=config["num_stages"],
+        PAIRS=bool(config.get("PAIRS")), num_warps=4)
     return out
