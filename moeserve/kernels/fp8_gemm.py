@@ -3,6 +3,7 @@ groups of 128 on the fly (DeepSeek-V3's recipe, moeserve/kernels/fp8_quant.py).
 
     fp8_linear(x [..., K], w [N, K] e4m3, w_scale_inv [ceil(N/128), ceil(K/128)])  -> [..., N] in x's dtype
         = fp8_gemm(*quantize_activations(x), w, w_scale_inv, x.dtype)
+    fp8_linear(h [..., 2K], w, w_scale_inv, silu=True)   = the same on silu_and_mul(h) (a down projection)
 
 `fp8_gemm` takes the Triton kernel for CUDA tensors (kernels/triton_ops/fp8_gemm.py), else `fp8_gemm_reference`:
 dequantize both operands, then one float32 matmul. Same signature, same math (the kernel sums each 128-wide K block
@@ -13,7 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.fp8_quant import dequantize_activations, dequantize_weight, quantize_activations
+from moeserve.kernels.fp8_quant import (
+    dequantize_activations,
+    dequantize_weight,
+    quantize_activations_reference,
+    silu_and_mul_quantize_reference,
+)
 from moeserve.kernels.triton_available import use_triton
 
 
@@ -35,8 +41,23 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     return fp8_gemm_reference(xq, x_scale, w, w_scale_inv, out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16 / fp32) -> x W^T [..., N] in x's dtype; x is quantized per token and group of 128."""
-    k = x.shape[-1]
-    xq, xs = quantize_activations(x.reshape(-1, k), mn_major=True)
-    return fp8_gemm(xq, xs, w, w_scale_inv, x.dtype).view(*x.shape[:-1], w.shape[0])
+def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+                         silu: bool = False) -> torch.Tensor:
+    """x [M, K] (silu: [M, 2K], [gate | up], and the product silu(gate) * up is what is multiplied) -> quantized per
+    token and group of 128, then `fp8_gemm_reference`: [M, N] in x's dtype."""
+    xq, xs = (silu_and_mul_quantize_reference if silu else quantize_activations_reference)(x)
+    return fp8_gemm_reference(xq, xs, w, w_scale_inv, x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """x [..., K] (bf16 / fp32; silu: [..., 2K]) -> x W^T [..., N] in x's dtype (silu: silu(gate) * up times W^T);
+    x is quantized per token and group of 128. On CUDA the Triton path (quantizer then GEMM, or one kernel where
+    the tuned table says so: triton_ops/fp8_gemm.fp8_linear), else the reference."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_triton(x):
+        from moeserve.kernels.triton_ops.fp8_gemm import fp8_linear as triton_linear
+
+        y = triton_linear(x2, w, w_scale_inv, silu)
+    else:
+        y = fp8_linear_reference(x2, w, w_scale_inv, silu)
+    return y.view(*x.shape[:-1], w.shape[0])

@@ -10,13 +10,23 @@ its own e4m3 weight, activations already quantized per token in groups of 128 (m
 
 Each takes the Triton kernel for CUDA tensors (kernels/triton_ops/fp8_grouped_gemm.py), else the torch reference
 beside it with the same signature (dequantize, then a float32 matmul per expert).
+
+`fp8_grouped_gemm_act` and `fp8_grouped_gemm_masked_act` start from the activations instead: the layout's rows
+quantized per token in groups of 128 (gathered from the tokens by `pairs`, or silu(gate) * up of [gate | up] rows),
+then the GEMM; on CUDA in one launch where the tuned table says so (decode), else the quantizer, then the GEMM.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.fp8_quant import dequantize_activations, dequantize_weight
+from moeserve.kernels.fp8_quant import (
+    dequantize_activations,
+    dequantize_weight,
+    quantize_activations_reference,
+    quantize_gathered_reference,
+    silu_and_mul_quantize_reference,
+)
 from moeserve.kernels.triton_available import use_triton
 
 
@@ -61,3 +71,33 @@ def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
 
         return triton_masked(xq, x_scale, w, w_scale_inv, masked_m, out_dtype)
     return fp8_grouped_gemm_masked_reference(xq, x_scale, w, w_scale_inv, masked_m, out_dtype)
+
+
+def _quantize_reference(x: torch.Tensor, pairs: torch.Tensor | None, top_k: int, silu: bool):
+    if pairs is not None:
+        return quantize_gathered_reference(x, pairs, top_k)
+    return (silu_and_mul_quantize_reference if silu else quantize_activations_reference)(x)
+
+
+def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
+                         num_tokens_per_expert: torch.Tensor, out_dtype: torch.dtype, pairs: torch.Tensor | None = None,
+                         top_k: int = 1, silu: bool = False) -> torch.Tensor:
+    """Contiguous layout from the activations: x's rows (with pairs, row r is token pairs[r] // top_k of x, -1 a row
+    of zeros; silu: x's rows are [gate | up] and the row is silu(gate) * up), quantized, times each expert's w."""
+    if use_triton(x):
+        from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_act as triton_act
+
+        return triton_act(x, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, pairs, top_k, silu)
+    return fp8_grouped_gemm_reference(*_quantize_reference(x, pairs, top_k, silu), w, w_scale_inv, expert_offsets,
+                                      num_tokens_per_expert, out_dtype)
+
+
+def fp8_grouped_gemm_masked_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, masked_m: torch.Tensor,
+                                out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor:
+    """Masked layout from the activations: x [E, C, K] (silu: [E, C, 2K]) quantized, times each expert's w."""
+    if use_triton(x):
+        from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked_act as triton_act
+
+        return triton_act(x, w, w_scale_inv, masked_m, out_dtype, silu)
+    return fp8_grouped_gemm_masked_reference(*_quantize_reference(x, None, 1, silu), w, w_scale_inv, masked_m,
+                                             out_dtype)

@@ -299,3 +299,65 @@ def test_cublas_backend_matches_reference(m, n, k):
     for scales in (xs, scales_mn_major(xs)):
         got = fp8_gemm(*(t.cuda() for t in (xq, scales, wq, ws)), torch.bfloat16, config={"backend": "cublas"})
         assert _rel(got.float().cpu(), ref) < 1e-2  # bf16 output
+
+
+# "A_QUANT": true, the GEMM's tiles quantize their own rows (decode's one launch) against the quantizer then the GEMM
+# on the same tiles: the same e4m3 values and scales, so the same sums. (Against the torch reference on the GPU only:
+# on the CPU both sides carry the interpreter's e4m3 rounding noted in test_triton_activation_quant_matches_reference.)
+def _quantizing_tiles_agree(run, ref, cfg: dict, device: str, rows=slice(None)) -> None:
+    unfused, fused = run(cfg).cpu(), run(dict(cfg, A_QUANT=True)).cpu()
+    assert _rel(fused[rows], unfused[rows]) < KERNEL_REL
+    if device == "cuda":
+        assert _rel(fused[rows], ref()[rows]) < WGMMA_REL + KERNEL_REL
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 150, 260), (1, 64, 128), (20, 300, 256)])
+def test_triton_linear_quantizing_its_tiles_matches_quantizer_then_gemm(device, silu, m, n, k):
+    """The linear layer's GEMM from the activations (x, or silu(gate) * up of [gate | up] rows), partial groups."""
+    from moeserve.kernels.fp8_gemm import fp8_linear_reference
+    from moeserve.kernels.triton_ops.fp8_gemm import fp8_linear
+
+    gen = torch.Generator().manual_seed(m + n + k + silu)
+    x = torch.randn(m, 2 * k if silu else k, generator=gen) * 3
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
+    dev = [t.to(device) for t in (x, wq, ws)]
+    for cfg in (SMALL, WIDE_N):
+        _quantizing_tiles_agree(lambda c: fp8_linear(*dev, silu, config=c),
+                                lambda: fp8_linear_reference(x, wq, ws, silu), cfg, device)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_triton_grouped_quantizing_its_tiles_matches_quantizer_then_gemm(device, silu):
+    """The experts' GEMMs from the activations: gate/up's rows gathered from the tokens (a padding pair -1 inside a
+    segment), down's rows silu(gate) * up; contiguous and masked layouts, 16- and 64-row tiles."""
+    from moeserve.kernels import fp8_grouped_gemm as ref
+    from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_act, fp8_grouped_gemm_masked_act
+
+    gen = torch.Generator().manual_seed(31 + silu)
+    counts = torch.tensor([0, 37, 1, 0, 18], dtype=torch.int32)
+    offsets = torch.zeros(6, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts, 0)
+    k, top_k = 256, 3
+    wq, ws = quantize_weight(torch.randn(5, 150, k, generator=gen))
+    if silu:
+        x, pairs = torch.randn(56, 2 * k, generator=gen), None
+    else:
+        x, pairs = torch.randn(30, k, generator=gen), torch.randint(0, 90, (56,), generator=gen, dtype=torch.int32)
+        pairs[5] = -1
+    valid = _valid_rows(offsets, counts)
+    masked_m = torch.tensor([17, 0, 40, 3, 1], dtype=torch.int32)
+    xm = torch.randn(5, 40, 2 * k if silu else k, generator=gen)
+    keep = torch.arange(40)[None, :] < masked_m[:, None]
+    d = lambda *ts: [None if t is None else t.to(device) for t in ts]  # noqa: E731
+    for cfg in (dict(SMALL, TMA=True), dict(SMALL, TMA=True, BLOCK_M=64, BLOCK_N=128, GROUP_M=2)):
+        _quantizing_tiles_agree(
+            lambda c: fp8_grouped_gemm_act(*d(x, wq, ws, offsets, counts), torch.float32, *d(pairs), top_k, silu, c),
+            lambda: ref.fp8_grouped_gemm_act(x, wq, ws, offsets, counts, torch.float32, pairs, top_k, silu),
+            cfg, device, valid)
+        _quantizing_tiles_agree(
+            lambda c: fp8_grouped_gemm_masked_act(*d(xm, wq, ws, masked_m), torch.float32, silu, c),
+            lambda: ref.fp8_grouped_gemm_masked_act(xm, wq, ws, masked_m, torch.float32, silu), cfg, device, keep)
+    if not silu:
+        assert (fp8_grouped_gemm_act(*d(x, wq, ws, offsets, counts), torch.float32, *d(pairs), top_k,
+                                     config=dict(SMALL, TMA=True, A_QUANT=True))[5] == 0).all()  # the padding pair

@@ -27,6 +27,26 @@ GROUPS = 8  # groups of 128 a program: 1,024 values, 8 a thread at 4 warps
 
 
 @triton.jit
+def load_groups(x_ptr, offs, read, up_cols, SILU: tl.constexpr):
+    """x's values at element offsets offs ([R, C], zeros where not read), in x's dtype; SILU: silu(gate) * up, the
+    up values up_cols columns on (as torch's two ops round it). What the quantizer and the FP8 GEMMs that quantize
+    their own rows (triton_ops/fp8_gemm.py) read."""
+    v = tl.load(x_ptr + offs, mask=read, other=0.0)
+    if SILU:
+        v = silu_mul(v, tl.load(x_ptr + offs + up_cols, mask=read, other=0.0))
+    return v
+
+
+@triton.jit
+def quantize_groups(v, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """[R, 128] values, a group a row -> (q [R, 128] float32 on e4m3's grid's range, scale [R]): scale = amax / QMAX
+    (floored), q = v / scale clamped to +-QMAX; the caller casts q to e4m3 (round to nearest even)."""
+    x = v.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / QMAX
+    return tl.clamp(x / scale[:, None], -QMAX, QMAX), scale
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, pairs_ptr, K, num_groups, total, stride_xm, stride_qm, stride_sm,
                             stride_sg, SILU: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
                             FLAT: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr,
@@ -51,12 +71,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, pairs_ptr, K, num_groups, total
         src = tl.maximum(pair, 0).to(tl.int64) // TOPK
         read = ok & (pair[:, None] >= 0 if FLAT else (pair + tl.zeros_like(cols)) >= 0)
     x_off = (src * stride_xm)[:, None] if FLAT else src * stride_xm
-    v = tl.load(x_ptr + x_off + cols, mask=read, other=0.0)
-    if SILU:
-        v = silu_mul(v, tl.load(x_ptr + x_off + K + cols, mask=read, other=0.0))  # in x's dtype
-    x = v.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR) / QMAX
-    q = tl.clamp(x / scale[:, None], -QMAX, QMAX)
+    q, scale = quantize_groups(load_groups(x_ptr, x_off + cols, read, K, SILU), FLOOR, QMAX)
     q_off = (row * stride_qm)[:, None] if FLAT else row * stride_qm
     tl.store(q_ptr + q_off + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=live)

@@ -5,9 +5,10 @@ fp8_mlp.py (exact; I' = I for DeepSeek-V3).
 
     expert_e(x) = W2_e · (silu(W1_e x) * (W3_e x)),  x quantized per token in groups of 128 before each GEMM
 
-The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts, with SiLU-and-mul
-and the quantization between them in one kernel; the contiguous layout's rows are quantized straight from the
-tokens. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4% slower at prefill
+The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts, each from the
+activations (`fp8_grouped_gemm_act`): the contiguous layout's rows quantized straight from the tokens, SiLU-and-mul
+and the quantization between the GEMMs in one kernel, or, where the tuned table says so (decode), each GEMM's tiles
+quantizing their own rows. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4% slower at prefill
 sizes and 21-26% slower at decode sizes on an H200, and was dropped: docs/BENCHMARKS.md.) A MaskedLayout
 whose x arrives already in FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the
 CPU the experts keep their weights dequantized as well and run the same math through torch's grouped GEMM (see
@@ -23,16 +24,17 @@ import torch
 from moeserve.core.layouts import ContiguousLayout, MaskedLayout
 from moeserve.ep.stats import record_local_tokens
 from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.fp8_grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_masked
+from moeserve.kernels.fp8_grouped_gemm import (
+    fp8_grouped_gemm_act,
+    fp8_grouped_gemm_masked,
+    fp8_grouped_gemm_masked_act,
+)
 from moeserve.kernels.fp8_quant import (
     BLOCK,
     dequantize_activations,
     dequantize_weight,
     fake_quantize_activations,
     num_blocks,
-    quantize_activations,
-    quantize_gathered,
-    silu_and_mul_quantize,
 )
 from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.layers.moe.experts import Experts
@@ -71,19 +73,17 @@ class Fp8Experts(Experts):
             return self._forward_dequantized(layout)
         dt = self._activation_dtype
         if isinstance(layout, MaskedLayout):
-            record_local_tokens(layout.masked_m)
-            xq, xs = ((layout.x, layout.x_scale) if layout.x_scale is not None
-                      else quantize_activations(layout.x, mn_major=True))
-            h = fp8_grouped_gemm_masked(xq, xs, self.w13, self.w13_scale_inv, layout.masked_m, dt)
-            hq, hs = silu_and_mul_quantize(h, mn_major=True)
-            return fp8_grouped_gemm_masked(hq, hs, self.w2, self.w2_scale_inv, layout.masked_m, dt)
+            mm = layout.masked_m
+            record_local_tokens(mm)
+            if layout.x_scale is not None:
+                h = fp8_grouped_gemm_masked(layout.x, layout.x_scale, self.w13, self.w13_scale_inv, mm, dt)
+            else:
+                h = fp8_grouped_gemm_masked_act(layout.x, self.w13, self.w13_scale_inv, mm, dt)
+            return fp8_grouped_gemm_masked_act(h, self.w2, self.w2_scale_inv, mm, dt, silu=True)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         record_local_tokens(counts)
-        xq, xs = (quantize_activations(layout.x, mn_major=True) if layout.pairs is None
-                  else quantize_gathered(layout.x, layout.pairs, layout.top_k, mn_major=True))
-        h = fp8_grouped_gemm(xq, xs, self.w13, self.w13_scale_inv, offs, counts, dt)
-        hq, hs = silu_and_mul_quantize(h, mn_major=True)
-        return fp8_grouped_gemm(hq, hs, self.w2, self.w2_scale_inv, offs, counts, dt)
+        h = fp8_grouped_gemm_act(layout.x, self.w13, self.w13_scale_inv, offs, counts, dt, layout.pairs, layout.top_k)
+        return fp8_grouped_gemm_act(h, self.w2, self.w2_scale_inv, offs, counts, dt, silu=True)
 
     def _forward_dequantized(self, layout: ContiguousLayout | MaskedLayout) -> torch.Tensor:
         """The CPU path: activations rounded through FP8, dequantized weights."""

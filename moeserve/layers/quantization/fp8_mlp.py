@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.fp8_gemm import fp8_gemm, fp8_linear
+from moeserve.kernels.fp8_gemm import fp8_linear
 from moeserve.kernels.fp8_quant import (
     BLOCK,
     FP8_DTYPE,
     dequantize_weight,
     fake_quantize_activations,
     num_blocks,
-    silu_and_mul_quantize,
 )
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.quantization.fp8_linear import SCALE_SUFFIX
@@ -64,9 +63,8 @@ class Fp8GatedMLP(GatedMLP):
             h = silu_and_mul(F.linear(fake_quantize_activations(x), gate_up))
             return F.linear(fake_quantize_activations(h), down)
         h = fp8_linear(x, self.gate_up_proj, self.gate_up_proj_scale_inv)  # [T, 2I'], 0 past I in each half
-        # the down projection's input, straight to FP8 (scales M-major, as the GEMM reads them)
-        hq, hs = silu_and_mul_quantize(h.reshape(-1, h.shape[-1]), mn_major=True)
-        return fp8_gemm(hq, hs, self.down_proj, self.down_proj_scale_inv, x.dtype).view(*x.shape[:-1], -1)
+        # the down projection's input silu(gate) * up, quantized on its way in
+        return fp8_linear(h, self.down_proj, self.down_proj_scale_inv, silu=True)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
         self._dense = None

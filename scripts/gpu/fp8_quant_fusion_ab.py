@@ -1,0 +1,174 @@
+"""A/B at decode sizes: the FP8 GEMMs' activations quantized by their own launch (the quantizer, then the GEMM: the
+tables' entries as they are) against tiles that quantize their own rows ("A_QUANT": true: one launch, no e4m3
+round trip), each timed as a decode step runs it.
+
+V2-Lite's shapes at T tokens of decode: the experts' gate/up (its rows gathered from the tokens, random top-6
+routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * up of the gate/up output, N 2,048, K
+1,408), and the linear layers' q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048). A case runs --layers times, each
+with its own copy of the weights (nothing stays in L2), captured in one CUDA graph; the replay's time a layer is
+reported (median of --rounds replays, alternating the forms). Each fused candidate is checked against the unfused
+output first (the same e4m3 values, so the same sums up to their order).
+
+--write: where the best fused candidate beats the table's entry by more than --margin, the tables (the experts'
+ops at decode's rows-per-expert key, as scripts/gpu/tune_fp8.py --decode-batches writes them; fp8_gemm at T rows)
+get that candidate with "A_QUANT": true at the T measured; elsewhere the entry stays as it is.
+
+Run on the GPU machine:  python3 scripts/gpu/fp8_quant_fusion_ab.py [--tokens 64 256] [--layers 26] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_fp8 import write_table  # noqa: E402
+
+from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
+from moeserve.kernels.fp8_quant import quantize_weight  # noqa: E402
+from moeserve.kernels.moe_config import get_config  # noqa: E402
+from moeserve.kernels.triton_ops import fp8_gemm as dense  # noqa: E402
+from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped  # noqa: E402
+
+E, SHARED, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
+GROUPED_FUSED = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st, TMA=True, A_QUANT=True)
+                 for bm, bn, w, st in [(16, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 3), (32, 128, 4, 4),
+                                       (32, 64, 4, 4), (64, 128, 8, 3), (16, 64, 4, 6)]]
+DENSE_FUSED = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, A_QUANT=True)
+               for bm, bn, w, st in [(16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4),
+                                     (16, 32, 4, 4)]]
+
+
+def layout(T: int, gen: torch.Generator):
+    """Decode's contiguous layout: (offsets [E + S + 1], counts [E + S], pairs [T * (k + S)]): each token's top-6
+    routed experts and the shared slots, rows sorted by expert (row r holds pair pairs[r], token pairs[r] // 8)."""
+    routed = torch.rand(T, E, device="cuda", generator=gen).topk(TOP_K, dim=1).indices
+    shared = torch.arange(E, E + SHARED, device="cuda").expand(T, SHARED)
+    flat = torch.cat([routed, shared], dim=1).flatten()
+    pairs = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(flat, minlength=E + SHARED).to(torch.int32)
+    offsets = torch.zeros(E + SHARED + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(counts, 0)
+    return offsets, counts, pairs
+
+
+def graph_us(step, rounds: int, layers: int) -> float:
+    """us a layer: the step (layers launches) captured once, replayed `rounds` times (median)."""
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    times = [triton.testing.do_bench(g.replay, warmup=3, rep=30, return_mode="median") for _ in range(rounds)]
+    return sorted(times)[len(times) // 2] * 1e3 / layers
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def unfused(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "A_QUANT"}
+
+
+def run_case(name: str, fn, weights: list, candidates: list[dict], table_cfg: dict, ns, rows=None) -> dict:
+    """fn(w, s, config) -> out. The table's entry (unfused) against each fused candidate, in graphs."""
+    base = unfused(table_cfg)
+    ref = fn(*weights[0], base)
+    ref = ref if rows is None else ref[rows]
+    res = {"table": (base, graph_us(lambda: [fn(w, s, base) for w, s in weights], ns.rounds, len(weights)))}
+    print(f"{name}: the table's entry (quantizer, then the GEMM) {res['table'][1]:7.1f} us a layer | {base}",
+          flush=True)
+    for c in candidates:
+        try:
+            out = fn(*weights[0], c)
+            err = rel(out if rows is None else out[rows], ref)
+            if not err < 1e-3:
+                print(f"  WRONG {c}: rel {err:.2e}", flush=True)
+                continue
+            us = graph_us(lambda c=c: [fn(w, s, c) for w, s in weights], ns.rounds, len(weights))
+        except Exception as e:  # noqa: BLE001 (does not compile or fit: reported, left out)
+            print(f"  skip {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        res[json.dumps(c)] = (c, us)
+        print(f"  fused {us:7.1f} us a layer ({res['table'][1] / us:.2f}x as fast) | {c}", flush=True)
+    return res
+
+
+def best_fused(res: dict) -> tuple[dict | None, float]:
+    fused = [v for k, v in res.items() if k != "table"]
+    return min(fused, key=lambda v: v[1]) if fused else (None, float("inf"))
+
+
+def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w) -> list:
+    """(name, op, (table E, N, K), table key, fn(w, s, config), weight copies, fused candidates) at T tokens."""
+    bf = torch.bfloat16
+    return [
+        ("experts gate/up", grouped.OPS[False], (E, 2 * INTER, H), key,
+         lambda w, s, c: grouped.fp8_grouped_gemm_act(x, w, s, offsets, counts, bf, pairs, TOP_K + SHARED, config=c),
+         w13, GROUPED_FUSED),
+        ("experts down", grouped.OPS[False], (E, H, INTER), key,
+         lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
+         GROUPED_FUSED),
+    ] + [(name, dense.OP, (1, *ws[0][0].shape), T, lambda w, s, c: dense.fp8_linear(x, w, s, config=c), ws,
+          DENSE_FUSED) for name, ws in dense_w.items()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--layers", type=int, default=26)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--margin", type=float, default=0.02, help="--write: the fused form must be this much faster")
+    p.add_argument("--result-file", default=None)
+    ns = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+
+    def copies(n: int, k: int, e: int | None = None):
+        shape = (n, k) if e is None else (e, n, k)
+        w, s = quantize_weight(torch.randn(*shape, device="cuda", generator=gen) * k**-0.5)
+        return [(w.clone(), s.clone()) for _ in range(ns.layers)]
+
+    w13, w2 = copies(2 * INTER, H, E + SHARED), copies(H, INTER, E + SHARED)
+    dense_w = {"q + kv_a": copies(3648, H), "o_proj": copies(H, H)}
+    tables: dict[tuple, dict] = {}
+    out = dict(device=torch.cuda.get_device_name(), layers=ns.layers, cases=[])
+    for T in ns.tokens:
+        offsets, counts, pairs = layout(T, gen)
+        M = pairs.shape[0]
+        valid = torch.zeros(M, dtype=torch.bool, device="cuda")
+        valid[: int(offsets[-1])] = True
+        x = torch.randn(T, H, device="cuda", dtype=bf, generator=gen)
+        h = torch.randn(M, 2 * INTER, device="cuda", dtype=bf, generator=gen)
+        key = round(M * E / (E + SHARED))  # tune_fp8.py --decode-batches' key in E's table
+        cases = step_cases(T, key, x, h, offsets, counts, pairs, w13, w2, dense_w)
+        for name, op, (e, n, k), tkey, fn, weights, cands in cases:
+            table_cfg = get_config(op, M if e > 1 else T, E + SHARED if e > 1 else 1, n, k, FP8_DTYPE,
+                                   default=grouped.default_config if e > 1 else dense.default_config)
+            res = run_case(f"T={T} {name}", fn, weights, cands, table_cfg, ns, None if e == 1 else valid)
+            c, us = best_fused(res)
+            base_us = res["table"][1]
+            print(f"T={T} {name}: best fused {us:.1f} us against {base_us:.1f} ({base_us / us:.2f}x) | {c}",
+                  flush=True)
+            out["cases"].append(dict(T=T, case=name, table=res["table"][0], table_us=base_us, fused=c, fused_us=us))
+            if ns.write and c is not None and us < base_us * (1 - ns.margin):
+                tables.setdefault((op, e, n, k), {})[tkey] = c
+    for (op, e, n, k), table in tables.items():
+        write_table(op, e, n, k, table)
+    if ns.result_file:
+        with open(ns.result_file, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
