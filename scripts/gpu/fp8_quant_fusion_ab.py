@@ -9,11 +9,12 @@ with its own copy of the weights (nothing stays in L2), captured in one CUDA gra
 reported (median of --rounds replays, alternating the forms). Each fused candidate is checked against the unfused
 output first (the same e4m3 values, so the same sums up to their order).
 
---write: where the best fused candidate beats the table's entry by more than --margin, the tables (the experts'
-ops at decode's rows-per-expert key, as scripts/gpu/tune_fp8.py --decode-batches writes them; fp8_gemm at T rows)
-get that candidate with "A_QUANT": true at the T measured; elsewhere the entry stays as it is.
+--write: at each T measured the tables (the experts' ops at decode's rows-per-expert key, as scripts/gpu/
+tune_fp8.py --decode-batches writes them; fp8_gemm at T rows) get the best fused candidate ("A_QUANT": true) where
+it beats the table's entry by more than --margin, else the entry the lookup found, pinned at that key (so that a
+fused entry's nearest-key reach stops at the sizes measured without it: 1,024 tokens is a prefill's size).
 
-Run on the GPU machine:  python3 scripts/gpu/fp8_quant_fusion_ab.py [--tokens 64 256] [--layers 26] [--write]
+Run on the GPU machine:  python3 scripts/gpu/fp8_quant_fusion_ab.py [--tokens 64 128 256 1024] [--layers 26] [--write]
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 1024])
     p.add_argument("--layers", type=int, default=26)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--write", action="store_true")
@@ -160,8 +161,9 @@ def main() -> int:
             print(f"T={T} {name}: best fused {us:.1f} us against {base_us:.1f} ({base_us / us:.2f}x) | {c}",
                   flush=True)
             out["cases"].append(dict(T=T, case=name, table=res["table"][0], table_us=base_us, fused=c, fused_us=us))
-            if ns.write and c is not None and us < base_us * (1 - ns.margin):
-                tables.setdefault((op, e, n, k), {})[tkey] = c
+            if ns.write:
+                wins = c is not None and us < base_us * (1 - ns.margin)
+                tables.setdefault((op, e, n, k), {})[tkey] = c if wins else res["table"][0]
     for (op, e, n, k), table in tables.items():
         write_table(op, e, n, k, table)
     if ns.result_file:
