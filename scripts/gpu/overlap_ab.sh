@@ -32,6 +32,9 @@
 #              --decode-batches, shared slots), then 768 rows an expert (prefill; tiles from a map among the
 #              candidates; FP8_PHASES picks); the tables land in $OUT/fp8_grouped_tables.tgz (the next parts of the
 #              same call read them)
+#   fp8fuse    the FP8 GEMMs' activations quantized by the tiles ("A_QUANT") against the quantizer then the GEMM, at
+#              decode sizes in CUDA graphs (scripts/gpu/fp8_quant_fusion_ab.py --write); the tables land in
+#              $OUT/fp8_fused_tables.tgz (the next parts of the same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
@@ -174,6 +177,12 @@ fp8tune)  # FP8_PHASES="decode prefill" by default
       --rows-per-expert 768 --stats "$OUT/tune_fp8_prefill.jsonl" 2>&1 | grep -vE "skip|Warning|warn"
   fi
   tar -czf "$OUT/fp8_grouped_tables.tgz" -C moeserve/kernels/configs fp8_grouped_gemm fp8_grouped_gemm_masked
+  ;;
+fp8fuse)
+  echo "== FP8 GEMMs quantizing their own rows, decode sizes $(date -u +%T)"
+  timeout ${FUSE_S:-240} python3 scripts/gpu/fp8_quant_fusion_ab.py --write --result-file "$OUT/fp8_fuse.jsonl" 2>&1 \
+    | grep -vE "skip|Warning|warn"
+  tar -czf "$OUT/fp8_fused_tables.tgz" -C moeserve/kernels/configs fp8_gemm fp8_grouped_gemm
   ;;
 prefillab)
   SITE=${PYTHONPATH#*:}
