@@ -22,6 +22,8 @@ from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_quant import load_groups, quantize_groups
 
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+_FLOOR = tl.constexpr(ACT_SCALE_FLOOR)  # the activation recipe's constants, for the tiles that quantize (QUANT)
+_QMAX = tl.constexpr(FP8_MAX)
 OP = "fp8_gemm"  # the tables' op name (moeserve/kernels/moe_config.py, E = 1), written by tune_fp8.py --dense
 
 
@@ -67,23 +69,21 @@ def _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, str
 
 
 @triton.jit
-def _quantized_a(x_ptr, x_rows, x_ok, ks, kb, K, SILU: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr,
-                 GROUP: tl.constexpr):
+def _quantized_a(x_ptr, x_rows, x_ok, ks, kb, K, SILU: tl.constexpr, GROUP: tl.constexpr):
     """QUANT: K block kb of a quantized here from the activations (DeepSeek's per-token groups of 128, the bits
     triton_ops/fp8_quant.py writes): x_rows the element offsets of the tile's rows in x ([BLOCK_M, 1]), rows not
     x_ok read as zeros; SILU: x holds [gate | up] rows (K columns apart) and a is silu(gate) * up.
     Returns (a [BLOCK_M, GROUP] e4m3, its scales [BLOCK_M])."""
     cols = kb * GROUP + ks
     v = load_groups(x_ptr, x_rows + cols[None, :], x_ok[:, None] & (cols < K)[None, :], K, SILU)
-    q, scale = quantize_groups(v, FLOOR, QMAX)
+    q, scale = quantize_groups(v, _FLOOR, _QMAX)
     return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
 def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
                       stride_ask, stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr, QUANT: tl.constexpr = False, SILU: tl.constexpr = False,
-                      FLOOR: tl.constexpr = 1e-10, QMAX: tl.constexpr = 448.0):
+                      GROUP: tl.constexpr, QUANT: tl.constexpr = False, SILU: tl.constexpr = False):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
     rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends;
     n0: the tile's first column. The scales of the next K block are loaded a step ahead (their latency hides
@@ -101,7 +101,7 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
     for kb in range(0, nk):
         k_ok = ks < K - kb * GROUP
         if QUANT:
-            a, a_s = _quantized_a(a_ptr, (rows * stride_am)[:, None], row_ok, ks, kb, K, SILU, FLOOR, QMAX, GROUP)
+            a, a_s = _quantized_a(a_ptr, (rows * stride_am)[:, None], row_ok, ks, kb, K, SILU, GROUP)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -117,8 +117,7 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, a_src, a_ok, b_row0, rows, row_ok, cols, col_ok,
                           n0, K, stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           GROUP: tl.constexpr, A_TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr = 1,
-                          QUANT: tl.constexpr = False, SILU: tl.constexpr = False, FLOOR: tl.constexpr = 1e-10,
-                          QMAX: tl.constexpr = 448.0):
+                          QUANT: tl.constexpr = False, SILU: tl.constexpr = False):
     """`block_scaled_tile` with b read by the tensor-memory accelerator: b_desc over b [rows, K] with blocks
     [BLOCK_N, GROUP], from row b_row0 (columns past N read other experts' rows or zeros, masked at the store). a:
     with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP], read from row a_row0 (rows
@@ -140,7 +139,7 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, a_src, a_ok, b
         if A_TMA:
             a = a_desc.load([a_row0, kb * GROUP])
         elif QUANT:
-            a, a_q = _quantized_a(a_desc, a_src[:, None], a_ok, ks, kb, K, SILU, FLOOR, QMAX, GROUP)
+            a, a_q = _quantized_a(a_desc, a_src[:, None], a_ok, ks, kb, K, SILU, GROUP)
         else:
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
             a_ptrs += GROUP
@@ -163,13 +162,13 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, a_src, a_ok, b
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask, stride_bn,
                      stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     QUANT: tl.constexpr, SILU: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+                     QUANT: tl.constexpr, SILU: tl.constexpr):
     n0 = tl.program_id(1) * BLOCK_N
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
     acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
-                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, QUANT, SILU, FLOOR, QMAX)
+                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, QUANT, SILU)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -218,8 +217,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_gemm_kernel[grid](a, a_scale, w, w_scale_inv, out, m, n, k, a.stride(0), a_scale.stride(0),
                            a_scale.stride(-1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
-                           BLOCK_N=bn, GROUP=BLOCK, QUANT=quant, SILU=silu, FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                           BLOCK_N=bn, GROUP=BLOCK, QUANT=quant, SILU=silu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
@@ -53,8 +53,7 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
                         A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr, QUANT: tl.constexpr,
-                        SILU: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr, FLOOR: tl.constexpr,
-                        QMAX: tl.constexpr):
+                        SILU: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
@@ -76,7 +75,7 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
                                     start + tile * BLOCK_M, a_src, a_ok, e * N + n0, rows, row_ok, cols, col_ok, n0,
                                     K, stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA,
-                                    SCALE_AHEAD, QUANT, SILU, FLOOR, QMAX)
+                                    SCALE_AHEAD, QUANT, SILU)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
                                 m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
@@ -113,7 +112,7 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
         w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e),
         MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma,
         TILE_MAP=mapped, SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), QUANT=act is not None, SILU=silu,
-        GATHER=pairs is not None, TOPK=top_k, FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, num_warps=cfg["num_warps"],
+        GATHER=pairs is not None, TOPK=top_k, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
 
