@@ -70,3 +70,14 @@ def test_shipped_tables_parse():
             # a picker's other backend: torch's grouped GEMM (bf16 MoE), cuBLAS's block-scaled GEMM (FP8 linear)
             other = {"backend": "cublas" if path.parent.name == "fp8_gemm" else "torch"}
             assert cfg == other or need <= set(cfg) <= known, (path, cfg)  # a misspelt option would do nothing
+
+
+def test_shipped_expert_tables_reach_decode():
+    """An expert table's smallest entry is at most 16 rows an expert: the nearest-key lookup would otherwise give a
+    decode batch (a few rows an expert) a prefill-sized tile (a table tuned at prefill sizes alone once sent
+    DeepSeek-V3's FP8 decode to the 128-row Gluon tile)."""
+    for op in ("moe_gemm", "moe_gemm_silu", "fp8_grouped_gemm", "fp8_grouped_gemm_masked"):
+        for path in (moe_config.CONFIG_DIR / op).glob("*.json"):
+            experts = int(path.name.split(",", 1)[0].removeprefix("E="))
+            smallest = min(int(m) for m in json.loads(path.read_text()))
+            assert smallest <= 16 * experts, (path.name, smallest)
