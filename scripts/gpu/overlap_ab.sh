@@ -20,7 +20,8 @@
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
 #   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256
-#   fp8prefprof the per-part profile of an FP8 prefill of 4 x 2,048 tokens (--quantization fp8)
+#   fp8prefprof the per-part profile of an FP8 prefill of 4 x 2,048 tokens (--quantization fp8; QUANTS="bf16 fp8":
+#              both; MODEL=v3: the V3-layer-shaped model)
 #   fp8ab      FP8 one-batch decode at batch 64 / 256 and prefill 4 x 2,048: BASE=DIR (as onebatch), then this tree
 #   fp8vsbf16  this tree in bf16 then FP8: one-batch decode at batch 64 / 256 and prefill 4 x 2,048 (V2-Lite-shaped;
 #              MODEL=v3: the V3-layer-shaped model), the weights' memory from the log
@@ -51,6 +52,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source scripts/gpu/setup.sh
 M="--model-path benchmarks/configs/deepseek-v2-lite --load-format dummy --dtype bfloat16 --context-length 4096"
 OFF_ON=("--disable-overlap-schedule" "")
+# MODEL=v3: the FP8 parts that take it run the V3-layer-shaped model (MP: its flags, MF: the memory fraction)
+MP=$M; MF=0.5
+[ "${MODEL:-}" = v3 ] && MF=0.85 && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
 for part in "$@"; do
 case $part in
 tests)
@@ -109,13 +113,16 @@ fp8prof)
     --profile --profile-dir /tmp/prof_fp8 --result-file "$OUT/fp8_profile.jsonl" 2>&1 \
     | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
   ;;
-fp8prefprof)
-  echo "== fp8 prefill profile $(date -u +%T)"
-  timeout 120 python3 -m moeserve.cli bench one-batch $M --quantization fp8 --mem-fraction-static 0.5 \
-    --max-running-requests 8 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
-    --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof_fp8 \
-    --result-file "$OUT/fp8_prefprof.jsonl" 2>&1 | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" \
-    | sed -n '/prefill of/,/decode step/p'
+fp8prefprof)  # QUANTS="bf16 fp8" profiles both (default fp8); MODEL=v3 the V3-layer-shaped model
+  for q in ${QUANTS:-fp8}; do
+    F=""; [ $q = fp8 ] && F="--quantization fp8"
+    echo "== ${MODEL:-v2lite} $q prefill profile $(date -u +%T)"
+    timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static $MF \
+      --max-running-requests 8 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
+      --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 --profile --profile-dir /tmp/prof_$q \
+      --result-file "$OUT/${MODEL:-v2lite}_${q}_prefprof.jsonl" 2>&1 \
+      | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces" | sed -n '/prefill of/,/decode step/p'
+  done
   ;;
 fp8ab)
   SITE=${PYTHONPATH#*:}
@@ -134,8 +141,6 @@ fp8ab)
   done
   ;;
 fp8vsbf16)
-  MP=$M; MF=0.5
-  [ "${MODEL:-}" = v3 ] && MF=0.85 && MP="--model-path benchmarks/configs/deepseek-v3-4layer --load-format dummy --dtype bfloat16 --context-length 4096"
   for q in ${QUANTS:-bf16 fp8}; do
     F=""; [ $q = fp8 ] && F="--quantization fp8"
     echo "== ${MODEL:-v2lite} $q decode $(date -u +%T)"
