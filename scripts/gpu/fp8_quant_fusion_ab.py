@@ -4,9 +4,10 @@ round trip), each timed as a decode step runs it.
 
 V2-Lite's shapes at T tokens of decode: the experts' gate/up (its rows gathered from the tokens, random top-6
 routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * up of the gate/up output, N 2,048, K
-1,408), and the linear layers' q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048). A case runs --layers times, each
+1,408), and the linear layers' q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048), and layer 0's dense MLP
+(gate/up 21,888 x 2,048, down 2,048 x 10,944 from [gate | up] rows). A case runs --layers times, each
 with its own copy of the weights (nothing stays in L2), captured in one CUDA graph; the replay's time a layer is
-reported (median of --rounds replays, alternating the forms). Each fused candidate is checked against the unfused
+reported (the median of --rounds timings of its replays). Each fused candidate is checked against the unfused
 output first (the same e4m3 values, so the same sums up to their order).
 
 --write: at each T measured the tables (the experts' ops at decode's rows-per-expert key, as scripts/gpu/
@@ -39,6 +40,7 @@ from moeserve.kernels.triton_ops import fp8_gemm as dense  # noqa: E402
 from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped  # noqa: E402
 
 E, SHARED, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
+DENSE_INTER = 10944  # layer 0's MLP
 GROUPED_FUSED = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st, TMA=True, A_QUANT=True)
                  for bm, bn, w, st in [(16, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 3), (32, 128, 4, 4),
                                        (32, 64, 4, 4), (64, 128, 8, 3), (16, 64, 4, 6)]]
@@ -118,8 +120,20 @@ def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w)
         ("experts down", grouped.OPS[False], (E, H, INTER), key,
          lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
          GROUPED_FUSED),
-    ] + [(name, dense.OP, (1, *ws[0][0].shape), T, lambda w, s, c: dense.fp8_linear(x, w, s, config=c), ws,
-          DENSE_FUSED) for name, ws in dense_w.items()]
+    ] + [(name, dense.OP, (1, *ws[0][0].shape), T,
+          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws, DENSE_FUSED)
+         for name, (ws, a, silu) in dense_inputs(x, dense_w).items()]
+
+
+def dense_inputs(x: torch.Tensor, dense_w: dict) -> dict:
+    """Each linear layer's (weights, input, silu): x for the attention's and the dense MLP's gate/up, [gate | up]
+    rows for the dense MLP's down."""
+    out = {}
+    for name, ws in dense_w.items():
+        silu = name == "dense MLP down"
+        a = torch.randn(x.shape[0], 2 * ws[0][0].shape[1], device=x.device, dtype=x.dtype) if silu else x
+        out[name] = (ws, a, silu)
+    return out
 
 
 def main() -> int:
@@ -140,7 +154,8 @@ def main() -> int:
         return [(w.clone(), s.clone()) for _ in range(ns.layers)]
 
     w13, w2 = copies(2 * INTER, H, E + SHARED), copies(H, INTER, E + SHARED)
-    dense_w = {"q + kv_a": copies(3648, H), "o_proj": copies(H, H)}
+    dense_w = {"q + kv_a": copies(3648, H), "o_proj": copies(H, H), "dense MLP gate/up": copies(2 * DENSE_INTER, H),
+               "dense MLP down": copies(H, DENSE_INTER)}
     tables: dict[tuple, dict] = {}
     out = dict(device=torch.cuda.get_device_name(), layers=ns.layers, cases=[])
     for T in ns.tokens:
