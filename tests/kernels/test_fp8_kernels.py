@@ -306,7 +306,9 @@ def test_cublas_backend_matches_reference(m, n, k):
 # on the CPU both sides carry the interpreter's e4m3 rounding noted in test_triton_activation_quant_matches_reference.)
 def _quantizing_tiles_agree(run, ref, cfg: dict, device: str, rows=slice(None)) -> None:
     unfused, fused = run(cfg).cpu(), run(dict(cfg, A_QUANT=True)).cpu()
-    assert _rel(fused[rows], unfused[rows]) < KERNEL_REL
+    # (on the GPU the two may take other MMA instructions, a's operand from registers or shared memory: the
+    # warpgroup MMA's reduced-precision sums differ in their last bits)
+    assert _rel(fused[rows], unfused[rows]) < (WGMMA_REL if device == "cuda" else KERNEL_REL)
     if device == "cuda":
         assert _rel(fused[rows], ref()[rows]) < WGMMA_REL + KERNEL_REL
 
