@@ -67,15 +67,10 @@ def candidates(rows_per_expert: int) -> list[dict]:
         # w through a descriptor, the rows by pointers: a tile's rows past its expert's few are not read
         out += [dict(cfg(bm, bn, w, st, tma=True), A_TMA=False)
                 for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4)]]
-        # the scales loaded in the step that uses them (0) or two steps ahead (2), where 1 is the default
-        out += [dict(cfg(64, 128, 4, st, tma=True), SCALE_AHEAD=ahead, **a) for st, a in [(3, {"A_TMA": False}), (4, {})]
-                for ahead in (0, 2)]
         # registers capped so that 3 programs fit an SM (Nsight Compute, 2026-12-03: 182 a thread held it to 2)
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
-        # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py), its decode form: the weights' rows on the MMA's M side
-        # and the experts' few rows on its N side (SWAP_AB)
-        out += [dict(cfg(bm, 128, 4, st), WGMMA=True, SWAP_AB=True, **m)
-                for bm, st in [(32, 6), (64, 4), (64, 5)] for m in ({}, {"TILE_MAP": True})]
+        # (dropped after the sweeps of 2026-12-03: the scales loaded 0 or 2 steps ahead, no better beyond the noise;
+        # the Gluon kernel's SWAP_AB form, 1.3x to 3.4x the table's time at every decode size: docs/BENCHMARKS.md)
         # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, two tiles' K steps interleaved: up to 8 stages of
         # 16 KB of weights, where Triton's 64 x 128 tile keeps 2-3 in flight a program), and its plain 128-row form
         out += [dict(cfg(64, bn, 4, st), WGMMA=True, PAIRS=True, **m)
