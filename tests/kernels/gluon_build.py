@@ -7,6 +7,33 @@ import subprocess
 from pathlib import Path
 
 
+def _language_state() -> list[tuple[object, dict]]:
+    """What Triton's interpreter patches: triton.language's modules and the classes it rebinds methods of."""
+    try:
+        import triton.language as tl
+    except ImportError:  # (no Triton: the Gluon tests skip)
+        return []
+    objs = (tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.condition, tl.core.tensor_descriptor_base)
+    return [(o, dict(vars(o))) for o in objs]
+
+
+_CLEAN = _language_state()  # at import (collection): before any test has run a kernel under the interpreter
+
+
+def undo_interpreter_patches() -> None:
+    """Put triton.language back as imported. Under TRITON_INTERPRET=1 the interpreter rebinds the language's
+    functions to its own semantics while it runs a kernel, and a device function's call (a @triton.jit helper or the
+    standard library's tl.max) rebinds them again without restoring them (Triton 3.9): a real compile after that
+    ran the interpreter's semantics on IR values and failed, once the on-disk cache did not already hold the result."""
+    for obj, clean in _CLEAN:
+        now = vars(obj)
+        for name in [n for n in now if n not in clean]:
+            delattr(obj, name)
+        for name, value in clean.items():
+            if now.get(name) is not value:
+                setattr(obj, name, value)
+
+
 def compile_for_hopper(kern, sig: dict[str, str], consts: dict, divisible: tuple[str, ...] = ()):
     """kern compiled for sm_90 with Triton's own compiler: sig the non-constant arguments' types (the others i32),
     consts the constexprs, divisible the arguments Triton's launcher would see divisible by 16 (pointers 16-byte
@@ -16,6 +43,7 @@ def compile_for_hopper(kern, sig: dict[str, str], consts: dict, divisible: tuple
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict.fromkeys(kern.arg_names, "i32") | sig | dict.fromkeys(consts, "constexpr")
+    undo_interpreter_patches()
     src = GluonASTSource(fn=kern, signature=signature,
                          constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(kern.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible})
