@@ -71,8 +71,8 @@ def candidates(rows_per_expert: int) -> list[dict]:
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
         # (dropped after the sweeps of 2026-12-03: the scales loaded 0 or 2 steps ahead, no better beyond the noise;
         # the Gluon kernel's SWAP_AB form, 1.3x to 3.4x the table's time at every decode size: docs/BENCHMARKS.md)
-        # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, two tiles' K steps interleaved: up to 8 stages of
-        # 16 KB of weights, where Triton's 64 x 128 tile keeps 2-3 in flight a program), and its plain 128-row form
+        # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, each with half of the slots: up to 8 stages of
+        # 16 KB of weights an SM, where Triton's 64 x 128 tile keeps 2-3 in flight a program), its plain 128-row form
         out += [dict(cfg(64, bn, 4, st), WGMMA=True, PAIRS=True, **m)
                 for bn, st in [(128, 6), (128, 8), (64, 8), (64, 12)] for m in ({}, {"TILE_MAP": True})]
         out += [dict(cfg(128, 128, 4, 6), WGMMA=True, TILE_MAP=True)]

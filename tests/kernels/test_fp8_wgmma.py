@@ -20,9 +20,9 @@ gluon = pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", 
 FORMS = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, TILE_MAP=True),
          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=16, TILE_MAP=True),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=1),
-         # PAIRS (decode): two 64-row tiles at once, a warpgroup each, their K steps interleaved in the slots
+         # PAIRS (decode): two 64-row tiles at once, a warpgroup each, each with half of the slots
          dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=8, GROUP_M=8, PAIRS=True),
-         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=7, GROUP_M=1, PAIRS=True, TILE_MAP=True),
+         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6, GROUP_M=1, PAIRS=True, TILE_MAP=True),
          # SWAP_AB (decode): the weights' rows on the MMA's M side, a's few rows on its N side
          dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4, GROUP_M=8, SWAP_AB=True),
          dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=8, GROUP_M=1, SWAP_AB=True),

@@ -19,10 +19,12 @@ registers (no launch more: decode); masked, tile t of expert e at rows e * cap +
 Rows past the segment are read (other experts' rows or zeros) and not stored.
 
 "PAIRS" (decode; BLOCK_M 64): each warpgroup owns a whole tile of 64 rows, the two warpgroups two tiles at once
-(tiles t and t + programs of the persistent walk), whose K steps the producer interleaves in the slots. So the two
-MMAs in flight read different slots, a slot carries 64 rows of a (at decode mostly other experts' rows) where the
-plain form's carries 128, and more stages fit: more of the weights' bytes in flight an SM. A slot is released by
-the one warpgroup that reads it.
+(tiles t and t + programs of the persistent walk), each with its own half of the slots, which the producer fills by
+turns (a step of warpgroup 0's tile, then one of 1's). So the two MMAs in flight read different slots, a slot
+carries 64 rows of a (at decode mostly other experts' rows) where the plain form's carries 128, and more stages fit:
+more of the weights' bytes in flight an SM. A warpgroup reads its half in order, as a pipeline's one consumer does
+(one shared ring, with a warpgroup idle while the other had a tile alone, would have had it wait on a slot a whole
+round ahead of the producer, whose barrier's parity reads as already complete).
 
 "SWAP_AB" (decode): the product is computed as b . a^T, the weights' 128 rows (BLOCK_N) on the MMA's M side, 64 a
 warpgroup, and an expert's few rows on its N side (BLOCK_M of 16 to 64): a tile no longer pads an expert's ~24 rows
@@ -98,12 +100,12 @@ def _fp8_grouped_wgmma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, starts_ptr,
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it):
-    """K step kb of a tile (a's rows from row0, b's from b_row) into slot it % STAGES, once it is free (a fresh
-    barrier's phase "1" counts as complete: the first round does not wait); returns it + 1."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it, base: gl.constexpr,
+               RING: gl.constexpr):
+    """K step kb of a tile (a's rows from row0, b's from b_row) into slot base + it % RING of a ring of RING slots,
+    once it is free (a fresh barrier's phase "1" counts as complete: the first round does not wait); returns it + 1."""
+    s = base + it % RING
+    mbarrier.wait(empty.index(s), ((it // RING) & 1) ^ 1)
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
     tma_load(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
@@ -118,6 +120,7 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
     """The producer warp: every K step of this program's tiles, in order, into the slots by turns, each once both
     warpgroups are done with it (a fresh barrier's phase "1" counts as complete: the first round does not wait).
     It runs ahead into the next tile while the warpgroups finish and store the last."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     nk = gl.cdiv(K, 128)
     it = 0
@@ -132,7 +135,7 @@ def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, cou
         if left > 0:
             b_row = e * N + pid_n * BLOCK_N
             for kb in range(nk):
-                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it)
+                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, row0, b_row, kb, it, 0, STAGES)
 
 
 @gluon.jit
@@ -153,19 +156,23 @@ def _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_
 def _produce_pairs(a_desc, b_desc, a_bufs, b_bufs, ready, empty, N, K, starts_ptr, counts_ptr, map_ptr, cap,
                    tiles_per_expert, num_m, num_n, E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr,
                    TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-    """PAIRS: the producer walks the tiles two at a time (warpgroup 0's and 1's) and interleaves their K steps in
-    the slots: a's step kb, then b's, where both have rows; one tile's steps in a row where only it has."""
+    """PAIRS: the producer walks the tiles two at a time (warpgroup 0's and 1's), each tile's K steps into its
+    warpgroup's half of the slots, by turns: tile a's step kb, then tile b's."""
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    HALF: gl.constexpr = a_bufs.shape[0] // 2
     nk = gl.cdiv(K, 128)
-    it = 0
+    ia = 0
+    ib = 0
     for t in range(gl.program_id(0), num_m * num_n, 2 * gl.num_programs(0)):
         ea, ra, la, na, eb, rb, lb, nb = _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m,
                                                num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
         for kb in range(nk):
             if la > 0:
-                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ra, ea * N + na * BLOCK_N, kb, it)
+                ia = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ra, ea * N + na * BLOCK_N, kb, ia, 0,
+                                HALF)
             if lb > 0:
-                it = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rb, eb * N + nb * BLOCK_N, kb, it)
+                ib = _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, empty, rb, eb * N + nb * BLOCK_N, kb, ib,
+                                HALF, HALF)
 
 
 @gluon.jit
@@ -176,6 +183,7 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
     """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'), tile after tile:
     each K step's product waited for, its slot released, then scaled and added while the other warpgroup's MMA
     runs; then the tile's rows stored."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     SWAP: gl.constexpr = BLOCK_M < 128  # (the plain form splits 128 rows of a between the warpgroups)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -200,7 +208,7 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
             row_ok = rows < left
             as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
             bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, 1,
+            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, 0, STAGES,
                               wg * 64, zero, SWAP)
             it += nk
             if SWAP:
@@ -210,20 +218,19 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
 
 
 @gluon.jit
-def _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, first, step, half,
-                zero, SWAP: gl.constexpr):
-    """One tile's nk K steps from slots first, first + step, ... (in turns of STAGES): each step's product waited
-    for, its slot released, then scaled by the step's scales (loaded two steps ahead) and added in fp32. The MMA
-    reads rows half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the other operand."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
+def _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, base: gl.constexpr,
+                RING: gl.constexpr, half, zero, SWAP: gl.constexpr):
+    """One tile's nk K steps from the ring of RING slots from slot base, the ring's it-th fill first: each step's
+    product waited for, its slot released, then scaled by the step's scales (loaded two steps ahead) and added in
+    fp32. The MMA reads rows half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the
+    other operand."""
     a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask)
     a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask)
     acc = gl.zeros_like(zero)
     for kb in range(nk):
-        it = first + kb * step
-        s = it % STAGES
+        s = base + (it + kb) % RING
         a2, b2 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two ahead
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.wait(ready.index(s), ((it + kb) // RING) & 1)
         if SWAP:
             part = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero,
                                  use_acc=False, is_async=True)
@@ -242,9 +249,9 @@ def _consume_pairs(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_pt
                    stride_ask, stride_bse, stride_bsn, stride_cm, starts_ptr, counts_ptr, map_ptr, cap,
                    tiles_per_expert, num_m, num_n, E: gl.constexpr, E_P2: gl.constexpr, MASKED: gl.constexpr,
                    TILE_MAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-    """PAIRS: warpgroup wg's tile of each pair, all 64 rows of it: its K steps are every other slot where both
-    tiles of the pair have rows (warpgroup 0's first), every slot where only its own has."""
+    """PAIRS: warpgroup wg's tile of each pair, all 64 rows of it, from its half of the slots."""
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    HALF: gl.constexpr = a_bufs.shape[0] // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
     nk = gl.cdiv(K, 128)
@@ -254,7 +261,6 @@ def _consume_pairs(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_pt
     for t in range(gl.program_id(0), num_m * num_n, 2 * gl.num_programs(0)):
         ea, ra, la, na, eb, rb, lb, nb = _pair(t, starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m,
                                                num_n, E, E_P2, MASKED, TILE_MAP, BLOCK_M, GROUP_M)
-        both = ((la > 0) & (lb > 0)).to(gl.int32)
         if wg == 0:
             e, row0, left, pid_n = ea, ra, la, na
         else:
@@ -264,10 +270,10 @@ def _consume_pairs(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_pt
             row_ok = rows < left
             as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
             bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
-            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk,
-                              it + wg * both, 1 + both, 0, zero, False)
+            acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, wg * HALF,
+                              HALF, 0, zero, False)
             store_tile(c_ptr, acc, row0, left, n0, N, stride_cm, 64, BLOCK_N, False, 4)
-        it += nk * ((la > 0).to(gl.int32) + (lb > 0).to(gl.int32))
+            it += nk
 
 
 @gluon.jit
@@ -282,13 +288,16 @@ def _scaled_add(acc, part, row_scale, SWAP: gl.constexpr):
 
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
     """The shapes and forms this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16
-    bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; PAIRS, BLOCK_M 64 and BLOCK_N 64 or 128; SWAP_AB, BLOCK_N
+    bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; PAIRS, BLOCK_M 64, BLOCK_N 64 or 128 and an even number of
+    stages; SWAP_AB, BLOCK_N
     128 and BLOCK_M 16, 32 or 64; N a multiple of BLOCK_N; 4 warps a warpgroup (the producer warp comes on top)."""
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     if config.get("SWAP_AB"):
         form = bn == 128 and bm in (16, 32, 64) and not config.get("PAIRS")
+    elif config.get("PAIRS"):  # an even number of slots: half a warpgroup
+        form = bm == 64 and bn in (64, 128) and config["num_stages"] % 2 == 0
     else:
-        form = bm == (64 if config.get("PAIRS") else 128) and bn in (64, 128)
+        form = bm == 128 and bn in (64, 128)
     return (form and config["num_warps"] == 4 and xq.shape[1] % BLOCK == 0 and w.shape[1] % bn == 0
             and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
