@@ -17,8 +17,7 @@ import torch
 from moeserve.kernels.fp8_quant import (
     dequantize_activations,
     dequantize_weight,
-    quantize_activations_reference,
-    silu_and_mul_quantize_reference,
+    quantize_rows_reference,
 )
 from moeserve.kernels.triton_available import use_triton
 
@@ -45,8 +44,7 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
                          silu: bool = False) -> torch.Tensor:
     """x [M, K] (silu: [M, 2K], [gate | up], and the product silu(gate) * up is what is multiplied) -> quantized per
     token and group of 128, then `fp8_gemm_reference`: [M, N] in x's dtype."""
-    xq, xs = (silu_and_mul_quantize_reference if silu else quantize_activations_reference)(x)
-    return fp8_gemm_reference(xq, xs, w, w_scale_inv, x.dtype)
+    return fp8_gemm_reference(*quantize_rows_reference(x, silu), w, w_scale_inv, x.dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, silu: bool = False) -> torch.Tensor:

@@ -23,9 +23,7 @@ import torch
 from moeserve.kernels.fp8_quant import (
     dequantize_activations,
     dequantize_weight,
-    quantize_activations_reference,
-    quantize_gathered_reference,
-    silu_and_mul_quantize_reference,
+    quantize_rows_reference,
 )
 from moeserve.kernels.triton_available import use_triton
 
@@ -73,12 +71,6 @@ def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
     return fp8_grouped_gemm_masked_reference(xq, x_scale, w, w_scale_inv, masked_m, out_dtype)
 
 
-def _quantize_reference(x: torch.Tensor, pairs: torch.Tensor | None, top_k: int, silu: bool):
-    if pairs is not None:
-        return quantize_gathered_reference(x, pairs, top_k)
-    return (silu_and_mul_quantize_reference if silu else quantize_activations_reference)(x)
-
-
 def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
                          num_tokens_per_expert: torch.Tensor, out_dtype: torch.dtype, pairs: torch.Tensor | None = None,
                          top_k: int = 1, silu: bool = False) -> torch.Tensor:
@@ -88,7 +80,7 @@ def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
         from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_act as triton_act
 
         return triton_act(x, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, pairs, top_k, silu)
-    return fp8_grouped_gemm_reference(*_quantize_reference(x, pairs, top_k, silu), w, w_scale_inv, expert_offsets,
+    return fp8_grouped_gemm_reference(*quantize_rows_reference(x, silu, pairs=pairs, top_k=top_k), w, w_scale_inv, expert_offsets,
                                       num_tokens_per_expert, out_dtype)
 
 
@@ -99,5 +91,5 @@ def fp8_grouped_gemm_masked_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: t
         from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked_act as triton_act
 
         return triton_act(x, w, w_scale_inv, masked_m, out_dtype, silu)
-    return fp8_grouped_gemm_masked_reference(*_quantize_reference(x, None, 1, silu), w, w_scale_inv, masked_m,
+    return fp8_grouped_gemm_masked_reference(*quantize_rows_reference(x, silu), w, w_scale_inv, masked_m,
                                              out_dtype)

@@ -123,6 +123,16 @@ def quantize_gathered_reference(tokens: torch.Tensor, pairs: torch.Tensor, top_k
     return quantize_activations_reference(gather_rows(tokens, pairs, top_k), mn_major)
 
 
+def quantize_rows_reference(x: torch.Tensor, silu: bool = False, mn_major: bool = False,
+                            pairs: torch.Tensor | None = None, top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a GEMM multiplies, quantized: x's rows, or with pairs the tokens they gather
+    (`quantize_gathered_reference`), or with silu silu(gate) * up of x's [gate | up] rows. (The Triton side:
+    triton_ops/fp8_quant.quantize_rows.)"""
+    if pairs is not None:
+        return quantize_gathered_reference(x, pairs, top_k, mn_major)
+    return (silu_and_mul_quantize_reference if silu else quantize_activations_reference)(x, mn_major)
+
+
 def quantize_gathered(tokens: torch.Tensor, pairs: torch.Tensor, top_k: int,
                       mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's result in one Triton pass on CUDA (the rows are read from the tokens, not copied first)."""

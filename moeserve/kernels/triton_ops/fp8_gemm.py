@@ -19,7 +19,7 @@ import triton.language as tl
 
 from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from moeserve.kernels.moe_config import get_config
-from moeserve.kernels.triton_ops.fp8_quant import load_groups, quantize_groups
+from moeserve.kernels.triton_ops.fp8_quant import load_groups, quantize_groups, quantize_rows
 
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
 _FLOOR = tl.constexpr(ACT_SCALE_FLOOR)  # the activation recipe's constants, for the tiles that quantize (QUANT)
@@ -195,10 +195,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, silu
     m, k = x.shape[0], x.shape[-1] // 2 if silu else x.shape[-1]
     cfg = config or get_config(OP, m, 1, w.shape[0], k, FP8_DTYPE, x.device, default=default_config)
     if not cfg.get("A_QUANT"):
-        from moeserve.kernels.triton_ops.fp8_quant import quantize_activations, silu_and_mul_quantize
-
-        return fp8_gemm(*(silu_and_mul_quantize if silu else quantize_activations)(x, mn_major=True), w, w_scale_inv,
-                        x.dtype, cfg)
+        return fp8_gemm(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, x.dtype, cfg)
     if x.stride(-1) != 1:
         x = x.contiguous()
     return _launch(x, x, w, w_scale_inv, x.dtype, cfg, quant=True, silu=silu)

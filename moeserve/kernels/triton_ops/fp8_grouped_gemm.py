@@ -34,6 +34,7 @@ import triton.language as tl
 from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
+from moeserve.kernels.triton_ops.fp8_quant import quantize_rows
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
@@ -169,7 +170,7 @@ def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
     e, n, k = w.shape
     cfg = config or get_config(OPS[False], m, e, n, k, FP8_DTYPE, x.device, default=default_config)
     if not _fuses(x, w, cfg):
-        xq, xs = _quantize(x, pairs, top_k, silu)
+        xq, xs = quantize_rows(x, silu, mn_major=True, pairs=pairs, top_k=top_k)
         return fp8_grouped_gemm(xq, xs, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, cfg)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     return _launch(x, x, w, w_scale_inv.contiguous(), out, expert_offsets, num_tokens_per_expert, 0, False, cfg,
@@ -185,25 +186,12 @@ def fp8_grouped_gemm_masked_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: t
     k = w.shape[2]
     cfg = config or get_config(OPS[True], e * cap, e, w.shape[1], k, FP8_DTYPE, x.device, default=default_config)
     if not _fuses(x, w, cfg):
-        return fp8_grouped_gemm_masked(*_quantize(x, None, 1, silu), w, w_scale_inv, masked_m, out_dtype, cfg)
+        return fp8_grouped_gemm_masked(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, masked_m, out_dtype, cfg)
     out = torch.empty(e, cap, w.shape[1], dtype=out_dtype, device=x.device)
     x2 = x.reshape(e * cap, -1)
     _launch(x2, x2, w, w_scale_inv.contiguous(), out.view(e * cap, -1), masked_m, masked_m, cap, True, cfg,
             act=(x2, None, 1, silu))
     return out
-
-
-def _quantize(x: torch.Tensor, pairs: torch.Tensor | None, top_k: int, silu: bool):
-    """The unfused form's first launch: (xq, scales M-major)."""
-    from moeserve.kernels.triton_ops.fp8_quant import (
-        quantize_activations,
-        quantize_gathered,
-        silu_and_mul_quantize,
-    )
-
-    if pairs is not None:
-        return quantize_gathered(x, pairs, top_k, mn_major=True)
-    return (silu_and_mul_quantize if silu else quantize_activations)(x, mn_major=True)
 
 
 def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

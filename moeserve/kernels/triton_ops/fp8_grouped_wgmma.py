@@ -289,8 +289,8 @@ def _scaled_add(acc, part, row_scale, SWAP: gl.constexpr):
 def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
     """The shapes and forms this kernel takes: K a multiple of 128 (whole scale blocks; a TMA row stride of 16
     bytes); plain, BLOCK_M 128 and BLOCK_N 64 or 128; PAIRS, BLOCK_M 64, BLOCK_N 64 or 128 and an even number of
-    stages; SWAP_AB, BLOCK_N
-    128 and BLOCK_M 16, 32 or 64; N a multiple of BLOCK_N; 4 warps a warpgroup (the producer warp comes on top)."""
+    stages; SWAP_AB, BLOCK_N 128 and BLOCK_M 16, 32 or 64; N a multiple of BLOCK_N; 4 warps a warpgroup (the
+    producer warp comes on top)."""
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     if config.get("SWAP_AB"):
         form = bn == 128 and bm in (16, 32, 64) and not config.get("PAIRS")

@@ -80,8 +80,10 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, pairs_ptr, K, num_groups, total
 _QUANTIZE = DirectLauncher(_quantize_groups_kernel)
 
 
-def _quantize(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tensor | None = None,
-              top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tensor | None = None,
+                  top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows a GEMM multiplies, quantized (kernels/fp8_quant.quantize_rows_reference's result): x's rows, the
+    tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows."""
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     kb = num_blocks(k)
     x2 = x.reshape(-1, x.shape[-1])
@@ -107,14 +109,14 @@ def quantize_gathered(tokens: torch.Tensor, pairs: torch.Tensor, top_k: int,
                       mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [T, K], pairs [M] int32 -> quantize_activations(gather_rows(tokens, pairs, top_k)) in one pass:
     (q [M, K] e4m3, scale [M, ceil(K/128)] float32)."""
-    return _quantize(tokens, silu=False, mn_major=mn_major, pairs=pairs, top_k=top_k)
+    return quantize_rows(tokens, silu=False, mn_major=mn_major, pairs=pairs, top_k=top_k)
 
 
 def silu_and_mul_quantize(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2I] -> (q [..., I] e4m3, scale [..., ceil(I/128)] float32); the reference's signature."""
-    return _quantize(x, silu=True, mn_major=mn_major)
+    return quantize_rows(x, silu=True, mn_major=mn_major)
 
 
 def quantize_activations(x: torch.Tensor, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q [..., K] e4m3, scale [..., ceil(K/128)] float32); the reference's signature."""
-    return _quantize(x, silu=False, mn_major=mn_major)
+    return quantize_rows(x, silu=False, mn_major=mn_major)

@@ -8,8 +8,8 @@ fp8_mlp.py (exact; I' = I for DeepSeek-V3).
 The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts, each from the
 activations (`fp8_grouped_gemm_act`): the contiguous layout's rows quantized straight from the tokens, SiLU-and-mul
 and the quantization between the GEMMs in one kernel, or, where the tuned table says so (decode), each GEMM's tiles
-quantizing their own rows. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4% slower at prefill
-sizes and 21-26% slower at decode sizes on an H200, and was dropped: docs/BENCHMARKS.md.) A MaskedLayout
+quantizing their own rows. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4%
+slower at prefill sizes and 21-26% slower at decode sizes on an H200, and was dropped: docs/BENCHMARKS.md.) A MaskedLayout
 whose x arrives already in FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the
 CPU the experts keep their weights dequantized as well and run the same math through torch's grouped GEMM (see
 fp8_linear.py).
