@@ -7,13 +7,15 @@ routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * 
 1,408), and the linear layers' q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048), and layer 0's dense MLP
 (gate/up 21,888 x 2,048, down 2,048 x 10,944 from [gate | up] rows). A case runs --layers times, each
 with its own copy of the weights (nothing stays in L2), captured in one CUDA graph; the replay's time a layer is
-reported (the median of --rounds timings of its replays). Each fused candidate is checked against the unfused
-output first (the same e4m3 values, so the same sums up to their order).
+reported (the median of --rounds timings of its replays). Each candidate is checked against the table's entry's
+output first (the same e4m3 values, so the same sums up to their order). The linear layers' candidates include the
+unfused tiles and cuBLAS (scripts/gpu/tune_fp8.py's dense candidates at T rows): its --dense sweep times them
+alone under do_bench, where a 10-us GEMM's time is mostly the host's.
 
 --write: at each T measured the tables (the experts' ops at decode's rows-per-expert key, as scripts/gpu/
-tune_fp8.py --decode-batches writes them; fp8_gemm at T rows) get the best fused candidate ("A_QUANT": true) where
+tune_fp8.py --decode-batches writes them; fp8_gemm at T rows) get the best candidate (fused: "A_QUANT": true) where
 it beats the table's entry by more than --margin, else the entry the lookup found, pinned at that key (so that a
-fused entry's nearest-key reach stops at the sizes measured without it: 1,024 tokens is a prefill's size).
+new entry's nearest-key reach stops at the sizes measured without it: 1,024 tokens is a prefill's size).
 
 Run on the GPU machine:  python3 scripts/gpu/fp8_quant_fusion_ab.py [--tokens 64 128 256 1024] [--layers 26] [--write]
 """
@@ -31,7 +33,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_fp8 import write_table  # noqa: E402
+from tune_fp8 import dense_candidates, write_table  # noqa: E402
 
 from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
 from moeserve.kernels.fp8_quant import quantize_weight  # noqa: E402
@@ -82,7 +84,7 @@ def unfused(cfg: dict) -> dict:
 
 
 def run_case(name: str, fn, weights: list, candidates: list[dict], table_cfg: dict, ns, rows=None) -> dict:
-    """fn(w, s, config) -> out. The table's entry (unfused) against each fused candidate, in graphs."""
+    """fn(w, s, config) -> out. The table's entry (unfused) against each candidate, in graphs."""
     base = unfused(table_cfg)
     ref = fn(*weights[0], base)
     ref = ref if rows is None else ref[rows]
@@ -101,17 +103,18 @@ def run_case(name: str, fn, weights: list, candidates: list[dict], table_cfg: di
             print(f"  skip {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         res[json.dumps(c)] = (c, us)
-        print(f"  fused {us:7.1f} us a layer ({res['table'][1] / us:.2f}x as fast) | {c}", flush=True)
+        kind = "fused" if c.get("A_QUANT") else "unfused"
+        print(f"  {kind:7s} {us:7.1f} us a layer ({res['table'][1] / us:.2f}x as fast) | {c}", flush=True)
     return res
 
 
-def best_fused(res: dict) -> tuple[dict | None, float]:
-    fused = [v for k, v in res.items() if k != "table"]
-    return min(fused, key=lambda v: v[1]) if fused else (None, float("inf"))
+def best_candidate(res: dict) -> tuple[dict | None, float]:
+    cands = [v for k, v in res.items() if k != "table"]
+    return min(cands, key=lambda v: v[1]) if cands else (None, float("inf"))
 
 
 def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w) -> list:
-    """(name, op, (table E, N, K), table key, fn(w, s, config), weight copies, fused candidates) at T tokens."""
+    """(name, op, (table E, N, K), table key, fn(w, s, config), weight copies, candidates) at T tokens."""
     bf = torch.bfloat16
     return [
         ("experts gate/up", grouped.OPS[False], (E, 2 * INTER, H), key,
@@ -121,7 +124,8 @@ def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w)
          lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
          GROUPED_FUSED),
     ] + [(name, dense.OP, (1, *ws[0][0].shape), T,
-          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws, DENSE_FUSED)
+          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws,
+          DENSE_FUSED + dense_candidates(T))  # and the unfused tiles and cuBLAS, timed as a step runs them
          for name, (ws, a, silu) in dense_inputs(x, dense_w).items()]
 
 
@@ -142,7 +146,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=26)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--write", action="store_true")
-    p.add_argument("--margin", type=float, default=0.02, help="--write: the fused form must be this much faster")
+    p.add_argument("--margin", type=float, default=0.02, help="--write: a candidate must be this much faster")
     p.add_argument("--result-file", default=None)
     ns = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -171,9 +175,9 @@ def main() -> int:
             table_cfg = get_config(op, M if e > 1 else T, E + SHARED if e > 1 else 1, n, k, FP8_DTYPE,
                                    default=grouped.default_config if e > 1 else dense.default_config)
             res = run_case(f"T={T} {name}", fn, weights, cands, table_cfg, ns, None if e == 1 else valid)
-            c, us = best_fused(res)
+            c, us = best_candidate(res)
             base_us = res["table"][1]
-            print(f"T={T} {name}: best fused {us:.1f} us against {base_us:.1f} ({base_us / us:.2f}x) | {c}",
+            print(f"T={T} {name}: best candidate {us:.1f} us against {base_us:.1f} ({base_us / us:.2f}x) | {c}",
                   flush=True)
             out["cases"].append(dict(T=T, case=name, table=res["table"][0], table_us=base_us, fused=c, fused_us=us))
             if ns.write:

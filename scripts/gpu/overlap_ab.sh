@@ -19,7 +19,8 @@
 #              model, piecewise graphs), then scripts/gpu/bench_extend_attention.py; a failure stops the run
 #   prefillon  one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens (piecewise CUDA graphs on)
 #   prefill    one-batch prefill of 1 x 512, 4 x 512 and 4 x 2048 tokens, piecewise CUDA graphs off / on
-#   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256
+#   fp8prof    the per-part profile of an FP8 decode step (--quantization fp8) at batch 64 and 256 (PROF_BS picks;
+#              QUANTS="bf16 fp8": both; MODEL=v3: the V3-layer-shaped model)
 #   fp8prefprof the per-part profile of an FP8 prefill of 4 x 2,048 tokens (--quantization fp8; QUANTS="bf16 fp8":
 #              both; MODEL=v3: the V3-layer-shaped model)
 #   fp8ab      FP8 one-batch decode at batch 64 / 256 and prefill 4 x 2,048: BASE=DIR (as onebatch), then this tree
@@ -106,12 +107,15 @@ prefill)
     done
   done
   ;;
-fp8prof)
-  echo "== fp8 profile $(date -u +%T)"
-  timeout 150 python3 -m moeserve.cli bench one-batch $M --quantization fp8 --mem-fraction-static 0.5 \
-    --max-running-requests 256 --cuda-graph-max-bs 256 --input-len 128 --output-len 16 --batch-size 64 256 \
-    --profile --profile-dir /tmp/prof_fp8 --result-file "$OUT/fp8_profile.jsonl" 2>&1 \
-    | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+fp8prof)  # QUANTS="bf16 fp8" profiles both (default fp8); MODEL=v3 the V3-layer-shaped model
+  for q in ${QUANTS:-fp8}; do
+    F=""; [ $q = fp8 ] && F="--quantization fp8"
+    echo "== ${MODEL:-v2lite} $q decode profile $(date -u +%T)"
+    timeout 150 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static $MF \
+      --max-running-requests 256 --cuda-graph-max-bs 256 --input-len 128 --output-len 16 --batch-size ${PROF_BS:-64 256} \
+      --profile --profile-dir /tmp/prof_$q --result-file "$OUT/${MODEL:-v2lite}_${q}_profile.jsonl" 2>&1 \
+      | grep -vE "^\s*$|it/s\]|Warning|warn|Dummy weights|^traces"
+  done
   ;;
 fp8prefprof)  # QUANTS="bf16 fp8" profiles both (default fp8); MODEL=v3 the V3-layer-shaped model
   for q in ${QUANTS:-fp8}; do
