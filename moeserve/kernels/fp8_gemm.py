@@ -49,8 +49,8 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, silu: bool = False) -> torch.Tensor:
     """x [..., K] (bf16 / fp32; silu: [..., 2K]) -> x W^T [..., N] in x's dtype (silu: silu(gate) * up times W^T);
-    x is quantized per token and group of 128. On CUDA the Triton path (quantizer then GEMM, or one kernel where
-    the tuned table says so: triton_ops/fp8_gemm.fp8_linear), else the reference."""
+    x is quantized per token and group of 128. On CUDA the Triton quantizer, then the Triton GEMM
+    (triton_ops/fp8_gemm.fp8_linear), else the reference."""
     x2 = x.reshape(-1, x.shape[-1])
     if use_triton(x):
         from moeserve.kernels.triton_ops.fp8_gemm import fp8_linear as triton_linear

@@ -13,7 +13,7 @@ beside it with the same signature (dequantize, then a float32 matmul per expert)
 
 `fp8_grouped_gemm_act` and `fp8_grouped_gemm_masked_act` start from the activations instead: the layout's rows
 quantized per token in groups of 128 (gathered from the tokens by `pairs`, or silu(gate) * up of [gate | up] rows),
-then the GEMM; on CUDA in one launch where the tuned table says so (decode), else the quantizer, then the GEMM.
+then the GEMM (on CUDA the Triton quantizer, then the Triton GEMM).
 """
 
 from __future__ import annotations

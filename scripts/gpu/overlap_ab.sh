@@ -34,9 +34,9 @@
 #              --decode-batches, shared slots), then 768 rows an expert (prefill; tiles from a map among the
 #              candidates; FP8_PHASES picks); the tables land in $OUT/fp8_grouped_tables.tgz (the next parts of the
 #              same call read them)
-#   fp8fuse    the FP8 GEMMs' activations quantized by the tiles ("A_QUANT") against the quantizer then the GEMM, at
-#              decode sizes in CUDA graphs (scripts/gpu/fp8_quant_fusion_ab.py --write); the tables land in
-#              $OUT/fp8_fused_tables.tgz (the next parts of the same call read them)
+#   fp8graph   tune the FP8 GEMMs at decode sizes in CUDA graphs, V2-Lite's experts and linear layers, each candidate
+#              against the table's entry (scripts/gpu/fp8_graph_tune.py --write); the tables land in
+#              $OUT/fp8_graph_tables.tgz (the next parts of the same call read them)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
@@ -187,11 +187,11 @@ fp8tune)  # FP8_PHASES="decode prefill" by default
   fi
   tar -czf "$OUT/fp8_grouped_tables.tgz" -C moeserve/kernels/configs fp8_grouped_gemm fp8_grouped_gemm_masked
   ;;
-fp8fuse)
-  echo "== FP8 GEMMs quantizing their own rows, decode sizes $(date -u +%T)"
-  timeout ${FUSE_S:-240} python3 scripts/gpu/fp8_quant_fusion_ab.py --write --result-file "$OUT/fp8_fuse.jsonl" 2>&1 \
+fp8graph)
+  echo "== FP8 GEMMs tuned in CUDA graphs, decode sizes $(date -u +%T)"
+  timeout ${GRAPH_S:-360} python3 scripts/gpu/fp8_graph_tune.py --write --result-file "$OUT/fp8_graph.jsonl" 2>&1 \
     | grep -vE "skip|Warning|warn"
-  tar -czf "$OUT/fp8_fused_tables.tgz" -C moeserve/kernels/configs fp8_gemm fp8_grouped_gemm
+  tar -czf "$OUT/fp8_graph_tables.tgz" -C moeserve/kernels/configs fp8_gemm fp8_grouped_gemm
   ;;
 prefillab)
   SITE=${PYTHONPATH#*:}

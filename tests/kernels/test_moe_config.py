@@ -62,8 +62,6 @@ def test_shipped_tables_parse():
             known.add("TILE_MAP")  # (the contiguous layout's)
         if path.parent.name.startswith("fp8_grouped_gemm"):
             known |= {"WGMMA", "SWAP_AB", "PAIRS"}  # the Gluon kernel (triton_ops/fp8_grouped_wgmma.py)
-        if path.parent.name.startswith("fp8_"):
-            known.add("A_QUANT")  # the tiles quantize their own rows (triton_ops/fp8_gemm.py, fp8_grouped_gemm.py)
         if path.parent.name.startswith("moe_gemm"):
             known.add("WGMMA")  # the Gluon kernel (triton_ops/moe_gemm_wgmma.py)
         for cfg in table.values():

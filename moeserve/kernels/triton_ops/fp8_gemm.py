@@ -8,7 +8,8 @@ at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with
 `block_scaled_tile_tma`, the same sum with b (and a, or a by pointers) read through tensor descriptors. Launch
 configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py
 --dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM
-instead (`cublas_block_fp8`).
+instead (`cublas_block_fp8`). `fp8_linear` starts from the activations: the quantizer (triton_ops/fp8_quant.py),
+then this GEMM.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
-from moeserve.kernels.triton_ops.fp8_quant import load_groups, quantize_groups, quantize_rows
+from moeserve.kernels.triton_ops.fp8_quant import quantize_rows
 
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
-_FLOOR = tl.constexpr(ACT_SCALE_FLOOR)  # the activation recipe's constants, for the tiles that quantize (QUANT)
-_QMAX = tl.constexpr(FP8_MAX)
 OP = "fp8_gemm"  # the tables' op name (moeserve/kernels/moe_config.py, E = 1), written by tune_fp8.py --dense
 
 
@@ -33,14 +32,10 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR: tl.constexpr, QUANT: tl.constexpr = False):
+def _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR: tl.constexpr):
     """K block kb's row scales of a [BLOCK_M] and column-block scales of b ([BLOCK_N], or one scalar when the whole
-    tile lies in one 128-column block); a K block past the end reads nothing (0). QUANT: a's scales come from its
-    quantization in the tile (`_quantized_a`); nothing is read for them (a placeholder of their shape)."""
-    if QUANT:
-        a_s = row_ok.to(tl.float32)
-    else:
-        a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
+    tile lies in one 128-column block); a K block past the end reads nothing (0)."""
+    a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
     if B_SCALAR:
         b_s = tl.load(bs_ptrs + kb)
     else:
@@ -58,54 +53,38 @@ def _scaled_add(acc, part, a_s, b_s, B_SCALAR: tl.constexpr):
 
 @triton.jit
 def _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, stride_ask, stride_bsn,
-                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The tile's scale pointers and K block 0's scales: (as_ptrs, bs_ptrs, a_s, b_s). cols: the tile's
     absolute column indices; b's scale is one scalar where the tile lies in one 128-column block."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs = as_ptr + rows * stride_asm
     bs_ptrs = bs_ptr + ((n0 // GROUP) * stride_bsn if B_SCALAR else (cols // GROUP) * stride_bsn)
-    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR, QUANT)
+    a_s, b_s = _scales(as_ptrs, bs_ptrs, 0, stride_ask, row_ok, col_ok, B_SCALAR)
     return as_ptrs, bs_ptrs, a_s, b_s
-
-
-@triton.jit
-def _quantized_a(x_ptr, x_rows, x_ok, ks, kb, K, SILU: tl.constexpr, GROUP: tl.constexpr):
-    """QUANT: K block kb of a quantized here from the activations (DeepSeek's per-token groups of 128, the bits
-    triton_ops/fp8_quant.py writes): x_rows the element offsets of the tile's rows in x ([BLOCK_M, 1]), rows not
-    x_ok read as zeros; SILU: x holds [gate | up] rows (K columns apart) and a is silu(gate) * up.
-    Returns (a [BLOCK_M, GROUP] e4m3, its scales [BLOCK_M])."""
-    cols = kb * GROUP + ks
-    v = load_groups(x_ptr, x_rows + cols[None, :], x_ok[:, None] & (cols < K)[None, :], K, SILU)
-    q, scale = quantize_groups(v, _FLOOR, _QMAX)
-    return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
 def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
                       stride_ask, stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr, QUANT: tl.constexpr = False, SILU: tl.constexpr = False):
+                      GROUP: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
     rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends;
     n0: the tile's first column. The scales of the next K block are loaded a step ahead (their latency hides
     behind the step's dot); a's scales may lie either way round (stride_asm, stride_ask): M-major reads are
-    coalesced. QUANT: a_ptr is the activations (bf16 / fp32, row stride stride_am), quantized a K block at a time
-    in the tile (`_quantized_a`), as_ptr unused."""
+    coalesced."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + ks[:, None]
     as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, stride_ask,
-                                              stride_bsn, BLOCK_N, GROUP, QUANT)
+                                              stride_bsn, BLOCK_N, GROUP)
     nk = tl.cdiv(K, GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, nk):
         k_ok = ks < K - kb * GROUP
-        if QUANT:
-            a, a_s = _quantized_a(a_ptr, (rows * stride_am)[:, None], row_ok, ks, kb, K, SILU, GROUP)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR, QUANT)
+        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
         a_s, b_s = a_n, b_n
         a_ptrs += GROUP
@@ -114,42 +93,36 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
 
 
 @triton.jit
-def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, a_src, a_ok, b_row0, rows, row_ok, cols, col_ok,
-                          n0, K, stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          GROUP: tl.constexpr, A_TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr = 1,
-                          QUANT: tl.constexpr = False, SILU: tl.constexpr = False):
+def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, row_ok, cols, col_ok, n0, K,
+                          stride_am, stride_asm, stride_ask, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          GROUP: tl.constexpr, A_TMA: tl.constexpr, SCALE_AHEAD: tl.constexpr = 1):
     """`block_scaled_tile` with b read by the tensor-memory accelerator: b_desc over b [rows, K] with blocks
-    [BLOCK_N, GROUP], from row b_row0 (columns past N read other experts' rows or zeros, masked at the store). a:
-    with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP], read from row a_row0 (rows
-    past the segment are other experts' or zeros); else a pointer to a, the tile's rows at element offsets a_src
-    ([BLOCK_M] int64), the rows not a_ok read as zeros (at decode, an expert's few rows in a 64-row tile: no reads
-    of its neighbours' rows). QUANT (a by pointers): a_desc points at the activations, quantized a K block at a
-    time in the tile (`_quantized_a`; SILU: [gate | up] rows), as_ptr unused. SCALE_AHEAD: how many K blocks
-    ahead the scales are loaded (1, 2; 0: in the step that uses them). cols count from n0 here."""
+    [BLOCK_N, GROUP], from row b_row0 (columns past N read other experts' rows or zeros, masked at the store). a
+    from row a_row0: with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP] (rows past
+    the segment are other experts' or zeros); else a pointer to a (row stride stride_am), its rows past the
+    segment not read (at decode, an expert's few rows in a 64-row tile: no reads of its neighbours' rows).
+    SCALE_AHEAD: how many K blocks ahead the scales are loaded (1, 2; 0: in the step that uses them).
+    cols count from n0 here."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, n0 + cols, col_ok, n0, stride_asm,
-                                              stride_ask, stride_bsn, BLOCK_N, GROUP, QUANT)
+                                              stride_ask, stride_bsn, BLOCK_N, GROUP)
     if not A_TMA:
         ks = tl.arange(0, GROUP)
-        a_ptrs = a_desc + a_src[:, None] + ks[None, :]
+        a_ptrs = a_desc + (a_row0 + rows).to(tl.int64)[:, None] * stride_am + ks[None, :]
     nk = tl.cdiv(K, GROUP)
-    a_s1, b_s1 = _scales(as_ptrs, bs_ptrs, tl.minimum(1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR, QUANT)
+    a_s1, b_s1 = _scales(as_ptrs, bs_ptrs, tl.minimum(1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, nk):
         if A_TMA:
             a = a_desc.load([a_row0, kb * GROUP])
-        elif QUANT:
-            a, a_q = _quantized_a(a_desc, a_src[:, None], a_ok, ks, kb, K, SILU, GROUP)
         else:
-            a = tl.load(a_ptrs, mask=a_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
             a_ptrs += GROUP
         b = b_desc.load([b_row0, kb * GROUP])
         if SCALE_AHEAD == 0:
-            a_s, b_s = _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR, QUANT)
+            a_s, b_s = _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR)
         a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + SCALE_AHEAD, nk - 1), stride_ask, row_ok, col_ok,
-                           B_SCALAR, QUANT)
-        if QUANT:
-            a_s = a_q
+                           B_SCALAR)
         acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
         if SCALE_AHEAD == 2:
             a_s, b_s = a_s1, b_s1
@@ -161,14 +134,13 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, a_src, a_ok, b
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask, stride_bn,
-                     stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     QUANT: tl.constexpr, SILU: tl.constexpr):
+                     stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     n0 = tl.program_id(1) * BLOCK_N
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
     acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
-                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, QUANT, SILU)
+                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -178,44 +150,29 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     """xq [M, K] e4m3, x_scale [M, ceil(K/128)] (either way round in memory), w [N, K] e4m3, w_scale_inv
     [ceil(N/128), ceil(K/128)] -> [M, N]."""
     m, k = xq.shape
-    cfg = config or get_config(OP, m, 1, w.shape[0], k, FP8_DTYPE, xq.device, default=default_config)
+    n = w.shape[0]
+    cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
     if cfg.get("backend") == "cublas":
         if cublas_takes(m, k, out_dtype):
             return cublas_block_fp8(xq, x_scale, w, w_scale_inv)
         cfg = default_config(m, 1)
-    return _launch(xq, x_scale, w, w_scale_inv, out_dtype, cfg, quant=False, silu=False)
+    assert w.shape[1] == k and xq.stride(1) == 1 and w.stride(1) == 1, (xq.shape, w.shape)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0),
+                           x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
+                           BLOCK_N=bn, GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, silu: bool = False,
                config: dict | None = None) -> torch.Tensor:
     """x [M, K] bf16 / fp32 (silu: [M, 2K], [gate | up]) -> (silu(gate) * up, or x) quantized per token in groups of
-    128, times w [N, K] e4m3: [M, N] in x's dtype. Where the configuration says "A_QUANT": true (decode: the
-    quantizer's launch and its round trip cost more than the GEMM's tiles quantizing their own rows again), in one
-    kernel; else the quantizer (triton_ops/fp8_quant.py), then `fp8_gemm`."""
-    m, k = x.shape[0], x.shape[-1] // 2 if silu else x.shape[-1]
-    cfg = config or get_config(OP, m, 1, w.shape[0], k, FP8_DTYPE, x.device, default=default_config)
-    if not cfg.get("A_QUANT"):
-        return fp8_gemm(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, x.dtype, cfg)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return _launch(x, x, w, w_scale_inv, x.dtype, cfg, quant=True, silu=silu)
-
-
-def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-            out_dtype: torch.dtype, cfg: dict, quant: bool, silu: bool) -> torch.Tensor:
-    """The Triton kernel over a [M, K] (quant: the activations, [M, 2K] with silu; a_scale unused) and w [N, K]."""
-    m, n = a.shape[0], w.shape[0]
-    k = w.shape[1]
-    assert a.shape[1] == (2 * k if silu else k) and a.stride(1) == 1 and w.stride(1) == 1, (a.shape, w.shape)
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_gemm_kernel[grid](a, a_scale, w, w_scale_inv, out, m, n, k, a.stride(0), a_scale.stride(0),
-                           a_scale.stride(-1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
-                           BLOCK_N=bn, GROUP=BLOCK, QUANT=quant, SILU=silu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
+    128 (`quantize_rows`, scales M-major), then `fp8_gemm` with w [N, K] e4m3: [M, N] in x's dtype."""
+    return fp8_gemm(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, x.dtype, config)
 
 
 def cublas_takes(m: int, k: int, out_dtype: torch.dtype) -> bool:

@@ -19,10 +19,7 @@ and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `defaul
 "WGMMA": true sends the shape to the warp-specialized Gluon kernel (triton_ops/fp8_grouped_wgmma.py) on a Hopper
 GPU: at prefill sizes it beat this kernel by 5-9% (docs/BENCHMARKS.md, 2026-12-03).
 `fp8_grouped_gemm_act` / `fp8_grouped_gemm_masked_act` start from the activations (the tokens and the pairs that
-gather them, or [gate | up] rows for SiLU-and-mul): the quantizer (triton_ops/fp8_quant.py), then the GEMM; or,
-where the entry says "A_QUANT": true, one launch whose tiles read their rows (b by descriptor, a by pointers) and
-quantize each K block in registers with the quantizer's own code (the same bits): at decode, where a tile's few
-rows are cheap to quantize again for every column tile and the quantizer's launch is not.
+gather them, or [gate | up] rows for SiLU-and-mul): the quantizer (triton_ops/fp8_quant.py), then the GEMM.
 """
 
 from __future__ import annotations
@@ -48,13 +45,12 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, pairs_ptr, N, K, cap,
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
                         tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
                         stride_bsn, stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
-                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr, QUANT: tl.constexpr,
-                        SILU: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr):
+                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
@@ -66,17 +62,10 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
     if TMA:  # b_ptr a descriptor over w viewed as [E * N, K], a_ptr one over xq [M, K] with A_TMA
-        a_ok = row_ok
-        if GATHER:  # QUANT: the layout's row r is token pairs[r] // TOPK of a_ptr (pair -1: a row of zeros)
-            pair = tl.load(pairs_ptr + m0 + rows, mask=row_ok, other=-1)
-            a_src = (tl.maximum(pair, 0) // TOPK).to(tl.int64) * stride_am
-            a_ok = row_ok & (pair >= 0)
-        else:
-            a_src = (m0 + rows) * stride_am
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
-                                    start + tile * BLOCK_M, a_src, a_ok, e * N + n0, rows, row_ok, cols, col_ok, n0,
-                                    K, stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA,
-                                    SCALE_AHEAD, QUANT, SILU)
+                                    start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K, stride_am,
+                                    stride_asm, stride_ask, stride_bsn, BLOCK_M, BLOCK_N, GROUP, A_TMA,
+                                    SCALE_AHEAD)
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
                                 m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
@@ -85,43 +74,33 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config, act=None):
-    """The grouped GEMM over out's rows (m of them). act: (x, pairs, top_k, silu) where the tiles quantize their own
-    rows from the activations x (`fp8_grouped_gemm_act`; xq, x_scale unused), else None."""
-    m, k = out.shape[0], w.shape[2]
+def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config):
+    m, k = xq.shape
     e, n = w.shape[0], w.shape[1]
-    assert (act is not None or xq.shape[1] == k) and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
+    assert w.shape[2] == k and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
     cfg = config or get_config(OPS[masked], m, e, n, k, FP8_DTYPE, xq.device, default=default_config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles_per_expert = triton.cdiv(cap, bm) if masked else 0
     num_m = e * tiles_per_expert if masked else triton.cdiv(m, bm) + min(e, m)
     if num_m == 0 or n == 0:
         return out
-    if act is None and cfg.get("WGMMA") and _wgmma_usable(xq, w, cfg):
+    if cfg.get("WGMMA") and _wgmma_usable(xq, w, cfg):
         from moeserve.kernels.triton_ops import fp8_grouped_wgmma
 
         return fp8_grouped_wgmma.launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, cfg)
-    x, pairs, top_k, silu = act or (xq, None, 1, False)
-    tma = act is not None or (bool(cfg.get("TMA")) and tma_usable(xq, w))
-    a_tma = tma and act is None and cfg.get("A_TMA", True)
+    tma = bool(cfg.get("TMA")) and tma_usable(xq, w)
+    a_tma = tma and cfg.get("A_TMA", True)
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
     mapped = bool(cfg.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, counts if pairs is None else pairs, n, k, cap,
-        tiles_per_expert, num_m, x.stride(0), x_scale.stride(0), x_scale.stride(-1), w.stride(0), w.stride(1),
-        w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e),
-        MASKED=masked, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma,
-        TILE_MAP=mapped, SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), QUANT=act is not None, SILU=silu,
-        GATHER=pairs is not None, TOPK=top_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
+        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
+        xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
+        w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
+        BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
+        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
-
-
-def _fuses(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> bool:
-    """Whether the tiles quantize their own rows: the configuration says "A_QUANT": true, the weights can be read
-    through a descriptor (the fused form's b path), and x's rows are contiguous."""
-    return bool(cfg.get("A_QUANT")) and descriptor_usable(w) and x.stride(-1) == 1
 
 
 def _wgmma_usable(xq: torch.Tensor, w: torch.Tensor, cfg: dict) -> bool:
@@ -163,35 +142,16 @@ def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
                          top_k: int = 1, silu: bool = False, config: dict | None = None) -> torch.Tensor:
     """Contiguous layout from the activations: the layout's rows (x's rows; with pairs, row r is token pairs[r] //
     top_k of x, -1 a row of zeros; silu: x's rows are [gate | up] and the row is silu(gate) * up) quantized per
-    token in groups of 128, then the grouped GEMM -> [M, N]. Where the configuration says "A_QUANT": true, the
-    tiles quantize their own rows (one launch, no [M, K] e4m3 round trip: decode); else the quantizer
-    (triton_ops/fp8_quant.py), then `fp8_grouped_gemm`."""
-    m = x.shape[0] if pairs is None else pairs.shape[0]
-    e, n, k = w.shape
-    cfg = config or get_config(OPS[False], m, e, n, k, FP8_DTYPE, x.device, default=default_config)
-    if not _fuses(x, w, cfg):
-        xq, xs = quantize_rows(x, silu, mn_major=True, pairs=pairs, top_k=top_k)
-        return fp8_grouped_gemm(xq, xs, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, cfg)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    return _launch(x, x, w, w_scale_inv.contiguous(), out, expert_offsets, num_tokens_per_expert, 0, False, cfg,
-                   act=(x, pairs, top_k, silu))
+    token in groups of 128 (`quantize_rows`, scales M-major), then `fp8_grouped_gemm` -> [M, N]."""
+    xq, xs = quantize_rows(x, silu, mn_major=True, pairs=pairs, top_k=top_k)
+    return fp8_grouped_gemm(xq, xs, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, config)
 
 
 def fp8_grouped_gemm_masked_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, masked_m: torch.Tensor,
                                 out_dtype: torch.dtype, silu: bool = False, config: dict | None = None) -> torch.Tensor:
     """Masked layout from the activations: x [E, C, K] (silu: [E, C, 2K], the rows silu(gate) * up) quantized per
-    token in groups of 128, then the masked grouped GEMM -> [E, C, N]; in one launch where the configuration says
-    "A_QUANT": true, as `fp8_grouped_gemm_act`."""
-    e, cap = x.shape[0], x.shape[1]
-    k = w.shape[2]
-    cfg = config or get_config(OPS[True], e * cap, e, w.shape[1], k, FP8_DTYPE, x.device, default=default_config)
-    if not _fuses(x, w, cfg):
-        return fp8_grouped_gemm_masked(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, masked_m, out_dtype, cfg)
-    out = torch.empty(e, cap, w.shape[1], dtype=out_dtype, device=x.device)
-    x2 = x.reshape(e * cap, -1)
-    _launch(x2, x2, w, w_scale_inv.contiguous(), out.view(e * cap, -1), masked_m, masked_m, cap, True, cfg,
-            act=(x2, None, 1, silu))
-    return out
+    token in groups of 128, then `fp8_grouped_gemm_masked` -> [E, C, N]."""
+    return fp8_grouped_gemm_masked(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, masked_m, out_dtype, config)
 
 
 def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

@@ -29,8 +29,7 @@ GROUPS = 8  # groups of 128 a program: 1,024 values, 8 a thread at 4 warps
 @triton.jit
 def load_groups(x_ptr, offs, read, up_cols, SILU: tl.constexpr):
     """x's values at element offsets offs ([R, C], zeros where not read), in x's dtype; SILU: silu(gate) * up, the
-    up values up_cols columns on (as torch's two ops round it). What the quantizer and the FP8 GEMMs that quantize
-    their own rows (triton_ops/fp8_gemm.py) read."""
+    up values up_cols columns on (as torch's two ops round it)."""
     v = tl.load(x_ptr + offs, mask=read, other=0.0)
     if SILU:
         v = silu_mul(v, tl.load(x_ptr + offs + up_cols, mask=read, other=0.0))

@@ -6,13 +6,13 @@ fp8_mlp.py (exact; I' = I for DeepSeek-V3).
     expert_e(x) = W2_e · (silu(W1_e x) * (W3_e x)),  x quantized per token in groups of 128 before each GEMM
 
 The GEMMs are the block-scaled FP8 grouped GEMMs (kernels/fp8_grouped_gemm.py) in both layouts, each from the
-activations (`fp8_grouped_gemm_act`): the contiguous layout's rows quantized straight from the tokens, SiLU-and-mul
-and the quantization between the GEMMs in one kernel, or, where the tuned table says so (decode), each GEMM's tiles
-quantizing their own rows. (A gate/up GEMM with SiLU-and-mul and the quantization in its epilogue measured 3-4%
-slower at prefill sizes and 21-26% slower at decode sizes on an H200, and was dropped: docs/BENCHMARKS.md.) A MaskedLayout
-whose x arrives already in FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the
-CPU the experts keep their weights dequantized as well and run the same math through torch's grouped GEMM (see
-fp8_linear.py).
+activations (`fp8_grouped_gemm_act`: the quantizer, then the GEMM): the contiguous layout's rows quantized straight
+from the tokens, SiLU-and-mul and the quantization between the GEMMs in one kernel. (Two fused forms measured slower
+on an H200 and were dropped: a gate/up GEMM with SiLU-and-mul and the quantization in its epilogue, 3-4% at prefill
+sizes and 21-26% at decode sizes, docs/BENCHMARKS.md; GEMM tiles that quantized their own rows, 0.51-0.87x as fast
+as the quantizer then the GEMM at 64-256 decode tokens in CUDA graphs.) A MaskedLayout whose x arrives already in
+FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the CPU the experts keep their
+weights dequantized as well and run the same math through torch's grouped GEMM (see fp8_linear.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,25 @@
-"""A/B at decode sizes: the FP8 GEMMs' activations quantized by their own launch (the quantizer, then the GEMM: the
-tables' entries as they are) against tiles that quantize their own rows ("A_QUANT": true: one launch, no e4m3
-round trip), each timed as a decode step runs it.
+"""In-graph tuner of the FP8 GEMMs at decode sizes: each candidate launch configuration timed as a decode step
+runs it, in CUDA graphs, against the tuned table's entry.
 
 V2-Lite's shapes at T tokens of decode: the experts' gate/up (its rows gathered from the tokens, random top-6
 routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * up of the gate/up output, N 2,048, K
-1,408), and the linear layers' q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048), and layer 0's dense MLP
-(gate/up 21,888 x 2,048, down 2,048 x 10,944 from [gate | up] rows). A case runs --layers times, each
-with its own copy of the weights (nothing stays in L2), captured in one CUDA graph; the replay's time a layer is
+1,408), through fp8_grouped_gemm_act, with scripts/gpu/tune_fp8.py's candidates at the layout's rows per expert (as
+its --decode-batches sweep takes them: Triton tiles, tiles from a map, the Gluon kernel's forms); the linear layers'
+q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048) and layer 0's dense MLP (gate/up 21,888 x 2,048, down 2,048 x
+10,944 from [gate | up] rows), through fp8_linear, with tune_fp8.py's dense candidates at T rows (Triton tiles and
+cuBLAS). Each runs as the layers run it: the quantizer (triton_ops/fp8_quant.py), then the GEMM. tune_fp8.py times
+the GEMM alone under do_bench, where a 10-us GEMM's time is mostly the host's; here a case runs --layers times, each
+with its own copy of the weights (nothing stays in L2), captured in one CUDA graph, and the replay's time a layer is
 reported (the median of --rounds timings of its replays). Each candidate is checked against the table's entry's
-output first (the same e4m3 values, so the same sums up to their order). The linear layers' candidates include the
-unfused tiles and cuBLAS (scripts/gpu/tune_fp8.py's dense candidates at T rows): its --dense sweep times them
-alone under do_bench, where a 10-us GEMM's time is mostly the host's.
+output first (the same e4m3 rows, so the same sums up to their order and the MMA's precision).
 
---write: at each T measured the tables (the experts' ops at decode's rows-per-expert key, as scripts/gpu/
-tune_fp8.py --decode-batches writes them; fp8_gemm at T rows) get the best candidate (fused: "A_QUANT": true) where
-it beats the table's entry by more than --margin, else the entry the lookup found, pinned at that key (so that a
-new entry's nearest-key reach stops at the sizes measured without it: 1,024 tokens is a prefill's size).
+--write: at each T measured the tables (the experts' ops at decode's rows-per-expert key, as tune_fp8.py
+--decode-batches writes them; fp8_gemm at T rows) get the best candidate where it beats the table's entry by more
+than --margin, else the entry the lookup found, pinned at that key (so that a new entry's nearest-key reach stops at
+the sizes measured without it: 1,024 tokens is a prefill's size).
 
-Run on the GPU machine:  python3 scripts/gpu/fp8_quant_fusion_ab.py [--tokens 64 128 256 1024] [--layers 26] [--write]
+Run on the GPU machine (CUDA graphs: no CPU run):
+    python3 scripts/gpu/fp8_graph_tune.py [--tokens 64 128 256 1024] [--layers 26] [--write]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_fp8 import dense_candidates, write_table  # noqa: E402
+from tune_fp8 import candidates, dense_candidates, write_table  # noqa: E402
 
 from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
 from moeserve.kernels.fp8_quant import quantize_weight  # noqa: E402
@@ -43,12 +45,6 @@ from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped  # noqa: E40
 
 E, SHARED, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
 DENSE_INTER = 10944  # layer 0's MLP
-GROUPED_FUSED = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st, TMA=True, A_QUANT=True)
-                 for bm, bn, w, st in [(16, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 3), (32, 128, 4, 4),
-                                       (32, 64, 4, 4), (64, 128, 8, 3), (16, 64, 4, 6)]]
-DENSE_FUSED = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, A_QUANT=True)
-               for bm, bn, w, st in [(16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4),
-                                     (16, 32, 4, 4)]]
 
 
 def layout(T: int, gen: torch.Generator):
@@ -79,19 +75,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def unfused(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k != "A_QUANT"}
-
-
-def run_case(name: str, fn, weights: list, candidates: list[dict], table_cfg: dict, ns, rows=None) -> dict:
-    """fn(w, s, config) -> out. The table's entry (unfused) against each candidate, in graphs."""
-    base = unfused(table_cfg)
-    ref = fn(*weights[0], base)
+def run_case(name: str, fn, weights: list, cands: list[dict], table_cfg: dict, ns, rows=None) -> dict:
+    """fn(w, s, config) -> out. The table's entry against each other candidate, in graphs."""
+    ref = fn(*weights[0], table_cfg)
     ref = ref if rows is None else ref[rows]
-    res = {"table": (base, graph_us(lambda: [fn(w, s, base) for w, s in weights], ns.rounds, len(weights)))}
-    print(f"{name}: the table's entry (quantizer, then the GEMM) {res['table'][1]:7.1f} us a layer | {base}",
-          flush=True)
-    for c in candidates:
+    res = {"table": (table_cfg, graph_us(lambda: [fn(w, s, table_cfg) for w, s in weights], ns.rounds,
+                                         len(weights)))}
+    print(f"{name}: the table's entry {res['table'][1]:7.1f} us a layer | {table_cfg}", flush=True)
+    for c in cands:
+        if c == table_cfg:
+            continue
         try:
             out = fn(*weights[0], c)
             err = rel(out if rows is None else out[rows], ref)
@@ -103,8 +96,7 @@ def run_case(name: str, fn, weights: list, candidates: list[dict], table_cfg: di
             print(f"  skip {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         res[json.dumps(c)] = (c, us)
-        kind = "fused" if c.get("A_QUANT") else "unfused"
-        print(f"  {kind:7s} {us:7.1f} us a layer ({res['table'][1] / us:.2f}x as fast) | {c}", flush=True)
+        print(f"  {us:7.1f} us a layer ({res['table'][1] / us:.2f}x as fast) | {c}", flush=True)
     return res
 
 
@@ -116,16 +108,16 @@ def best_candidate(res: dict) -> tuple[dict | None, float]:
 def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w) -> list:
     """(name, op, (table E, N, K), table key, fn(w, s, config), weight copies, candidates) at T tokens."""
     bf = torch.bfloat16
+    expert_cands = candidates(pairs.shape[0] // (E + SHARED))  # tune_fp8.py's, at the layout's rows per expert
     return [
         ("experts gate/up", grouped.OPS[False], (E, 2 * INTER, H), key,
          lambda w, s, c: grouped.fp8_grouped_gemm_act(x, w, s, offsets, counts, bf, pairs, TOP_K + SHARED, config=c),
-         w13, GROUPED_FUSED),
+         w13, expert_cands),
         ("experts down", grouped.OPS[False], (E, H, INTER), key,
          lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
-         GROUPED_FUSED),
+         expert_cands),
     ] + [(name, dense.OP, (1, *ws[0][0].shape), T,
-          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws,
-          DENSE_FUSED + dense_candidates(T))  # and the unfused tiles and cuBLAS, timed as a step runs them
+          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws, dense_candidates(T))
          for name, (ws, a, silu) in dense_inputs(x, dense_w).items()]
 
 
@@ -179,7 +171,7 @@ def main() -> int:
             base_us = res["table"][1]
             print(f"T={T} {name}: best candidate {us:.1f} us against {base_us:.1f} ({base_us / us:.2f}x) | {c}",
                   flush=True)
-            out["cases"].append(dict(T=T, case=name, table=res["table"][0], table_us=base_us, fused=c, fused_us=us))
+            out["cases"].append(dict(T=T, case=name, table=res["table"][0], table_us=base_us, best=c, best_us=us))
             if ns.write:
                 wins = c is not None and us < base_us * (1 - ns.margin)
                 tables.setdefault((op, e, n, k), {})[tkey] = c if wins else res["table"][0]
