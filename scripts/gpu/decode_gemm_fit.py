@@ -5,8 +5,9 @@ tables, FP8 (the block-scaled grouped GEMM) and bf16 (gate/up with SiLU fused, t
 
 1. The fit: each GEMM timed alone (`do_bench`, L2 flushed) with T * u / 64 tokens routed to the first u = 8, 16,
    32 and 64 of the 64 experts (each expert's rows as at T tokens over all of them), so the weights read scale
-   with the experts used. A least-squares line through (bytes, us) gives the fixed cost a launch (us) and the rate
-   the bytes stream at (TB/s).
+   with the experts used; every u runs the launch configuration the tables give T tokens over all the experts
+   (looked up at each u's own rows, the tiles changed with u: 2026-12-03's run did not fit). A least-squares line
+   through (bytes, us) gives the fixed cost a launch (us) and the rate the bytes stream at (TB/s).
 2. The chain: --layers copies of a layer's experts (their own weights: nothing stays in L2), FP8's gate/up GEMM,
    SiLU-and-mul + quantize and down GEMM (bf16: gate/up + SiLU, down), captured in one CUDA graph as a decode step
    runs them. Its replay time beside the sum of the same kernels timed alone (each with a cold L2, as in the chain)
@@ -27,9 +28,12 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from moeserve.kernels.fp8_format import FP8_DTYPE  # noqa: E402
 from moeserve.kernels.fp8_quant import quantize_activations, quantize_weight, silu_and_mul_quantize  # noqa: E402
-from moeserve.kernels.moe_gemm import moe_gemm  # noqa: E402
-from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm  # noqa: E402
+from moeserve.kernels.moe_config import get_config  # noqa: E402
+from moeserve.kernels.moe_gemm import gemm_op, moe_gemm  # noqa: E402
+from moeserve.kernels.triton_ops import moe_gemm as triton_moe  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, default_config, fp8_grouped_gemm  # noqa: E402
 
 E, S, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
 
@@ -58,9 +62,27 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(ys.mean() - slope * xs.mean()), 1e-6 / slope  # bytes per us -> TB/s
 
 
+def full_configs(T: int) -> dict:
+    """The launch configurations the tables give T tokens routed over all E experts (rows T * (top-k + S))."""
+    M = T * (TOP_K + S)
+    fp8 = {n: get_config(OPS[False], M, E + S, n, k, FP8_DTYPE, default=default_config)
+           for n, k in ((2 * INTER, H), (H, INTER))}
+    bf16 = {silu: get_config(gemm_op(silu), M, E + S, INTER if silu else H, H if silu else INTER, torch.bfloat16)
+            for silu in (True, False)}
+    return dict(fp8=fp8, bf16=bf16)
+
+
+def bf16_gemm(x, w, offsets, counts, silu: bool, cfg: dict) -> torch.Tensor:
+    """The bf16 expert GEMM with this configuration (Triton), or torch's grouped GEMM where it names that backend."""
+    if cfg.get("backend") == "torch":
+        return moe_gemm(x, w, offsets, counts, silu=silu)
+    return triton_moe.moe_gemm(x, w, offsets, counts, silu, cfg)
+
+
 def time_layout(T: int, used: int, w13, w2, w13q, w13s, w2q, w2s, gen: torch.Generator) -> dict:
     """Each GEMM alone on T * used / E tokens routed to the first `used` experts (an expert's rows as at T tokens
-    over all E): {name: (weight bytes read, us)}."""
+    over all E), with T tokens' launch configurations (`full_configs`): {name: (weight bytes read, us)}."""
+    cfg = full_configs(T)
     offsets, counts = layout(max(1, T * used // E), used, gen)
     M = int(counts.sum())
     slots = int((counts > 0).sum())
@@ -70,10 +92,12 @@ def time_layout(T: int, used: int, w13, w2, w13q, w13s, w2q, w2s, gen: torch.Gen
     hq, hs = quantize_activations(h, mn_major=True)
     up_bytes, down_bytes = slots * 2 * INTER * H, slots * H * INTER  # e4m3: a byte a weight
     cases = {
-        "fp8 gate/up": (lambda: fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16), up_bytes),
-        "fp8 down": (lambda: fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16), down_bytes),
-        "bf16 gate/up + SiLU": (lambda: moe_gemm(x, w13, offsets, counts, silu=True), 2 * up_bytes),
-        "bf16 down": (lambda: moe_gemm(h, w2, offsets, counts), 2 * down_bytes),
+        "fp8 gate/up": (lambda: fp8_grouped_gemm(xq, xs, w13q, w13s, offsets, counts, torch.bfloat16,
+                                                 cfg["fp8"][2 * INTER]), up_bytes),
+        "fp8 down": (lambda: fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16, cfg["fp8"][H]),
+                     down_bytes),
+        "bf16 gate/up + SiLU": (lambda: bf16_gemm(x, w13, offsets, counts, True, cfg["bf16"][True]), 2 * up_bytes),
+        "bf16 down": (lambda: bf16_gemm(h, w2, offsets, counts, False, cfg["bf16"][False]), 2 * down_bytes),
     }
     out = {}
     for name, (fn, nbytes) in cases.items():
