@@ -157,6 +157,26 @@ def test_triton_gemm_matches_reference(device, m, n, k):
             assert _rel(got, ref) < KERNEL_REL
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split"), [(37, 150, 260, 2), (20, 300, 1024, 3), (5, 64, 128, 4),
+                                                    (64, 256, 2048, 8)])
+def test_triton_gemm_split_k_matches_reference(device, m, n, k, split):
+    """SPLIT_K: K cut in runs of whole 128-blocks (the last one short; more splits asked than blocks: one a block),
+    the partials summed by each tile's last program in split order: the same bits at every launch, and the tile
+    counters back at zero after each."""
+    from moeserve.kernels.triton_ops.fp8_gemm import _split_counts, fp8_gemm
+
+    gen = torch.Generator().manual_seed(m + n + k + split)
+    xq, xs = quantize_activations_reference(torch.randn(m, k, generator=gen))
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
+    ref = fp8_gemm_reference(xq, xs, wq, ws, torch.float32)
+    args = [t.to(device) for t in (xq, scales_mn_major(xs), wq, ws)]
+    for config in (dict(SMALL, SPLIT_K=split), dict(WIDE_N, SPLIT_K=split)):
+        got = fp8_gemm(*args, torch.float32, config=config)
+        assert _rel(got.cpu(), ref) < KERNEL_REL
+        assert torch.equal(fp8_gemm(*args, torch.float32, config=config), got)
+        assert int(_split_counts(got.device).abs().sum()) == 0
+
+
 def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
     """A table for the shape (op fp8_gemm, E = 1, tune_fp8.py --dense) sets the launch; without one, 64 x 128."""
     from moeserve.kernels import moe_config
@@ -185,7 +205,7 @@ def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
     for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):  # they remembered "no table"
         cache.cache_clear()
     got = ops.fp8_gemm(*args, torch.float32).cpu()
-    assert grids == [(1, 1), (3, 3)]  # the default's 64 x 128 tiles, then the 40-row entry's 16 x 32
+    assert grids == [(1, 1, 1), (3, 3, 1)]  # the default's 64 x 128 tiles, then the 40-row entry's 16 x 32
     assert _rel(got, fp8_gemm_reference(xq, xs, wq, ws, torch.float32)) < KERNEL_REL
     for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
         cache.cache_clear()

@@ -57,7 +57,7 @@ def test_shipped_tables_parse():
         need = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
         if not path.parent.name.startswith("fp8_"):  # the FP8 kernels' K step is the 128-wide scale block
             need.add("BLOCK_K")
-        known = need | {"BLOCK_K", "GROUP_M", "TMA", "A_TMA", "SCALE_AHEAD", "maxnreg"}  # the kernels' launch options
+        known = need | {"BLOCK_K", "GROUP_M", "TMA", "A_TMA", "SCALE_AHEAD", "SPLIT_K", "maxnreg"}  # the kernels' launch options
         if not path.parent.name.endswith("_masked"):
             known.add("TILE_MAP")  # (the contiguous layout's)
         if path.parent.name.startswith("fp8_grouped_gemm"):

@@ -8,8 +8,12 @@ at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with
 `block_scaled_tile_tma`, the same sum with b (and a, or a by pointers) read through tensor descriptors. Launch
 configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py
 --dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM
-instead (`cublas_block_fp8`). `fp8_linear` starts from the activations: the quantizer (triton_ops/fp8_quant.py),
-then this GEMM.
+instead (`cublas_block_fp8`). An entry's "SPLIT_K": s cuts each tile's K in s runs of whole 128-blocks, each its
+own program: decode's few rows make few tiles whose K steps run one after another, and s times the programs with
+s times fewer steps each finish sooner (layer 0's dense down, K 10,944, ran 1.4-2.2x as fast at 64-256 rows in CUDA
+graphs, docs/BENCHMARKS.md 2026-12-04); the partials go to a float32 workspace and each tile's last program to
+finish (an atomic count a tile, zeroed again by that program) adds them in split order and stores the tile.
+`fp8_linear` starts from the activations: the quantizer (triton_ops/fp8_quant.py), then this GEMM.
 """
 
 from __future__ import annotations
@@ -133,22 +137,79 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask, stride_bn,
-                     stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_am, stride_asm,
+                     stride_ask, stride_bn, stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Tile (pid 0, pid 1); with SPLIT_K > 1, pid 2 sums K from pid 2 * k_split (a multiple of GROUP) and the tile's
+    last program to finish adds the SPLIT_K fp32 partials (ws [SPLIT_K, M, N]) in split order and stores the tile."""
     n0 = tl.program_id(1) * BLOCK_N
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
-    acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
-                            stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+    ok = row_ok[:, None] & col_ok[None, :]
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SPLIT_K == 1:
+        acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am,
+                                stride_asm, stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+    else:
+        split = tl.program_id(2)
+        k0 = split * k_split
+        kb0 = k0 // GROUP
+        acc = block_scaled_tile(a_ptr + k0, as_ptr + kb0 * stride_ask, b_ptr + k0, bs_ptr + kb0, rows, row_ok, cols,
+                                col_ok, n0, tl.minimum(K - k0, k_split), stride_am, stride_asm, stride_ask, stride_bn,
+                                stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+        split_store(acc, ws_ptr, count_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), split, rows,
+                    cols, ok, c_ptrs, M, N, SPLIT_K)
+
+
+@triton.jit
+def split_store(acc, ws_ptr, count_ptr, tile, split, rows, cols, ok, c_ptrs, M, N, SPLIT_K: tl.constexpr):
+    """Split-K's end of a tile: this split's fp32 partial into ws (viewed [SPLIT_K * M, N]: split s in rows s * M..;
+    rows, cols int64), then the tile's count; the program that counts last adds the SPLIT_K partials in split order
+    (the sum does not depend on which came last), stores the tile at c_ptrs, and zeroes the count for the next
+    launch (CUDA graphs' replays included)."""
+    col_idx = cols[None, :]
+    tl.store(ws_ptr + (rows[:, None] + split * M) * N + col_idx, acc, mask=ok)
+    tl.debug_barrier()  # every thread's partial written before the count says so
+    if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(ws_ptr + (rows[:, None] + s * M) * N + col_idx, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(c_ptrs, total.to(c_ptrs.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(count_ptr + tile, 0)
+
+
+MAX_SPLIT_TILES = 1 << 16  # split-K's per-tile counters a device (a GEMM with more output tiles runs unsplit)
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters: zero between launches (each tile's last program zeroes its own), so one
+    buffer serves every split GEMM of the device's stream in turn, CUDA graphs' replays included."""
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTS[device]
+
+
+def _split_plan(cfg: dict, k: int, tiles: int, m: int, n: int, device: torch.device):
+    """(splits, K columns a split, workspace, counts) for a configuration's "SPLIT_K" (whole 128-blocks a split;
+    unsplit where the output has more tiles than the counters)."""
+    nkb = triton.cdiv(k, BLOCK)
+    k_split = triton.cdiv(nkb, min(cfg.get("SPLIT_K", 1), nkb)) * BLOCK
+    split = triton.cdiv(k, k_split) if tiles <= MAX_SPLIT_TILES else 1
+    if split == 1:
+        return 1, k, None, None
+    return split, k_split, torch.empty(split * m, n, dtype=torch.float32, device=device), _split_counts(device)
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """xq [M, K] e4m3, x_scale [M, ceil(K/128)] (either way round in memory), w [N, K] e4m3, w_scale_inv
-    [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    [ceil(N/128), ceil(K/128)] -> [M, N]. A configuration's "SPLIT_K": s (decode's few rows: each tile's K cut in s
+    runs of whole 128-blocks, s times the programs, each with s times fewer dependent steps) sums fp32 partials in
+    a workspace, added by each tile's last program."""
     m, k = xq.shape
     n = w.shape[0]
     cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
@@ -161,10 +222,13 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     if m == 0 or n == 0:
         return out
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _fp8_gemm_kernel[grid](xq, x_scale, w, w_scale_inv, out, m, n, k, xq.stride(0), x_scale.stride(0),
-                           x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm,
-                           BLOCK_N=bn, GROUP=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid_m, grid_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    split, k_split, ws, counts = _split_plan(cfg, k, grid_m * grid_n, m, n, xq.device)
+    _fp8_gemm_kernel[(grid_m, grid_n, split)](
+        xq, x_scale, w, w_scale_inv, out, out if ws is None else ws, out if counts is None else counts, m, n, k,
+        k_split, xq.stride(0), x_scale.stride(0),
+        x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
+        SPLIT_K=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
