@@ -10,7 +10,9 @@ activations (`fp8_grouped_gemm_act`: the quantizer, then the GEMM): the contiguo
 from the tokens, SiLU-and-mul and the quantization between the GEMMs in one kernel. (Two fused forms measured slower
 on an H200 and were dropped: a gate/up GEMM with SiLU-and-mul and the quantization in its epilogue, 3-4% at prefill
 sizes and 21-26% at decode sizes, docs/BENCHMARKS.md; GEMM tiles that quantized their own rows, 0.51-0.87x as fast
-as the quantizer then the GEMM at 64-256 decode tokens in CUDA graphs.) A MaskedLayout whose x arrives already in
+as the quantizer then the GEMM at 64-256 decode tokens in CUDA graphs; and weight-only experts at decode, e4m3
+weights widened to bf16 in the bf16 grouped GEMM with no quantizer at all, 0.35-0.71x as fast as this chain at
+64-1,024 tokens in CUDA graphs, 2026-12-04.) A MaskedLayout whose x arrives already in
 FP8 with its scales (the low-latency dispatcher's FP8 dispatch) goes straight in. On the CPU the experts keep their
 weights dequantized as well and run the same math through torch's grouped GEMM (see fp8_linear.py).
 """
