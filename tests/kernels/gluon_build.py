@@ -1,5 +1,6 @@
-"""Compiling a Gluon kernel for an sm_90 GPU on a machine without one (Gluon has no interpreter), and reading
-ptxas's report of the result: what the CPU tests of the Gluon kernels check."""
+"""Compiling a Gluon kernel (or a plain Triton one) for an sm_90 GPU on a machine without one (Gluon has no
+interpreter; the interpreter does not compile), and reading ptxas's report of the result: what the CPU tests of the
+Gluon kernels check."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ def compile_for_hopper(kern, sig: dict[str, str], consts: dict, divisible: tuple
                          constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(kern.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=consts["num_warps"]))
+
+
+def compile_triton_for_hopper(kern, sig: dict[str, str], consts: dict, options: dict):
+    """A plain @triton.jit kernel compiled for sm_90 the same way (sig and consts as `compile_for_hopper`'s;
+    options: num_warps, num_stages)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict.fromkeys(kern.arg_names, "i32") | sig | dict.fromkeys(consts, "constexpr")
+    undo_interpreter_patches()
+    src = ASTSource(fn=kern, signature=signature, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str, tmp_path: Path) -> str:

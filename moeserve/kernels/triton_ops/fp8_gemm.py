@@ -49,10 +49,14 @@ def _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR: tl.const
 
 @triton.jit
 def _scaled_add(acc, part, a_s, b_s, B_SCALAR: tl.constexpr):
-    """acc + part * a_s[row] * b_s[col]: one multiply-add an element when b's scale is one scalar."""
+    """acc + part * a_s[row] * b_s[col]: one multiply-add an element when b's scale is one scalar. (One return after
+    the branch: Triton 3.9 compiles the code after a constexpr branch's return too, where b_s[None, :] of a scalar
+    fails.)"""
     if B_SCALAR:
-        return acc + part * (a_s * b_s)[:, None]
-    return acc + part * (a_s[:, None] * b_s[None, :])
+        scale = (a_s * b_s)[:, None]
+    else:
+        scale = a_s[:, None] * b_s[None, :]
+    return acc + part * scale
 
 
 @triton.jit
