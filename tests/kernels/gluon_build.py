@@ -35,33 +35,34 @@ def undo_interpreter_patches() -> None:
                 setattr(obj, name, value)
 
 
-def compile_for_hopper(kern, sig: dict[str, str], consts: dict, divisible: tuple[str, ...] = ()):
-    """kern compiled for sm_90 with Triton's own compiler: sig the non-constant arguments' types (the others i32),
-    consts the constexprs, divisible the arguments Triton's launcher would see divisible by 16 (pointers 16-byte
-    aligned, strides and sizes)."""
+def _hopper_build(kern, source, sig: dict[str, str], consts: dict, options: dict, **attrs):
+    """kern's source (Gluon's or Triton's AST source class) compiled for sm_90: sig the non-constant arguments'
+    types (the others i32), consts the constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict.fromkeys(kern.arg_names, "i32") | sig | dict.fromkeys(consts, "constexpr")
     undo_interpreter_patches()
-    src = GluonASTSource(fn=kern, signature=signature,
-                         constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()},
+    src = source(fn=kern, signature=signature,
+                 constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()}, **attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_for_hopper(kern, sig: dict[str, str], consts: dict, divisible: tuple[str, ...] = ()):
+    """kern (Gluon) compiled for sm_90 with Triton's own compiler: sig the non-constant arguments' types (the others
+    i32), consts the constexprs, divisible the arguments Triton's launcher would see divisible by 16 (pointers
+    16-byte aligned, strides and sizes)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return _hopper_build(kern, GluonASTSource, sig, consts, dict(num_warps=consts["num_warps"]),
                          attrs={(kern.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=consts["num_warps"]))
 
 
 def compile_triton_for_hopper(kern, sig: dict[str, str], consts: dict, options: dict):
-    """A plain @triton.jit kernel compiled for sm_90 the same way (sig and consts as `compile_for_hopper`'s;
-    options: num_warps, num_stages)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    """A plain @triton.jit kernel compiled for sm_90 the same way (options: num_warps, num_stages)."""
     from triton.compiler import ASTSource
 
-    signature = dict.fromkeys(kern.arg_names, "i32") | sig | dict.fromkeys(consts, "constexpr")
-    undo_interpreter_patches()
-    src = ASTSource(fn=kern, signature=signature, constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return _hopper_build(kern, ASTSource, sig, consts, options)
 
 
 def ptxas_report(ptx: str, tmp_path: Path) -> str:

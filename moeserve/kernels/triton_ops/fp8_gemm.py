@@ -163,12 +163,12 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, 
         acc = block_scaled_tile(a_ptr + k0, as_ptr + kb0 * stride_ask, b_ptr + k0, bs_ptr + kb0, rows, row_ok, cols,
                                 col_ok, n0, tl.minimum(K - k0, k_split), stride_am, stride_asm, stride_ask, stride_bn,
                                 stride_bsn, BLOCK_M, BLOCK_N, GROUP)
-        split_store(acc, ws_ptr, count_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), split, rows,
-                    cols, ok, c_ptrs, M, N, SPLIT_K)
+        _split_store(acc, ws_ptr, count_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), split, rows,
+                     cols, ok, c_ptrs, M, N, SPLIT_K)
 
 
 @triton.jit
-def split_store(acc, ws_ptr, count_ptr, tile, split, rows, cols, ok, c_ptrs, M, N, SPLIT_K: tl.constexpr):
+def _split_store(acc, ws_ptr, count_ptr, tile, split, rows, cols, ok, c_ptrs, M, N, SPLIT_K: tl.constexpr):
     """Split-K's end of a tile: this split's fp32 partial into ws (viewed [SPLIT_K * M, N]: split s in rows s * M..;
     rows, cols int64), then the tile's count; the program that counts last adds the SPLIT_K partials in split order
     (the sum does not depend on which came last), stores the tile at c_ptrs, and zeroes the count for the next
@@ -211,9 +211,7 @@ def _split_plan(cfg: dict, k: int, tiles: int, m: int, n: int, device: torch.dev
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
              out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """xq [M, K] e4m3, x_scale [M, ceil(K/128)] (either way round in memory), w [N, K] e4m3, w_scale_inv
-    [ceil(N/128), ceil(K/128)] -> [M, N]. A configuration's "SPLIT_K": s (decode's few rows: each tile's K cut in s
-    runs of whole 128-blocks, s times the programs, each with s times fewer dependent steps) sums fp32 partials in
-    a workspace, added by each tile's last program."""
+    [ceil(N/128), ceil(K/128)] -> [M, N]. A configuration's "SPLIT_K": see the module doc."""
     m, k = xq.shape
     n = w.shape[0]
     cfg = config or get_config(OP, m, 1, n, k, FP8_DTYPE, xq.device, default=default_config)
@@ -230,9 +228,9 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     split, k_split, ws, counts = _split_plan(cfg, k, grid_m * grid_n, m, n, xq.device)
     _fp8_gemm_kernel[(grid_m, grid_n, split)](
         xq, x_scale, w, w_scale_inv, out, out if ws is None else ws, out if counts is None else counts, m, n, k,
-        k_split, xq.stride(0), x_scale.stride(0),
-        x_scale.stride(1), w.stride(0), w_scale_inv.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
-        SPLIT_K=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        k_split, xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale_inv.stride(0),
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK, SPLIT_K=split, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
