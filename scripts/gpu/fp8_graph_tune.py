@@ -141,9 +141,6 @@ def main() -> int:
     p.add_argument("--margin", type=float, default=0.02, help="--write: a candidate must be this much faster")
     p.add_argument("--cases", nargs="+", default=None, help="only the cases whose names hold one of these words")
     p.add_argument("--match", default=None, help="only the candidates whose JSON holds this text (and the table's)")
-    p.add_argument("--pdl", type=int, nargs="+", default=[],
-                   help="the experts' cases: also the table's entry with each of these \"PDL\" blocks "
-                        "(triton_ops/pdl.py: a PDL launch that prefetches that many K blocks of weights)")
     p.add_argument("--result-file", default=None)
     ns = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -171,12 +168,10 @@ def main() -> int:
         for name, op, (e, n, k), tkey, fn, weights, cands in cases:
             if ns.cases and not any(c in name for c in ns.cases):
                 continue
-            table_cfg = get_config(op, M if e > 1 else T, E + SHARED if e > 1 else 1, n, k, FP8_DTYPE,
-                                   default=grouped.default_config if e > 1 else dense.default_config)
-            if e > 1:
-                cands = cands + [dict(table_cfg, PDL=b) for b in ns.pdl]
             if ns.match:
                 cands = [c for c in cands if ns.match in json.dumps(c)]
+            table_cfg = get_config(op, M if e > 1 else T, E + SHARED if e > 1 else 1, n, k, FP8_DTYPE,
+                                   default=grouped.default_config if e > 1 else dense.default_config)
             res = run_case(f"T={T} {name}", fn, weights, cands, table_cfg, ns, None if e == 1 else valid)
             c, us = best_candidate(res)
             base_us = res["table"][1]

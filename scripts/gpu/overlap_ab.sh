@@ -25,8 +25,7 @@
 #              both; MODEL=v3: the V3-layer-shaped model)
 #   fp8ab      FP8 one-batch decode at batch 64 / 256 and prefill 4 x 2,048: BASE=DIR (as onebatch), then this tree
 #   fp8vsbf16  this tree in bf16 then FP8: one-batch decode at batch 64 / 256 and prefill 4 x 2,048 (V2-Lite-shaped;
-#              MODEL=v3: the V3-layer-shaped model), the weights' memory from the log; QUANTS picks (bf16, fp8,
-#              fp8nopdl: FP8 with MOESERVE_PDL=0), DECODE_ONLY=1 skips the prefill
+#              MODEL=v3: the V3-layer-shaped model), the weights' memory from the log
 #   fp8bench   scripts/gpu/fp8_bench.py --quick: BASE=DIR first where given, then this tree
 #   fp8dense   tune the FP8 linear layers' dense GEMM (tune_fp8.py --dense: V2-Lite's and V3's shapes at 1, 64, 256,
 #              8,192 rows; DENSE_SHAPES, DENSE_ROWS pick others); the tables land in $OUT/fp8_gemm_tables.tgz (the
@@ -146,15 +145,12 @@ fp8ab)
   done
   ;;
 fp8vsbf16)
-  for q in ${QUANTS:-bf16 fp8}; do  # fp8nopdl: FP8 with MOESERVE_PDL=0
-    F=""; [ $q != bf16 ] && F="--quantization fp8"
-    P=1; [ $q = fp8nopdl ] && P=0
+  for q in ${QUANTS:-bf16 fp8}; do
+    F=""; [ $q = fp8 ] && F="--quantization fp8"
     echo "== ${MODEL:-v2lite} $q decode $(date -u +%T)"
-    MOESERVE_PDL=$P timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 \
-      --mem-fraction-static $MF --max-running-requests 256 --cuda-graph-max-bs 256 --repeat 3 --input-len 128 \
-      --output-len 64 --batch-size 64 256 --result-file "$OUT/${MODEL:-v2lite}_${q}_decode.jsonl" 2>&1 \
-      | grep -E "^batch|Error|error|weights"
-    [ -n "${DECODE_ONLY:-}" ] && continue
+    timeout 120 python3 -m moeserve.cli bench one-batch $MP $F --context-length 1024 --mem-fraction-static $MF \
+      --max-running-requests 256 --cuda-graph-max-bs 256 --repeat 3 --input-len 128 --output-len 64 \
+      --batch-size 64 256 --result-file "$OUT/${MODEL:-v2lite}_${q}_decode.jsonl" 2>&1 | grep -E "^batch|Error|error|weights"
     echo "== ${MODEL:-v2lite} $q prefill 4 x 2048 $(date -u +%T)"
     timeout 90 python3 -m moeserve.cli bench one-batch $MP $F --mem-fraction-static $MF --max-running-requests 8 \
       --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 --chunked-prefill-size 8192 \
@@ -193,8 +189,7 @@ fp8tune)  # FP8_PHASES="decode prefill" by default
   ;;
 fp8graph)
   echo "== FP8 GEMMs tuned in CUDA graphs, decode sizes $(date -u +%T)"
-  timeout ${GRAPH_S:-360} python3 scripts/gpu/fp8_graph_tune.py --write --result-file "$OUT/fp8_graph.jsonl" \
-    ${GRAPH_ARGS:-} 2>&1 \
+  timeout ${GRAPH_S:-360} python3 scripts/gpu/fp8_graph_tune.py --write --result-file "$OUT/fp8_graph.jsonl" 2>&1 \
     | grep -vE "skip|Warning|warn"
   tar -czf "$OUT/fp8_graph_tables.tgz" -C moeserve/kernels/configs fp8_gemm fp8_grouped_gemm
   ;;

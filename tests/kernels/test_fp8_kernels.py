@@ -208,40 +208,6 @@ def test_triton_gemm_compiles_for_hopper():
     assert out.stdout.split("\n")[-4:-1] == ["128 1 True False", "256 1 True False", "64 2 True True"]
 
 
-_PDL_BUILD = """
-from tests.kernels.gluon_build import compile_triton_for_hopper
-from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped, fp8_quant as quant
-sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr="*bf16", starts_ptr="*i32",
-           counts_ptr="*i32", map_ptr="*i32", w_ptr="*fp8e4nv")
-for prefetch in (0, 4):
-    consts = dict(E=66, E_P2=128, MASKED=False, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, GROUP=128, TMA=False,
-                  A_TMA=False, TILE_MAP=False, SCALE_AHEAD=1, PREFETCH=prefetch)
-    ptx = compile_triton_for_hopper(grouped._fp8_grouped_kernel, sig, consts, dict(num_warps=4, num_stages=3)).asm["ptx"]
-    print("gemm", prefetch, "cp.async.bulk.prefetch.L2" in ptx, "griddepcontrol.wait" in ptx)
-sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", pairs_ptr="*i32")
-for trigger in (False, True):
-    consts = dict(SILU=True, GATHER=False, TOPK=1, FLAT=True, FLOOR=1e-10, QMAX=448.0, GROUP=128, GROUPS=8,
-                  TRIGGER=trigger)
-    ptx = compile_triton_for_hopper(quant._quantize_groups_kernel, sig, consts, dict(num_warps=4)).asm["ptx"]
-    print("quant", trigger, "griddepcontrol.launch_dependents" in ptx)
-"""
-
-
-def test_pdl_forms_compile_for_hopper():
-    """The PDL forms built for sm_90 (ptxas assembles the bulk prefetch): the grouped GEMM's programs ask L2 for
-    their first weight blocks and then wait for the kernel before; the quantizer lets the GEMM after it start. The
-    GPU tests run them (test_grouped_gemm_pdl_matches)."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", _PDL_BUILD], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[-5:-1] == ["gemm 0 False False", "gemm 4 True True", "quant False False",
-                                             "quant True True"]
-
-
 def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):
     """A table for the shape (op fp8_gemm, E = 1, tune_fp8.py --dense) sets the launch; without one, 64 x 128."""
     from moeserve.kernels import moe_config
@@ -412,62 +378,6 @@ def test_triton_linear_from_activations_matches_reference(device, silu, m, n, k)
     for cfg in (SMALL, WIDE_N):
         _from_activations_agree(fp8_linear(*dev, silu, config=cfg).cpu(), ref,
                                 lambda: fp8_linear_reference(x, wq, ws, silu), cfg, device)
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
-                    reason="programmatic dependent launch needs a Hopper-class GPU")
-@pytest.mark.parametrize("silu", [False, True])
-def test_grouped_gemm_pdl_matches(silu):
-    """A configuration's "PDL" (the weights' first K blocks asked of L2, then the wait for the quantizer) gives the
-    bits of the same launch without it, eagerly and replayed in a CUDA graph, in both layouts; 2 blocks of K's 8
-    and more blocks than K has. The quantizer's outputs change between replays: the GEMM must read the new ones."""
-    from moeserve.kernels.triton_ops.fp8_grouped_gemm import (
-        fp8_grouped_gemm_act,
-        fp8_grouped_gemm_masked_act,
-        pdl_blocks,
-    )
-
-    gen = torch.Generator(device="cuda").manual_seed(41 + silu)
-    k, n, top_k = 1024, 384, 2
-    counts = torch.tensor([0, 37, 1, 0, 70, 9], dtype=torch.int32, device="cuda")
-    offsets = torch.zeros(7, dtype=torch.int32, device="cuda")
-    offsets[1:] = torch.cumsum(counts, 0)
-    wq, ws = quantize_weight(torch.randn(6, n, k, device="cuda", generator=gen))
-    rows = int(offsets[-1])
-    x = torch.randn(rows, 2 * k if silu else k, device="cuda", generator=gen, dtype=torch.bfloat16)
-    pairs = None if silu else torch.randint(0, 60 * top_k, (rows,), device="cuda", generator=gen, dtype=torch.int32)
-    if not silu:
-        x = x[:60]
-    xm = torch.randn(6, 72, 2 * k if silu else k, device="cuda", generator=gen, dtype=torch.bfloat16)
-    masked_m = torch.tensor([17, 0, 72, 3, 1, 40], dtype=torch.int32, device="cuda")
-    valid = _valid_rows(offsets.cpu(), counts.cpu())
-    keep = (torch.arange(72)[None, :] < masked_m.cpu()[:, None])
-    bf = torch.bfloat16
-    for base in (dict(SMALL, TMA=True, BLOCK_M=64, BLOCK_N=128, A_TMA=False), dict(SMALL, BLOCK_M=64)):
-        for blocks in (2, 16):
-            cfg = dict(base, PDL=blocks)
-            assert pdl_blocks(cfg, x, k) == blocks
-            run = lambda c: (fp8_grouped_gemm_act(x, wq, ws, offsets, counts, bf, pairs, top_k, silu, c),  # noqa: E731
-                             fp8_grouped_gemm_masked_act(xm, wq, ws, masked_m, bf, silu, c))
-            want, got = run(base), run(cfg)
-            assert torch.equal(got[0].cpu()[valid], want[0].cpu()[valid])
-            assert torch.equal(got[1].cpu()[keep], want[1].cpu()[keep])
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = run(cfg)
-            x.copy_(torch.randn(x.shape, device="cuda", generator=gen, dtype=bf))
-            xm.copy_(torch.randn(xm.shape, device="cuda", generator=gen, dtype=bf))
-            g.replay()
-            want = run(base)
-            assert torch.equal(out[0].cpu()[valid], want[0].cpu()[valid])
-            assert torch.equal(out[1].cpu()[keep], want[1].cpu()[keep])
-
-
-def test_grouped_gemm_pdl_off_without_hopper():
-    """On the CPU (the interpreter) a configuration's "PDL" launches as without it."""
-    from moeserve.kernels.triton_ops.fp8_grouped_gemm import pdl_blocks
-
-    assert pdl_blocks(dict(SMALL, PDL=4), torch.empty(2, 256), 256) == 0
 
 
 @pytest.mark.parametrize("silu", [False, True])

@@ -32,8 +32,6 @@ from moeserve.kernels.fp8_format import BLOCK, FP8_DTYPE
 from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.fp8_quant import quantize_rows
-from moeserve.kernels.triton_ops.pdl import gdc_wait, prefetch_l2
-from moeserve.kernels.triton_ops.pdl import usable as pdl_usable
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
@@ -47,16 +45,12 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, w_ptr, N, K, cap,
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
                         tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
                         stride_bsn, stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
-                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-                        PREFETCH: tl.constexpr = 0):
-    """PREFETCH > 0 (a PDL launch, triton_ops/pdl.py): the tile's first PREFETCH K blocks of weights (w_ptr, the
-    weights by pointer) asked of L2, then the wait for the kernel before (the quantizer); the counts were written
-    before that kernel started."""
+                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
@@ -67,10 +61,6 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < count - tile * BLOCK_M, cols < N - n0
     e64 = e.to(tl.int64)
-    if PREFETCH > 0:
-        w_rows = e64 * stride_be + tl.minimum(n0 + cols, N - 1).to(tl.int64) * stride_bn
-        prefetch_l2(w_ptr + w_rows, tl.minimum(K, PREFETCH * GROUP))
-        gdc_wait()
     if TMA:  # b_ptr a descriptor over w viewed as [E * N, K], a_ptr one over xq [M, K] with A_TMA
         acc = block_scaled_tile_tma(a_ptr, b_ptr, as_ptr + m0 * stride_asm, bs_ptr + e64 * stride_bse,
                                     start + tile * BLOCK_M, e * N + n0, rows, row_ok, cols, col_ok, n0, K, stride_am,
@@ -84,9 +74,7 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config, after_quantizer=False):
-    """after_quantizer: the kernel before this one in the stream is the quantizer of xq, launched without PDL
-    (the `_act` functions): a configuration's "PDL" may then apply (triton_ops/pdl.py)."""
+def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config):
     m, k = xq.shape
     e, n = w.shape[0], w.shape[1]
     assert w.shape[2] == k and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
@@ -105,23 +93,14 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
     mapped = bool(cfg.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    prefetch = pdl_blocks(cfg, xq, k) if after_quantizer and not mapped else 0
     _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
-        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, w, n, k, cap, tiles_per_expert, num_m,
+        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
         BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
-        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), PREFETCH=prefetch, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
-        **({"launch_pdl": True} if prefetch else {}))
+        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
-
-
-def pdl_blocks(cfg: dict, xq: torch.Tensor, k: int) -> int:
-    """The K blocks of weights a program prefetches before its wait in a PDL launch: the configuration's "PDL"
-    (0: an ordinary launch) where PDL is usable and the rows' bytes are whole 16-byte units (the bulk prefetch's)."""
-    blocks = int(cfg.get("PDL", 0))
-    return blocks if blocks > 0 and k % 16 == 0 and pdl_usable(xq) else 0
 
 
 def _wgmma_usable(xq: torch.Tensor, w: torch.Tensor, cfg: dict) -> bool:
@@ -150,12 +129,12 @@ def _descriptors(xq: torch.Tensor, w: torch.Tensor, bm: int, bn: int, a_tma: boo
 
 def fp8_grouped_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                      expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, out_dtype: torch.dtype,
-                     config: dict | None = None, after_quantizer: bool = False) -> torch.Tensor:
+                     config: dict | None = None) -> torch.Tensor:
     """Contiguous layout: xq [M, K] -> [M, N]; the reference's signature. Rows past a segment's count are left
-    unwritten (the combines never read them), where the reference writes zeros (after_quantizer: see `_launch`)."""
+    unwritten (the combines never read them), where the reference writes zeros."""
     out = torch.empty(xq.shape[0], w.shape[1], dtype=out_dtype, device=xq.device)
     return _launch(xq, x_scale, w, w_scale_inv.contiguous(), out, expert_offsets,
-                   num_tokens_per_expert, 0, False, config, after_quantizer)
+                   num_tokens_per_expert, 0, False, config)
 
 
 def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, expert_offsets: torch.Tensor,
@@ -165,25 +144,21 @@ def fp8_grouped_gemm_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Te
     top_k of x, -1 a row of zeros; silu: x's rows are [gate | up] and the row is silu(gate) * up) quantized per
     token in groups of 128 (`quantize_rows`, scales M-major), then `fp8_grouped_gemm` -> [M, N]."""
     xq, xs = quantize_rows(x, silu, mn_major=True, pairs=pairs, top_k=top_k)
-    return fp8_grouped_gemm(xq, xs, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, config,
-                            after_quantizer=True)
+    return fp8_grouped_gemm(xq, xs, w, w_scale_inv, expert_offsets, num_tokens_per_expert, out_dtype, config)
 
 
 def fp8_grouped_gemm_masked_act(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, masked_m: torch.Tensor,
                                 out_dtype: torch.dtype, silu: bool = False, config: dict | None = None) -> torch.Tensor:
     """Masked layout from the activations: x [E, C, K] (silu: [E, C, 2K], the rows silu(gate) * up) quantized per
     token in groups of 128, then `fp8_grouped_gemm_masked` -> [E, C, N]."""
-    return fp8_grouped_gemm_masked(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, masked_m, out_dtype, config,
-                                   after_quantizer=True)
+    return fp8_grouped_gemm_masked(*quantize_rows(x, silu, mn_major=True), w, w_scale_inv, masked_m, out_dtype, config)
 
 
 def fp8_grouped_gemm_masked(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                            masked_m: torch.Tensor, out_dtype: torch.dtype, config: dict | None = None,
-                            after_quantizer: bool = False) -> torch.Tensor:
-    """Masked layout: xq [E, C, K] -> [E, C, N]; rows past masked_m[e] unspecified. The reference's signature
-    (after_quantizer: see `_launch`)."""
+                            masked_m: torch.Tensor, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """Masked layout: xq [E, C, K] -> [E, C, N]; rows past masked_m[e] unspecified. The reference's signature."""
     e, cap, k = xq.shape
     out = torch.empty(e, cap, w.shape[1], dtype=out_dtype, device=xq.device)
     _launch(xq.reshape(e * cap, k), x_scale.reshape(e * cap, -1), w, w_scale_inv.contiguous(),
-            out.view(e * cap, -1), masked_m, masked_m, cap, True, config, after_quantizer)
+            out.view(e * cap, -1), masked_m, masked_m, cap, True, config)
     return out

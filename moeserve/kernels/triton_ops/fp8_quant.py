@@ -22,8 +22,6 @@ import triton.language as tl
 from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX, num_blocks
 from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
-from moeserve.kernels.triton_ops.pdl import gdc_launch_dependents
-from moeserve.kernels.triton_ops.pdl import usable as pdl_usable
 
 GROUPS = 8  # groups of 128 a program: 1,024 values, 8 a thread at 4 warps
 
@@ -51,14 +49,11 @@ def quantize_groups(v, FLOOR: tl.constexpr, QMAX: tl.constexpr):
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, pairs_ptr, K, num_groups, total, stride_xm, stride_qm, stride_sm,
                             stride_sg, SILU: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr,
                             FLAT: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr,
-                            GROUPS: tl.constexpr, TRIGGER: tl.constexpr = False):
+                            GROUPS: tl.constexpr):
     """GROUPS groups of row pid(0) from group GROUPS * pid(1); FLAT: the rows' groups laid end to end (group j: row
     j // num_groups, its group j % num_groups; total = rows * num_groups), a program's groups may span two rows.
     SILU: the row is [gate | up] (2K wide) and a group is silu(gate) * up; GATHER: the row is read from token
-    pairs[row] // TOPK (-1: a row of zeros). TRIGGER: the GEMM after it may start now (a PDL launch's programs
-    prefetch their weights, then wait for this kernel to end: triton_ops/pdl.py)."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    pairs[row] // TOPK (-1: a row of zeros)."""
     if FLAT:
         j = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
         row, g, live = j // num_groups, j % num_groups, j < total
@@ -103,8 +98,7 @@ def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tens
         grid = (triton.cdiv(m * kb, groups), 1) if flat else (m, kb // groups)
         _QUANTIZE(grid, x2, q, s, q if pairs is None else pairs, k, kb, m * kb, x2.stride(0), q.stride(0),
                   s.stride(0), s.stride(1), SILU=silu, GATHER=pairs is not None, TOPK=top_k, FLAT=flat,
-                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups,
-                  TRIGGER=pdl_usable(x), num_warps=4)
+                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups, num_warps=4)
     if pairs is not None:
         return q, s
     return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], kb)
