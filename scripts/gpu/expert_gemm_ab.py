@@ -7,7 +7,8 @@ with distinct experts a token (scripts/gpu/tune_moe.py's layout):
   the tuned table's entry (`moeserve.kernels.moe_gemm.moe_gemm`: Triton, or torch's grouped GEMM where the table
   says) and the Triton entry without its tile map; beside a dense bf16 8,192^3 `torch.mm` (the peak).
 - FP8 (--quantization fp8's recipe): the contiguous gate/up and down grouped GEMMs (table entry, and without the tile
-  map) and the masked gate/up; beside `torch._scaled_mm` on the gate/up's M x N x K (per-tensor scales, the ceiling).
+  map) and the masked gate/up; beside `torch._scaled_mm` on the gate/up's M x N x K (per-tensor scales, the ceiling)
+  and `torch._scaled_grouped_mm` on the same rows and experts (row-wise scales, groups padded to 16 rows).
 Prints the median over the rounds of each, in us and TFLOP/s; --result-file appends them as one JSON line.
 
 Run on the GPU machine: python3 scripts/gpu/expert_gemm_ab.py [--tokens 8192] [--rounds 5]
@@ -143,10 +144,50 @@ def add_fp8(cases: dict, wgmma: bool, x, w13, h, w2, offsets, counts, pairs, k: 
     "fp8 down, no map": (lambda: fp8_grouped_gemm(hq, hs, w2q, w2s, offsets, counts, torch.bfloat16,
                                                   without_map(f8_down)), flops_down),
     })
+    add_scaled_grouped_mm(cases, (xq, w13q, hq, w2q), offsets, counts)
     if wgmma:
         add_wgmma(cases, (xq, xs, w13q, w13s, hq, hs, w2q, w2s, sq, ss), offsets, counts, E, cap, H,
                   flops_up, flops_down)
     return dict(fp8_up=f8_up, fp8_down=f8_down, fp8_masked=f8_masked)
+
+
+def add_scaled_grouped_mm(cases: dict, fp8: tuple, offsets, counts) -> None:
+    """torch._scaled_grouped_mm (CUTLASS's FP8 grouped GEMM in PyTorch) on the same e4m3 rows and weights, with
+    row-wise scales (one a row of a, one a column of each expert's b: what it takes on Hopper; not DeepSeek's
+    128-block recipe, so a peer, not a drop-in). Its groups must start on 16-row boundaries: each expert's rows are
+    copied into a layout padded so (the padding rows are computed too, and counted in its TFLOP/s)."""
+    xq, w13q, hq, w2q = fp8
+    padded = (counts + 15) // 16 * 16
+    ends = torch.cumsum(padded, 0).to(torch.int32)
+    m_pad = int(ends[-1])
+    src = torch.full((m_pad,), -1, dtype=torch.long, device=xq.device)
+    starts, dsts = offsets[:-1].tolist(), (ends - padded).tolist()
+    for start, n, dst in zip(starts, counts.tolist(), dsts, strict=True):
+        src[dst:dst + n] = torch.arange(start, start + n, device=xq.device)
+    keep = src >= 0
+
+    def pad_rows(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(m_pad, t.shape[1], dtype=t.dtype, device=t.device)
+        out[keep] = t[src[keep]]
+        return out
+
+    scale_a = torch.ones(m_pad, dtype=torch.float32, device=xq.device)
+    for name, a, w in (("gate/up", pad_rows(xq), w13q), ("down", pad_rows(hq), w2q)):
+        b = w.transpose(1, 2)  # [E, K, N], column-major as the op wants it
+        scale_b = torch.ones(b.shape[0], b.shape[2], dtype=torch.float32, device=xq.device)
+
+        def fn(a=a, b=b, scale_b=scale_b):
+            return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16)
+
+        try:
+            e = int(torch.argmax(counts))  # the busiest expert's rows against a float32 product of the same values
+            rows = slice(int(ends[e] - padded[e]), int(ends[e] - padded[e] + counts[e]))
+            err = rel(fn()[rows].float(), a[rows].float() @ b[e].float())
+            print(f"fp8 torch._scaled_grouped_mm {name}: rel {err:.2e} against float32 on expert {e}", flush=True)
+        except Exception as e:  # noqa: BLE001 (this torch's build may not take it: reported, left out)
+            print(f"fp8 torch._scaled_grouped_mm {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        cases[f"fp8 torch._scaled_grouped_mm {name} (row-wise, {m_pad} rows)"] = (fn, 2 * m_pad * b.shape[1] * b.shape[2])
 
 
 def main() -> int:
