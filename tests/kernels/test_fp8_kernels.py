@@ -336,11 +336,13 @@ def test_triton_grouped_tma_reads_match_reference(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's block-scaled FP8 GEMM needs a CUDA device")
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 576, 2048), (2, 576, 2048), (36, 3648, 2048), (37, 3648, 2048),
-                                           (300, 2048, 1408), (64, 2048, 1000), (64, 2048, 512)])
+                                           (300, 2048, 1408), (64, 2048, 1000), (64, 2048, 512),
+                                           (64, 2112, 7168), (256, 24576, 1536), (8, 7168, 18432), (4, 32768, 512)])
 def test_cublas_backend_matches_reference(m, n, k):
     """A table entry {"backend": "cublas"}: torch._scaled_mm with DeepSeek's recipe, on either scale layout; rows
     not a multiple of 4 and K not a multiple of 512 take the Triton kernel (cuBLAS refuses the first, and sums
-    wrong where a row of the weight's scales is not 16 bytes: K 1,408 and 10,944)."""
+    wrong where a row of the weight's scales is not 16 bytes: K 1,408 and 10,944). DeepSeek-V3's linear layers
+    (q_a + kv_a, q_b, the dense MLP's down, kv_b), whose tables name cuBLAS."""
     from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm
 
     gen = torch.Generator().manual_seed(m + n)
