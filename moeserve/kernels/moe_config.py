@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,11 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+logger = logging.getLogger(__name__)
+# the script that writes each op's tables (named in the warning a GPU shape without one gets)
+TUNERS = {"moe_gemm": "scripts/gpu/tune_moe.py", "moe_gemm_silu": "scripts/gpu/tune_moe.py",
+          "fp8_gemm": "scripts/gpu/tune_fp8.py --dense", "fp8_grouped_gemm": "scripts/gpu/tune_fp8.py",
+          "fp8_grouped_gemm_masked": "scripts/gpu/tune_fp8.py"}
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -87,4 +93,8 @@ def _nearest_tuned_e(op: str, E: int, N: int, K: int, dtype: torch.dtype, device
         return E
     rest = config_file(op, E, N, K, dtype, device).name.split(",", 1)[1]
     tuned = [int(p.name.split(",", 1)[0].removeprefix("E=")) for p in (CONFIG_DIR / op).glob(f"E=*,{rest}")]
+    if not tuned and device != "cpu":  # once a shape (cached): the default tile can be far off the tuned one
+        logger.warning("No tuned %s table for E=%d N=%d K=%d %s on %s: the default launch configuration runs, "
+                       "which can be much slower (tune it with %s)", op, E, N, K, str(dtype).removeprefix("torch."),
+                       device, TUNERS.get(op, "the tuning scripts in scripts/gpu"))
     return min(tuned, key=lambda e: (abs(e - E), e)) if tuned else None

@@ -79,3 +79,23 @@ def test_shipped_expert_tables_reach_decode():
             experts = int(path.name.split(",", 1)[0].removeprefix("E="))
             smallest = min(int(m) for m in json.loads(path.read_text()))
             assert smallest <= 16 * experts, (path.name, smallest)
+
+
+def test_a_gpu_shape_without_a_table_is_logged_once(tmp_path, monkeypatch, caplog):
+    """A shape a GPU has no table for runs the default tile (DeepSeek-V3's FP8 linear layers did, at half cuBLAS's
+    speed, 2026-12-04): a warning names the op, the shape, the device and the tuner, once a shape; CPU runs (no
+    tables by design) stay quiet."""
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
+    fp8 = torch.float8_e4m3fn
+    with caplog.at_level("WARNING", logger=moe_config.__name__):
+        for m in (64, 8192):
+            moe_config._lookup("fp8_gemm", m, 1, 7168, 16384, fp8, "NVIDIA_H200", moe_config.default_config)
+        moe_config._lookup("fp8_gemm", 64, 1, 7168, 16384, fp8, "cpu", moe_config.default_config)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert "fp8_gemm" in warned[0] and "N=7168 K=16384" in warned[0] and "NVIDIA_H200" in warned[0]
+    assert "tune_fp8.py --dense" in warned[0]
+    for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
+        cache.cache_clear()
