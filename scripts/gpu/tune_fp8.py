@@ -23,6 +23,7 @@ Run on the GPU machine:
     python3 scripts/gpu/tune_fp8.py --experts 64 --shapes 2816x2048 2048x1408 --decode-batches 1 64 256 --top-k 6 \
         --shared 2
     python3 scripts/gpu/tune_fp8.py --dense [--shapes 3648x2048 2048x2048 ...] [--rows 1 64 256 8192]
+    python3 scripts/gpu/tune_fp8.py --experts 64 --shapes 2816x2048 2048x1408 --masked-only --rows-per-expert 16 64
 """
 
 from __future__ import annotations
@@ -289,6 +290,9 @@ def main() -> int:
                         "from another layout); by default the rows not tuned now stay")
     p.add_argument("--masked", action=argparse.BooleanOptionalAction, default=True,
                    help="also tune the first shape's masked layout (default on; not with --decode-batches)")
+    p.add_argument("--masked-only", action="store_true",
+                   help="tune only the masked layout, of every shape given (the low-latency decode's down GEMM "
+                        "too); the contiguous tables stay as they are. A lone shape is taken as a down projection")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
     ns = p.parse_args()
@@ -299,14 +303,18 @@ def main() -> int:
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):
         N, K = map(int, shape.split("x"))
-        for masked in (False, True) if i == 0 and ns.masked and not ns.decode_batches else (False,):
+        layouts_of_shape = (True,) if ns.masked_only else (False, True) if i == 0 and ns.masked else (False,)
+        for masked in layouts_of_shape if not ns.decode_batches else (False,):
             table = {}
             if ns.decode_batches:
                 layouts = [decode_counts(ns.experts, ns.shared, ns.top_k, T, gen) for T in ns.decode_batches]
             else:
                 layouts = [torch.full((ns.experts,), r, dtype=torch.int32, device="cuda") for r in ns.rows_per_expert]
             for counts in layouts:
-                best, s = tune_case(N, K, counts, masked, gen, gate_up=i == 0)
+                # the bf16 comparator runs the first shape as gate/up + SiLU, except a lone --masked-only shape
+                # (a down projection: the low-latency decode's missing tables)
+                best, s = tune_case(N, K, counts, masked, gen,
+                                    gate_up=i == 0 and (len(ns.shapes) > 1 or not ns.masked_only))
                 key = round(s["M"] * ns.experts / counts.shape[0])  # the same rows per expert in E's table
                 if best is None:
                     print(f"{s['op']} N={N} K={K} M={s['M']}: no configuration ran")
