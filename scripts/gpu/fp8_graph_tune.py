@@ -5,8 +5,8 @@ V2-Lite's shapes at T tokens of decode: the experts' gate/up (its rows gathered 
 routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * up of the gate/up output, N 2,048, K
 1,408), through fp8_grouped_gemm_act, with scripts/gpu/tune_fp8.py's candidates at the layout's rows per expert (as
 its --decode-batches sweep takes them: Triton tiles, tiles from a map, the Gluon kernel's forms); the linear layers'
-q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048) and layer 0's dense MLP (gate/up 21,888 x 2,048, down 2,048 x
-10,944 from [gate | up] rows), through fp8_linear, with tune_fp8.py's dense candidates at T rows (Triton tiles and
+q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048) and layer 0's dense MLP (gate/up 22,016 x 2,048, down 2,048 x
+11,008 from [gate | up] rows: I 10,944 padded to whole 128-blocks, as the FP8 layer holds it), through fp8_linear, with tune_fp8.py's dense candidates at T rows (Triton tiles and
 cuBLAS). Each runs as the layers run it: the quantizer (triton_ops/fp8_quant.py), then the GEMM. tune_fp8.py times
 the GEMM alone under do_bench, where a 10-us GEMM's time is mostly the host's; here a case runs --layers times, each
 with its own copy of the weights (nothing stays in L2), captured in one CUDA graph, and the replay's time a layer is
@@ -44,7 +44,7 @@ from moeserve.kernels.triton_ops import fp8_gemm as dense  # noqa: E402
 from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped  # noqa: E402
 
 E, SHARED, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
-DENSE_INTER = 10944  # layer 0's MLP
+DENSE_INTER = 11008  # layer 0's MLP, 10,944 padded to whole 128-blocks (layers/quantization/fp8_mlp.py)
 
 
 def layout(T: int, gen: torch.Generator):

@@ -93,8 +93,9 @@ def candidates(rows_per_expert: int) -> list[dict]:
 
 
 # DeepSeek-V2-Lite's FP8 linear layers (q_proj + kv_a fused, o_proj, the dense MLP's gate_up and down, kv_b at
-# prefill) and V3's (q_a + kv_a fused, q_b, o_proj, the dense MLP's gate_up and down, kv_b at prefill), N x K
-DENSE_SHAPES = ["3648x2048", "2048x2048", "21888x2048", "2048x10944", "4096x512", "2112x7168", "24576x1536",
+# prefill) and V3's (q_a + kv_a fused, q_b, o_proj, the dense MLP's gate_up and down, kv_b at prefill), N x K as the
+# layers run them: V2-Lite's dense MLP padded to whole 128-blocks (I 10,944 -> 11,008, layers/quantization/fp8_mlp.py)
+DENSE_SHAPES = ["3648x2048", "2048x2048", "22016x2048", "2048x11008", "4096x512", "2112x7168", "24576x1536",
                 "7168x16384", "36864x7168", "7168x18432", "32768x512"]
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from moeserve.kernels import moe_config
@@ -99,3 +101,55 @@ def test_a_gpu_shape_without_a_table_is_logged_once(tmp_path, monkeypatch, caplo
     assert "tune_fp8.py --dense" in warned[0]
     for cache in (moe_config._lookup, moe_config._load, moe_config._nearest_tuned_e):
         cache.cache_clear()
+
+
+def _fp8_shapes_that_run(path: str) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """The benchmark model's FP8 GEMM shapes as its layers run them on one GPU: the linear layers (q + kv_a as the
+    one fused GEMM), the dense MLPs as fp8_mlp.py pads them, the routed experts' (N, K) (the shared experts run as
+    expert slots there). Built on the meta device, loaded as after a checkpoint: (dense N x K, experts' N x K)."""
+    from moeserve.core.model_config import ModelConfig
+    from moeserve.layers.quantization.fp8 import to_fp8
+    from moeserve.layers.quantization.fp8_experts import Fp8Experts
+    from moeserve.layers.quantization.fp8_linear import _Fp8Weight
+    from moeserve.layers.quantization.fp8_mlp import Fp8GatedMLP
+    from moeserve.models.loader import finish_loading, get_model_class
+
+    config = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, None)
+        to_fp8(model, torch.bfloat16)
+    finish_loading(model, torch.device("meta"))
+    dense, experts = set(), set()
+    for name, module in model.named_modules():
+        fused = getattr(module, "_qkv_a", None)
+        if fused is not None:  # its two parts' weights are views of the fused one: only it runs
+            dense.add(tuple(fused.__self__.weight.shape))
+        parent = name.rsplit(".", 1)[0]
+        if isinstance(module, _Fp8Weight) and not (
+                name.rsplit(".", 1)[-1] in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa")
+                and model.get_submodule(parent)._qkv_a is not None):
+            dense.add(tuple(module.weight.shape))
+        if isinstance(module, Fp8GatedMLP) and "shared_experts" not in name:
+            dense |= {tuple(module.gate_up_proj.shape), tuple(module.down_proj.shape)}
+        if isinstance(module, Fp8Experts):
+            experts |= {tuple(module.w13.shape[1:]), tuple(module.w2.shape[1:])}
+    return dense, experts
+
+
+@pytest.mark.parametrize("model", ["deepseek-v2-lite", "deepseek-v3-4layer"])
+def test_the_benchmark_models_fp8_shapes_have_h200_tables(model):
+    """Every FP8 GEMM the benchmark models run on one H200 has a tuned table (V3's linear layers had none and ran
+    the default tile at half cuBLAS's speed; V2-Lite's dense MLP's were keyed by its unpadded width, 2026-12-04)."""
+    from moeserve.kernels.fp8_format import FP8_DTYPE
+
+    root = Path(__file__).resolve().parents[2]
+    dense, experts = _fp8_shapes_that_run(str(root / "benchmarks" / "configs" / model))
+    assert dense and experts
+    missing = [f"fp8_gemm {n}x{k}" for n, k in sorted(dense)
+               if not moe_config.config_file("fp8_gemm", 1, n, k, FP8_DTYPE, "NVIDIA_H200").exists()]
+    for n, k in sorted(experts):
+        rest = moe_config.config_file("fp8_grouped_gemm", 1, n, k, FP8_DTYPE, "NVIDIA_H200").name.split(",", 1)[1]
+        for op in ("fp8_grouped_gemm", "fp8_grouped_gemm_masked"):
+            if not list((moe_config.CONFIG_DIR / op).glob(f"E=*,{rest}")):
+                missing.append(f"{op} {n}x{k}")
+    assert not missing, missing
