@@ -180,14 +180,16 @@ def add_scaled_grouped_mm(cases: dict, fp8: tuple, offsets, counts) -> None:
             return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16)
 
         try:
-            e = int(torch.argmax(counts))  # the busiest expert's rows against a float32 product of the same values
-            rows = slice(int(ends[e] - padded[e]), int(ends[e] - padded[e] + counts[e]))
-            err = rel(fn()[rows].float(), a[rows].float() @ b[e].float())
-            print(f"fp8 torch._scaled_grouped_mm {name}: rel {err:.2e} against float32 on expert {e}", flush=True)
+            busiest = int(torch.argmax(counts))  # its rows against a float32 product of the same values
+            start = int(ends[busiest] - padded[busiest])
+            rows = slice(start, start + int(counts[busiest]))
+            err = rel(fn()[rows].float(), a[rows].float() @ b[busiest].float())
+            print(f"fp8 torch._scaled_grouped_mm {name}: rel {err:.2e} against float32 on expert {busiest}", flush=True)
         except Exception as e:  # noqa: BLE001 (this torch's build may not take it: reported, left out)
             print(f"fp8 torch._scaled_grouped_mm {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        cases[f"fp8 torch._scaled_grouped_mm {name} (row-wise, {m_pad} rows)"] = (fn, 2 * m_pad * b.shape[1] * b.shape[2])
+        flops = 2 * m_pad * b.shape[1] * b.shape[2]
+        cases[f"fp8 torch._scaled_grouped_mm {name} (row-wise, {m_pad} rows)"] = (fn, flops)
 
 
 def main() -> int:

@@ -304,8 +304,13 @@ def main() -> int:
     start = time.perf_counter()
     for i, shape in enumerate(ns.shapes):
         N, K = map(int, shape.split("x"))
-        layouts_of_shape = (True,) if ns.masked_only else (False, True) if i == 0 and ns.masked else (False,)
-        for masked in layouts_of_shape if not ns.decode_batches else (False,):
+        if ns.decode_batches:
+            layouts_of_shape = (False,)
+        elif ns.masked_only:
+            layouts_of_shape = (True,)
+        else:  # the masked layout with the first shape (gate/up), by default
+            layouts_of_shape = (False, True) if i == 0 and ns.masked else (False,)
+        for masked in layouts_of_shape:
             table = {}
             if ns.decode_batches:
                 layouts = [decode_counts(ns.experts, ns.shared, ns.top_k, T, gen) for T in ns.decode_batches]
