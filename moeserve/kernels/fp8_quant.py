@@ -16,6 +16,8 @@ nearest even; Triton 3.9's CPU interpreter drops some round-up carries, see test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moeserve.core.layouts import gather_rows
@@ -74,6 +76,22 @@ def quantize_activations_reference(x: torch.Tensor, mn_major: bool = False) -> t
     scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR) / FP8_MAX
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*x.shape[:-1], kb * BLOCK)[..., :k].contiguous(), (scales_mn_major(scale) if mn_major else scale)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations quantized by the op that made them (an RMSNorm with `quantize`, kernels/rms_norm.py), handed to
+    the FP8 GEMM after it instead of the rows: q [..., K] e4m3, scale [..., ceil(K/128)] float32 (either layout)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values the GEMM multiplies, in `dtype` (the CPU layers' math)."""
+        return dequantize_activations(self.q, self.scale, dtype)
 
 
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

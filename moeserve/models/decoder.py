@@ -63,7 +63,9 @@ class DecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(h + residual) -> attention -> (the FFN's input, the residual after attention's add)."""
-        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
+        quantize = self.self_attn.quantized_input  # FP8 projections first: the norm quantizes its output
+        x, residual = ((self.input_layernorm(h, quantize=quantize), h) if residual is None
+                       else self.input_layernorm(h, residual, quantize=quantize))
         return self.post_attention_layernorm(self.self_attn(x, meta), residual=residual)
 
     def stages(self, mb: MicroBatchState, index: int) -> Generator[None, None, None]:

@@ -39,7 +39,7 @@ from torch import nn
 
 from moeserve.core.model_config import ModelConfig
 from moeserve.kernels import cpu_mla_decode
-from moeserve.kernels.fp8_quant import BLOCK
+from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
 from moeserve.kernels.mla_decode import mla_decode
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
@@ -87,19 +87,26 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
         self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
         self._qkv_a: Callable[[torch.Tensor], torch.Tensor] | None = None  # x's two projections in one GEMM: at load
+        # Set at load: x's projections multiply in FP8, so the norm before this layer hands x over quantized
+        # (kernels/rms_norm.py rms_norm_quant: no quantizer launch of its own); and so does q's latent norm for an
+        # FP8 q_b_proj.
+        self.quantized_input = False
+        self._q_b_fp8 = False
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, H] -> [T, H]; writes this step's latents to the cache first."""
+    def forward(self, x: torch.Tensor | QuantizedRows, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's latents to the cache first. x comes quantized (QuantizedRows)
+        where `quantized_input` says so."""
         T = x.shape[0]
         if T == 0:
-            return x.clone()
+            return torch.empty(0, self.o_proj.out_features, dtype=self.kv_a_layernorm.weight.dtype,
+                               device=self.kv_a_layernorm.weight.device)
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj  # x's projections: q (or q's latent)...
         if self._qkv_a is not None:  # ...and kv_a, in one GEMM
             q, kv_a = self._qkv_a(x).split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         else:
             q, kv_a = first(x), self.kv_a_proj_with_mqa(x)
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = self.q_b_proj(self.q_a_layernorm(q, quantize=self._q_b_fp8))
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         # cache[loc] = [norm(c_kv) | rope(k_rope)] and q_rope roped, in one kernel on CUDA
@@ -116,6 +123,10 @@ class MLAttention(nn.Module):
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
         self._qkv_a = self._fuse_qkv_a(device)
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        self.quantized_input = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear)
+                                   for p in (first, self.kv_a_proj_with_mqa))
+        self._q_b_fp8 = self.q_lora_rank is not None and isinstance(self.q_b_proj, Fp8ColumnParallelLinear)
         # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
         self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
 

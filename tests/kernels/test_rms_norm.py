@@ -24,3 +24,33 @@ def test_rms_norm_matches_reference(dtype, shape, with_residual, device):
     for g, r in zip(got if with_residual else (got,), ref if with_residual else (ref,), strict=True):
         assert g.dtype == dtype and g.shape == r.shape
         torch.testing.assert_close(g.cpu().float(), r.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (6, 300), (2, 3, 512)])  # one row; a partial group; 3-d input
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quant_matches_norm_then_quantizer(shape, with_residual, device):
+    """The norm that quantizes its output: the same bits as the Triton norm then the Triton quantizer (the values
+    rounded to bf16 first in both), and close to the torch reference (the norm's last bits may differ; under the
+    interpreter its e4m3 conversion drops some round-up carries, see tests/kernels/test_fp8_kernels.py)."""
+    from moeserve.kernels.rms_norm import rms_norm_quant_reference
+    from moeserve.kernels.triton_ops.fp8_quant import quantize_activations
+    from moeserve.kernels.triton_ops.rms_norm import rms_norm, rms_norm_quant
+
+    gen = torch.Generator().manual_seed(shape[-1] * 2 + with_residual)
+    x = (torch.randn(shape, generator=gen) * 3).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(torch.bfloat16)
+    res = torch.randn(shape, generator=gen).to(torch.bfloat16) if with_residual else None
+    dev = (x.to(device), w.to(device), 1e-6, None if res is None else res.to(device))
+    q, s, h = rms_norm_quant(*dev)
+    groups = -(-shape[-1] // 128)
+    assert q.shape == shape and q.dtype == torch.float8_e4m3fn and s.shape == (*shape[:-1], groups)
+    assert s.reshape(-1, groups).stride() == (1, q.numel() // shape[-1])  # M-major, as the FP8 GEMMs read them
+    plain = rms_norm(*dev)
+    y = plain[0] if with_residual else plain
+    assert torch.equal(h, plain[1]) if with_residual else h is None
+    uq, us = quantize_activations(y)
+    assert torch.equal(q.view(torch.uint8), uq.view(torch.uint8)) and torch.equal(s, us)
+    ref = rms_norm_quant_reference(x, w, 1e-6, res)
+    rq, rs = ref[0] if with_residual else ref
+    torch.testing.assert_close(s.cpu(), rs, rtol=2e-2, atol=0)  # a bf16 step of the group's largest value
+    assert (q.cpu().float() == rq.float()).float().mean() > (0.8 if device == "cpu" else 0.9)

@@ -69,3 +69,25 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def random_tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def without_activation_rounding(monkeypatch) -> None:
+    """Turn off the FP8 activations' rounding on the CPU (the FP8 layers then multiply the rows as they are by the
+    dequantized weights): the layers' own fake quantization, and the norms that hand an FP8 layer its rows already
+    quantized give them unrounded, with scales of 1."""
+    import moeserve.layers.norm as norm
+    import moeserve.layers.quantization.fp8_experts as experts
+    import moeserve.layers.quantization.fp8_linear as linear
+    import moeserve.layers.quantization.fp8_mlp as mlp
+    from moeserve.kernels.fp8_quant import QuantizedRows, num_blocks
+
+    for module in (experts, linear, mlp):
+        monkeypatch.setattr(module, "fake_quantize_activations", lambda x: x)
+
+    def unrounded_norm(x, weight, eps, residual=None):
+        out = norm.rms_norm(x, weight, eps, residual)
+        y, h = out if residual is not None else (out, None)
+        rows = QuantizedRows(y, torch.ones(*y.shape[:-1], num_blocks(y.shape[-1])))
+        return rows if h is None else (rows, h)
+
+    monkeypatch.setattr(norm, "rms_norm_quant", unrounded_norm)

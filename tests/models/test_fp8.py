@@ -22,7 +22,7 @@ from moeserve.core.model_config import ModelConfig
 from moeserve.kernels.fp8_quant import FP8_DTYPE
 from moeserve.models.loader import build_model, load_model, weight_format
 from tests.checkpoints import write_config_only
-from tests.models.harness import Runner, random_tokens
+from tests.models.harness import Runner, random_tokens, without_activation_rounding
 
 LOGITS_REL = 0.25  # |logits - reference| / |reference| (measured 0.14 on 20 tokens)
 ARGMAX_SHARE = 0.8  # positions whose top token agrees with the reference (measured 0.90)
@@ -64,16 +64,27 @@ def test_logits_close_to_dequantized_reference(fp8_checkpoint):
 def test_without_activation_rounding_equals_the_reference(fp8_checkpoint, monkeypatch):
     """Every FP8 weight, scale, padding and layout is exact: with the activations' rounding turned off the FP8 model
     is the dequantized reference (so the logits' difference above is the activations' e4m3 rounding alone)."""
-    import moeserve.layers.quantization.fp8_experts as experts
-    import moeserve.layers.quantization.fp8_linear as linear
-    import moeserve.layers.quantization.fp8_mlp as mlp
-
-    for module in (experts, linear, mlp):
-        monkeypatch.setattr(module, "fake_quantize_activations", lambda x: x)
+    without_activation_rounding(monkeypatch)
     fp8, ref = fp8_checkpoint
     tokens = random_tokens(20, seed=0)
     torch.testing.assert_close(Runner(fp8).extend([("a", tokens)]), Runner(ref).extend([("a", tokens)]),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_norms_that_quantize_give_the_layers_own_quantization(fp8_checkpoint):
+    """The input norm (and V3's q latent norm) hand the FP8 projections after them their rows already quantized
+    (kernels/rms_norm.py rms_norm_quant): the same logits, bit for bit, as the projections quantizing the rows
+    themselves."""
+    fp8, _ = fp8_checkpoint
+    runner = Runner(fp8)
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    assert all(a.quantized_input and a._q_b_fp8 for a in attns)  # v3_fp8: q_lora, both norms quantize
+    tokens = random_tokens(20, seed=3)
+    fused = runner.extend([("a", tokens)])
+    for a in attns:
+        a.quantized_input = a._q_b_fp8 = False
+    runner.slots.clear()
+    assert torch.equal(fused, runner.extend([("b", tokens)]))
 
 
 def test_quantize_at_load_equals_the_fp8_checkpoint(fp8_checkpoint, tiny_checkpoint):

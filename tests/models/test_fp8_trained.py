@@ -33,7 +33,7 @@ import torch
 
 from moeserve.models.default_heldout import shipped_windows
 from moeserve.rank.sampling_params import SamplingParams
-from tests.models.harness import Runner
+from tests.models.harness import Runner, without_activation_rounding
 from tests.rank.inprocess import InProcessEngine
 
 NUM_PROMPTS, PROMPT_LEN, STEPS = 24, 48, 64
@@ -100,10 +100,5 @@ def test_logits_within_tolerance_of_the_dequantized_reference(runs):
 def test_without_activation_rounding_all_64_steps_agree(runs, monkeypatch):
     """The FP8 weights, their scales (partial blocks included) and DeepSeek's layout are exact: with the activations'
     rounding turned off every prompt's 64 greedy tokens equal the reference's."""
-    import moeserve.layers.quantization.fp8_experts as experts
-    import moeserve.layers.quantization.fp8_linear as linear
-    import moeserve.layers.quantization.fp8_mlp as mlp
-
-    for module in (experts, linear, mlp):
-        monkeypatch.setattr(module, "fake_quantize_activations", lambda x: x)
+    without_activation_rounding(monkeypatch)
     assert _greedy(runs["fp8"], runs["prompts"]) == runs["want"]

@@ -21,6 +21,8 @@ from moeserve.parallel.state import get_parallel_state
 class GQAttention(nn.Module):
     """GQA with this rank's query heads and the KV heads they read."""
 
+    quantized_input = False  # x comes as rows (its three projections quantize it, FP8 or not)
+
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         ps = get_parallel_state()

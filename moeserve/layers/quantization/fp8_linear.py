@@ -2,6 +2,7 @@
 [ceil(out/128), ceil(in/128)], one scale per 128 x 128 block, as DeepSeek's checkpoints store them.
 
     y = fp8_linear(x, W, scale_inv)  (x quantized per token in groups of 128 on the fly; kernels/fp8_gemm.py)
+    y = fp8_gemm(q, scale, W, scale_inv)  (x handed over already quantized, QuantizedRows: by the norm before)
 
 On the CPU (development and tests; it has no FP8 matmul) each layer also keeps W dequantized in the activations'
 dtype, made once after loading: y = fake_quantize(x) W^T is the torch reference's math (activations rounded through
@@ -21,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.fp8_gemm import fp8_linear
+from moeserve.kernels.fp8_gemm import fp8_gemm, fp8_linear
 from moeserve.kernels.fp8_quant import (
     BLOCK,
     FP8_DTYPE,
+    QuantizedRows,
     dequantize_weight,
     fake_quantize_activations,
     num_blocks,
@@ -51,7 +53,14 @@ class _Fp8Weight:
         self.weight_scale_inv = nn.Parameter(torch.empty(num_blocks(out), num_blocks(inp), dtype=torch.float32),
                                              requires_grad=False)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x W^T; x may come quantized already (QuantizedRows, from the norm before the layer)."""
+        if isinstance(x, QuantizedRows):
+            if self._dense is not None:
+                return F.linear(x.dequantize(self.activation_dtype), self._dense)
+            q, s = x.q.reshape(-1, x.q.shape[-1]), x.scale.reshape(-1, x.scale.shape[-1])
+            return fp8_gemm(q, s, self.weight, self.weight_scale_inv, self.activation_dtype).view(
+                *x.q.shape[:-1], self.weight.shape[0])
         if self._dense is not None:
             return F.linear(fake_quantize_activations(x), self._dense)
         return fp8_linear(x, self.weight, self.weight_scale_inv)
