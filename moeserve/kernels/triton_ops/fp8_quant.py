@@ -4,7 +4,7 @@ A program quantizes GROUPS groups of 128 ([GROUPS, 128] in registers) of one row
 a multiple of GROUPS, of the rows' groups laid end to end (FLAT: at K 1,408, 11 groups a row, the second program of
 a row had 3 of 8 groups' work; end to end, the SiLU-and-mul quantize of 65,536 such rows took 142 us where it took
 167 on an H200; a row's groups in one program stay faster where they divide evenly, as the gathered rows' 16: 99
-against 135 us): each group's amax, scale = amax / 448 (floored), q = x / scale in e4m3. Rows are any leading
+against 135 us); two warps a program (`WARPS`) stream faster than four: each group's amax, scale = amax / 448 (floored), q = x / scale in e4m3. Rows are any leading
 shape flattened; the last dimension must be contiguous. The scales are written row-major [rows, groups], or
 M-major with `mn_major` (the same shape, stored [groups, rows]: the GEMMs read a tile's scales of one K block as
 one run). `silu_and_mul_quantize` first forms the group from a [gate | up] row: silu(gate) * up, each step rounded
@@ -23,7 +23,10 @@ from moeserve.kernels.fp8_format import ACT_SCALE_FLOOR, BLOCK, FP8_DTYPE, FP8_M
 from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
-GROUPS = 8  # groups of 128 a program: 1,024 values, 8 a thread at 4 warps
+GROUPS = 8  # groups of 128 a program: 1,024 values, 16 a thread at 2 warps
+WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (scripts/gpu/quant_bench.py --sweep,
+# docs/BENCHMARKS.md 2026-12-04): V2-Lite's SiLU-and-mul 121 / 141 us, gathered rows 86 / 99, V3's 183 / 199 and
+# 318 / 376, the plain quantizer 1-4% faster
 
 
 @triton.jit
@@ -80,9 +83,10 @@ _QUANTIZE = DirectLauncher(_quantize_groups_kernel)
 
 
 def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tensor | None = None,
-                  top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: int = 1, launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows a GEMM multiplies, quantized (kernels/fp8_quant.quantize_rows_reference's result): x's rows, the
-    tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows."""
+    tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows. launch: {"groups", "flat", "num_warps"}
+    instead of the choice below (scripts/gpu/quant_bench.py --sweep)."""
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     kb = num_blocks(k)
     x2 = x.reshape(-1, x.shape[-1])
@@ -95,10 +99,13 @@ def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tens
     if m:
         groups = min(GROUPS, triton.next_power_of_2(kb))
         flat = kb % groups != 0  # a row's last program would hold a few groups: lay the rows' groups end to end
+        warps = WARPS
+        if launch:
+            groups, flat, warps = launch["groups"], launch["flat"] or kb % launch["groups"] != 0, launch["num_warps"]
         grid = (triton.cdiv(m * kb, groups), 1) if flat else (m, kb // groups)
         _QUANTIZE(grid, x2, q, s, q if pairs is None else pairs, k, kb, m * kb, x2.stride(0), q.stride(0),
                   s.stride(0), s.stride(1), SILU=silu, GATHER=pairs is not None, TOPK=top_k, FLAT=flat,
-                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups, num_warps=4)
+                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups, num_warps=warps)
     if pairs is not None:
         return q, s
     return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], kb)
