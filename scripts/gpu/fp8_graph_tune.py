@@ -117,7 +117,8 @@ def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w)
          lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
          expert_cands),
     ] + [(name, dense.OP, (1, *ws[0][0].shape), T,
-          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws, dense_candidates(T))
+          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws,
+          dense_candidates(T, ws[0][0].shape[1]))
          for name, (ws, a, silu) in dense_inputs(x, dense_w).items()]
 
 

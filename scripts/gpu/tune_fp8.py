@@ -49,7 +49,7 @@ from moeserve.kernels.fp8_quant import (  # noqa: E402
 from moeserve.kernels.moe_config import config_file, device_name  # noqa: E402
 from moeserve.kernels.moe_gemm import moe_gemm  # noqa: E402  (the bf16 path: Triton, or torch where its table says)
 from moeserve.kernels.triton_ops.fp8_gemm import OP as DENSE_OP  # noqa: E402
-from moeserve.kernels.triton_ops.fp8_gemm import fp8_gemm  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_gemm import cublas_takes, fp8_gemm  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_grouped_gemm import OPS, fp8_grouped_gemm, fp8_grouped_gemm_masked  # noqa: E402
 
 MAX_REL = 1e-2  # bf16 output against the fp32 reference: a wrong tile is off by far more
@@ -99,15 +99,17 @@ DENSE_SHAPES = ["3648x2048", "2048x2048", "22016x2048", "2048x11008", "4096x512"
                 "7168x16384", "36864x7168", "7168x18432", "32768x512"]
 
 
-def dense_candidates(M: int) -> list[dict]:
-    """Thin tiles (and more programs) for decode's few rows, tensor-core tiles for prefill's many."""
+def dense_candidates(M: int, K: int) -> list[dict]:
+    """Thin tiles (and more programs) for decode's few rows, tensor-core tiles for prefill's many; cuBLAS where the
+    layer runs it (`cublas_takes`: elsewhere a "cublas" entry would run the default tile under cuBLAS's name)."""
     def cfg(bm, bn, w, st):
         return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
 
     def split(c, s):  # K cut in s runs: s times the programs, each with s times fewer dependent K steps
         return dict(c, SPLIT_K=s)
 
-    cublas = [{"backend": "cublas"}]  # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
+    # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
+    cublas = [{"backend": "cublas"}] if cublas_takes(M, K, torch.bfloat16) else []
     if M <= 64:
         return cublas + [cfg(16, 32, 4, 4), cfg(16, 64, 4, 4), cfg(16, 128, 4, 4), cfg(32, 64, 4, 4),
                          cfg(32, 128, 4, 3), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3)] + [
@@ -132,7 +134,7 @@ def tune_dense(N: int, K: int, M: int, gen: torch.Generator) -> tuple[dict | Non
     bf16_ms = bench(lambda: torch.nn.functional.linear(x, w))
     quant_ms = bench(lambda: quantize_activations(x))
     best, best_ms, rows = None, float("inf"), []
-    for c in dense_candidates(M):
+    for c in dense_candidates(M, K):
         try:
             err = rel(fp8_gemm(xq, xs, wq, ws, torch.bfloat16, c), ref)
             if not err < MAX_REL:
