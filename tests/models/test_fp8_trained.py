@@ -51,7 +51,7 @@ def _prompts() -> list[list[int]]:
 
 def _greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    return [r["output_ids"] for r in InProcessEngine(model_path=path, dtype="float32").run(prompts, sp)]
+    return [r["output_ids"] for r in InProcessEngine(model_path=path, dtype="float32", device="cpu").run(prompts, sp)]
 
 
 def _next_token_logits(path: str, prompts: list[list[int]], continuations: list[list[int]]) -> torch.Tensor:
