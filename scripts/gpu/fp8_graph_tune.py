@@ -6,8 +6,10 @@ routing plus the 2 shared slots, E 66, N 2,816, K 2,048) and down (silu(gate) * 
 1,408), through fp8_grouped_gemm_act, with scripts/gpu/tune_fp8.py's candidates at the layout's rows per expert (as
 its --decode-batches sweep takes them: Triton tiles, tiles from a map, the Gluon kernel's forms); the linear layers'
 q + kv_a (3,648 x 2,048) and o_proj (2,048 x 2,048) and layer 0's dense MLP (gate/up 22,016 x 2,048, down 2,048 x
-11,008 from [gate | up] rows: I 10,944 padded to whole 128-blocks, as the FP8 layer holds it), through fp8_linear, with tune_fp8.py's dense candidates at T rows (Triton tiles and
-cuBLAS). Each runs as the layers run it: the quantizer (triton_ops/fp8_quant.py), then the GEMM. tune_fp8.py times
+11,008 from [gate | up] rows: I 10,944 padded to whole 128-blocks, as the FP8 layer holds it), through fp8_linear,
+with tune_fp8.py's dense candidates at T rows (Triton tiles and cuBLAS). Each runs as the layers run it: the
+quantizer (triton_ops/fp8_quant.py), then the GEMM; q + kv_a the GEMM alone, its rows quantized by the RMSNorm
+before it (kernels/rms_norm.py rms_norm_quant). tune_fp8.py times
 the GEMM alone under do_bench, where a 10-us GEMM's time is mostly the host's; here a case runs --layers times, each
 with its own copy of the weights (nothing stays in L2), captured in one CUDA graph, and the replay's time a layer is
 reported (the median of --rounds timings of its replays). Each candidate is checked against the table's entry's
@@ -42,6 +44,7 @@ from moeserve.kernels.fp8_quant import quantize_weight  # noqa: E402
 from moeserve.kernels.moe_config import get_config  # noqa: E402
 from moeserve.kernels.triton_ops import fp8_gemm as dense  # noqa: E402
 from moeserve.kernels.triton_ops import fp8_grouped_gemm as grouped  # noqa: E402
+from moeserve.kernels.triton_ops.fp8_quant import quantize_rows  # noqa: E402
 
 E, SHARED, TOP_K, H, INTER = 64, 2, 6, 2048, 1408
 DENSE_INTER = 11008  # layer 0's MLP, 10,944 padded to whole 128-blocks (layers/quantization/fp8_mlp.py)
@@ -116,10 +119,18 @@ def step_cases(T: int, key: int, x, h, offsets, counts, pairs, w13, w2, dense_w)
         ("experts down", grouped.OPS[False], (E, H, INTER), key,
          lambda w, s, c: grouped.fp8_grouped_gemm_act(h, w, s, offsets, counts, bf, silu=True, config=c), w2,
          expert_cands),
-    ] + [(name, dense.OP, (1, *ws[0][0].shape), T,
-          lambda w, s, c, a=a, silu=silu: dense.fp8_linear(a, w, s, silu, config=c), ws,
+    ] + [(name, dense.OP, (1, *ws[0][0].shape), T, dense_fn(name, a, silu), ws,
           dense_candidates(T, ws[0][0].shape[1]))
          for name, (ws, a, silu) in dense_inputs(x, dense_w).items()]
+
+
+def dense_fn(name: str, a: torch.Tensor, silu: bool):
+    """fn(w, s, config) of a linear layer as the step runs it: the quantizer, then the GEMM; q + kv_a's rows come
+    quantized by the norm before it (kernels/rms_norm.py rms_norm_quant), so there only the GEMM is timed."""
+    if name == "q + kv_a":
+        aq, as_ = quantize_rows(a, False, mn_major=True)
+        return lambda w, s, c: dense.fp8_gemm(aq, as_, w, s, a.dtype, config=c)
+    return lambda w, s, c: dense.fp8_linear(a, w, s, silu, config=c)
 
 
 def dense_inputs(x: torch.Tensor, dense_w: dict) -> dict:
