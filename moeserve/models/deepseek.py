@@ -100,11 +100,11 @@ class MLAttention(nn.Module):
         if T == 0:
             return torch.empty(0, self.o_proj.out_features, dtype=self.kv_a_layernorm.weight.dtype,
                                device=self.kv_a_layernorm.weight.device)
-        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj  # x's projections: q (or q's latent)...
-        if self._qkv_a is not None:  # ...and kv_a, in one GEMM
-            q, kv_a = self._qkv_a(x).split([first.out_features, self.kv_a_proj_with_mqa.out_features], -1)
+        first, second = self._x_projections()  # q (or q's latent) and kv_a...
+        if self._qkv_a is not None:  # ...in one GEMM
+            q, kv_a = self._qkv_a(x).split([first.out_features, second.out_features], -1)
         else:
-            q, kv_a = first(x), self.kv_a_proj_with_mqa(x)
+            q, kv_a = first(x), second(x)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q, quantize=self._q_b_fp8))
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -123,12 +123,14 @@ class MLAttention(nn.Module):
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
         self._qkv_a = self._fuse_qkv_a(device)
-        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        self.quantized_input = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear)
-                                   for p in (first, self.kv_a_proj_with_mqa))
+        self.quantized_input = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in self._x_projections())
         self._q_b_fp8 = self.q_lora_rank is not None and isinstance(self.q_b_proj, Fp8ColumnParallelLinear)
         # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
         self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
+
+    def _x_projections(self) -> tuple[Linear, Linear]:
+        """The layers that read x: q_proj (or q_a_proj, q's latent) and kv_a_proj_with_mqa."""
+        return (self.q_proj if self.q_lora_rank is None else self.q_a_proj), self.kv_a_proj_with_mqa
 
     def _fuse_qkv_a(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """q_proj (or q_a_proj) and kv_a_proj_with_mqa both read x: their weights as one [q rows + kv_a rows, H]
@@ -136,8 +138,8 @@ class MLAttention(nn.Module):
         fused_qkv_a_proj_with_mqa: one GEMM, and with FP8 one quantization of x. Plain weights, or FP8 ones whose
         q rows are whole 128-blocks (so the scale blocks concatenate too); no bias. The fused layer's matmul, or
         None where the two run apart."""
-        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        parts = (first, self.kv_a_proj_with_mqa)
+        parts = self._x_projections()
+        first = parts[0]
         plain = all(type(p)._matmul is Linear._matmul for p in parts)
         fp8 = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in parts) and first.out_features % BLOCK == 0
         if not (plain or fp8) or any(p.bias is not None for p in parts):

@@ -4,8 +4,8 @@ A program quantizes GROUPS groups of 128 ([GROUPS, 128] in registers) of one row
 a multiple of GROUPS, of the rows' groups laid end to end (FLAT: at K 1,408, 11 groups a row, the second program of
 a row had 3 of 8 groups' work; end to end, the SiLU-and-mul quantize of 65,536 such rows took 142 us where it took
 167 on an H200; a row's groups in one program stay faster where they divide evenly, as the gathered rows' 16: 99
-against 135 us); two warps a program (`WARPS`) stream faster than four: each group's amax, scale = amax / 448 (floored), q = x / scale in e4m3. Rows are any leading
-shape flattened; the last dimension must be contiguous. The scales are written row-major [rows, groups], or
+against 135 us); two warps a program (`WARPS`) stream faster than four. Each group: its amax, scale = amax / 448
+(floored), q = x / scale in e4m3. Rows are any leading shape flattened; the last dimension must be contiguous. The scales are written row-major [rows, groups], or
 M-major with `mn_major` (the same shape, stored [groups, rows]: the GEMMs read a tile's scales of one K block as
 one run). `silu_and_mul_quantize` first forms the group from a [gate | up] row: silu(gate) * up, each step rounded
 to x's dtype as torch's two ops round it.
