@@ -14,9 +14,10 @@ ahead of their use.
 
 A program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows: BLOCK_M 128 (64 a warpgroup), BLOCK_N 64 or 128
 (one b scale a K step). Row tiles, in grouped-M order: contiguous, from the tile map (`tile_order.tile_map`:
-expert, first row, rows left) where the configuration says "TILE_MAP", else from the experts' counts summed in
-registers (no launch more: decode); masked, tile t of expert e at rows e * cap + t * BLOCK_M, masked_m[e] valid.
-Rows past the segment are read (other experts' rows or zeros) and not stored.
+expert, first row, rows left) where the configuration says "TILE_MAP" and always in the plain form (`map_tiles`),
+else from the experts' counts summed in registers (no launch more: decode); masked, tile t of expert e at rows
+e * cap + t * BLOCK_M, masked_m[e] valid. Rows past the segment are read (other experts' rows or zeros) and not
+stored.
 
 "PAIRS" (decode; BLOCK_M 64): each warpgroup owns a whole tile of 64 rows, the two warpgroups two tiles at once
 (tiles t and t + programs of the persistent walk), each with its own half of the slots, which the producer fills by
@@ -53,9 +54,16 @@ from moeserve.kernels.triton_ops.tile_order import tile_map
 
 
 @gluon.jit
-def _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask):
-    """K step kb's row scales of a ([BLOCK_M], in the accumulator's row layout) and b's block scale (a scalar)."""
-    return gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0), gl.load(bs_ptr + kb)
+def _scales(as_ptrs, bs_ptr, row_ok, kb, stride_ask, SWAP: gl.constexpr):
+    """K step kb's row scales of a ([BLOCK_M], in the accumulator's row layout) and b's block scale: a copy for
+    each of a thread's rows (a scalar load is moved to a uniform register right after it, waiting for it there),
+    except with SWAP, where a thread holds many of a's rows (a scalar, the registers are short there)."""
+    a = gl.load(as_ptrs + kb * stride_ask, mask=row_ok, other=0.0)
+    if SWAP:
+        b = gl.load(bs_ptr + kb)
+    else:
+        b = gl.load(bs_ptr + kb + gl.zeros_like(as_ptrs.to(gl.int64, bitcast=True)), mask=row_ok, other=0.0)
+    return a, b
 
 
 @gluon.jit
@@ -221,27 +229,45 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
 def _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, base: gl.constexpr,
                 RING: gl.constexpr, half, zero, SWAP: gl.constexpr):
     """One tile's nk K steps from the ring of RING slots from slot base, the ring's it-th fill first: each step's
-    product waited for, its slot released, then scaled by the step's scales (loaded two steps ahead) and added in
-    fp32. The MMA reads rows half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the
-    other operand."""
-    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask)
-    a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask)
+    product waited for, its slot released, then scaled by the step's scales and added in fp32.
+
+    Two steps an iteration, each with its own scale registers, loaded two steps before their use, after their last
+    one. (Loaded two steps ahead and passed down a chain of registers, each copy waited for the load just issued,
+    and the MMA's issue behind it: Nsight Compute, 2026-12-04. A load in the step that uses the scales fared no
+    better, its product with b's scale computed ahead of the MMA.)"""
     acc = gl.zeros_like(zero)
-    for kb in range(nk):
-        s = base + (it + kb) % RING
-        a2, b2 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask)  # two ahead
-        mbarrier.wait(ready.index(s), ((it + kb) // RING) & 1)
-        if SWAP:
-            part = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-        else:
-            part = warpgroup_mma(a_bufs.index(s).slice(half, 64), b_bufs.index(s).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-        mbarrier.arrive(empty.index(s), count=1)
+    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask, SWAP)
+    a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask, SWAP)
+    for kb in range(0, nk - 1, 2):
+        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb) % RING, ((it + kb) // RING) & 1, half,
+                             zero, SWAP)
         acc = _scaled_add(acc, part, a0 * b0, SWAP)
-        a0, b0, a1, b1 = a1, b1, a2, b2
+        a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask, SWAP)
+        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb + 1) % RING, ((it + kb + 1) // RING) & 1,
+                             half, zero, SWAP)
+        acc = _scaled_add(acc, part, a1 * b1, SWAP)
+        a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 3), stride_ask, SWAP)
+    if nk % 2 == 1:  # the last step, its scales in a0, b0
+        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + nk - 1) % RING, ((it + nk - 1) // RING) & 1,
+                             half, zero, SWAP)
+        acc = _scaled_add(acc, part, a0 * b0, SWAP)
     return acc
+
+
+@gluon.jit
+def _step_product(a_bufs, b_bufs, ready, empty, s, phase, half, zero, SWAP: gl.constexpr):
+    """Slot s's product once its loads landed (ready's phase), waited for; the slot released. The MMA reads rows
+    half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the other operand."""
+    mbarrier.wait(ready.index(s), phase)
+    if SWAP:
+        part = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+    else:
+        part = warpgroup_mma(a_bufs.index(s).slice(half, 64), b_bufs.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+    part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    return part
 
 
 @gluon.jit
@@ -302,10 +328,18 @@ def usable(xq: torch.Tensor, w: torch.Tensor, config: dict) -> bool:
             and xq.stride(1) == 1 and w.is_contiguous() and xq.stride(0) % 16 == 0)
 
 
+def map_tiles(config: dict, masked: bool) -> bool:
+    """Whether the contiguous layout's tiles come from a map (`tile_order.tile_map`): where the configuration says
+    "TILE_MAP", and always in the plain form (its consumers hold two steps' products: summing the experts' tile
+    counts in registers as well spilled, ptxas said)."""
+    plain = not (config.get("PAIRS") or config.get("SWAP_AB"))
+    return not masked and (bool(config.get("TILE_MAP")) or plain)
+
+
 def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m, config):
     """out[rows of each tile] = the block-scaled product over num_m row tiles. Contiguous: starts / counts the
-    experts' segments, and with the configuration's "TILE_MAP" the tiles come from a map (tile_order.tile_map, one
-    launch more) where the kernel would sum the tile counts itself; masked: counts is masked_m."""
+    experts' segments, the tiles from a map (tile_order.tile_map, one launch more) where `map_tiles` says, else the
+    kernel sums the tile counts itself; masked: counts is masked_m."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     e, n, k = w.shape
@@ -314,7 +348,7 @@ def launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, num_m,
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, BLOCK], gl.float8e4nv)
     a_desc = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, BLOCK], a_layout)
     b_desc = TensorDescriptor(w, [e * n, k], [k, 1], [bn, BLOCK], b_layout)
-    mapped = bool(config.get("TILE_MAP")) and not masked
+    mapped = map_tiles(config, masked)
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
     grid = (min(num_m * triton.cdiv(n, bn), sm_count(xq.device)),)  # persistent: a program an SM at most
     _fp8_grouped_wgmma_kernel[grid](
