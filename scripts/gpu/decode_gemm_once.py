@@ -9,7 +9,7 @@ Run on the GPU machine, e.g.:
     ncu --kernel-name regex:"_fp8_grouped_kernel|_moe_gemm_kernel" --launch-skip 2 --launch-count 1 --set full \
         python3 scripts/gpu/decode_gemm_once.py --which fp8
 (--tokens 8192 gives a prefill's layout; --config '{"BLOCK_M": 64, ..., "WGMMA": true}' a configuration of one's
-choice instead of the table's.)
+choice instead of the table's; --model v3 DeepSeek-V3's gate/up shape.)
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--launches", type=int, default=4)
     p.add_argument("--config", default=None, help="fp8: a launch configuration (JSON) instead of the table's entry")
+    p.add_argument("--model", choices=["v2-lite", "v3"], default="v2-lite",
+                   help="v3: DeepSeek-V3's gate/up (E 256 + 1 shared slot, top-8, N 4,096, K 7,168)")
     ns = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    N, K = 2816, 2048
-    counts = decode_counts(64, 2, 6, ns.tokens, gen)
+    E, shared, top_k, N, K = (256, 1, 8, 4096, 7168) if ns.model == "v3" else (64, 2, 6, 2816, 2048)
+    counts = decode_counts(E, shared, top_k, ns.tokens, gen)
     E, M = counts.shape[0], int(counts.sum())
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(counts, 0)

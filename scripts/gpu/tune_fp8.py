@@ -186,9 +186,10 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def tune_case(N: int, K: int, counts: torch.Tensor, masked: bool, gen: torch.Generator,
-              gate_up: bool = False) -> tuple[dict, dict]:
+              gate_up: bool = False, match: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """Every candidate on one layout: counts [E] rows of each expert (contiguous; masked: capacity max(counts)).
-    gate_up: the bf16 kernel it is set beside runs the shape as the bf16 path does, with SiLU-and-mul fused."""
+    gate_up: the bf16 kernel it is set beside runs the shape as the bf16 path does, with SiLU-and-mul fused.
+    match: only the candidates with each of these keys set (the table's own entry is timed beside them)."""
     E, M = counts.shape[0], int(counts.sum())
     cap = int(counts.max())
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -225,6 +226,11 @@ def tune_case(N: int, K: int, counts: torch.Tensor, masked: bool, gen: torch.Gen
     bf16_triton_ms = bench(lambda: moe_gemm(x, w, offsets, counts, silu=gate_up))  # the bf16 path, its table
     best, best_ms, rows = None, float("inf"), []
     cands = candidates(M // E)
+    if match:
+        cands = [c for c in cands if all(c.get(k) for k in match)]
+        table_ms = bench(lambda: run(None))
+        best, best_ms = "table", table_ms
+        rows.append(dict(config="table", ms=table_ms, tflops=flops / table_ms / 1e9))
     if masked:  # the tile map is the contiguous layout's: the masked kernel runs such a candidate without it
         cands = [json.loads(c) for c in dict.fromkeys(json.dumps({k: v for k, v in c.items() if k != "TILE_MAP"})
                                                       for c in cands)]
@@ -298,6 +304,9 @@ def main() -> int:
                         "too); the contiguous tables stay as they are. A lone shape is taken as a down projection")
     p.add_argument("--dense", action="store_true", help="tune the linear layers' dense GEMM instead")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 8192], help="--dense: the row counts")
+    p.add_argument("--match", nargs="+", default=(),
+                   help="experts: time only the candidates with these keys set, beside the table's entry, and write "
+                        "one only where it beats that entry")
     ns = p.parse_args()
     if ns.dense:
         return main_dense(ns.shapes or DENSE_SHAPES, ns.rows, ns.stats)
@@ -322,12 +331,13 @@ def main() -> int:
                 # the bf16 comparator runs the first shape as gate/up + SiLU, except a lone --masked-only shape
                 # (a down projection: the low-latency decode's missing tables)
                 best, s = tune_case(N, K, counts, masked, gen,
-                                    gate_up=i == 0 and (len(ns.shapes) > 1 or not ns.masked_only))
+                                    gate_up=i == 0 and (len(ns.shapes) > 1 or not ns.masked_only), match=ns.match)
                 key = round(s["M"] * ns.experts / counts.shape[0])  # the same rows per expert in E's table
                 if best is None:
                     print(f"{s['op']} N={N} K={K} M={s['M']}: no configuration ran")
                     continue
-                table[key] = best
+                if best != "table":
+                    table[key] = best
                 print(f"{s['op']:24s} E={counts.shape[0]} N={N:5d} K={K:5d} M={s['M']:6d}: {s['best_tflops']:6.0f} "
                       f"TFLOP/s = {s['best_tflops'] / s['scaled_mm_tflops']:.0%} of _scaled_mm "
                       f"{s['scaled_mm_tflops']:.0f} (bf16 grouped {s['bf16_grouped_mm_tflops']:.0f}); "
