@@ -70,6 +70,11 @@ def candidates(rows_per_expert: int) -> list[dict]:
                 for bm, bn, w, st in [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 8, 3), (32, 128, 4, 4)]]
         # registers capped so that 3 programs fit an SM (Nsight Compute, 2026-12-03: 182 a thread held it to 2)
         out += [dict(cfg(64, 128, 4, 3), maxnreg=168), dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168)]
+        # the next step's scales loaded after the step's add, into the registers it read (SCALE_AHEAD 3)
+        out += [dict(c, SCALE_AHEAD=3) for c in (dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False, maxnreg=168),
+                                                 dict(cfg(64, 128, 4, 3, tma=True), A_TMA=False),
+                                                 cfg(64, 128, 4, 4, tma=True), cfg(64, 128, 4, 3, tma=True),
+                                                 cfg(64, 64, 4, 4, tma=True))]
         # (dropped after the sweeps of 2026-12-03: the scales loaded 0 or 2 steps ahead, no better beyond the noise;
         # the Gluon kernel's SWAP_AB form, 1.3x to 3.4x the table's time at every decode size: docs/BENCHMARKS.md)
         # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, each with half of the slots: up to 8 stages of

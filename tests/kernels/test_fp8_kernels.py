@@ -326,6 +326,7 @@ def test_triton_grouped_tma_reads_match_reference(device):
     for scales, cfg in ((args[1], tma), (scales_mn_major(args[1]), tma), (args[1], dict(tma, TILE_MAP=True)),
                         (scales_mn_major(args[1]), a_ptr), (args[1], dict(tma, SCALE_AHEAD=0)),
                         (scales_mn_major(args[1]), dict(a_ptr, SCALE_AHEAD=2)),  # scales loaded 0 or 2 steps ahead
+                        (args[1], dict(tma, SCALE_AHEAD=3)), (scales_mn_major(args[1]), dict(a_ptr, SCALE_AHEAD=3)),
                         (args[1], dict(tma, maxnreg=168))):  # a register cap a thread
         got = fp8_grouped_gemm(*(t.to(device) for t in (args[0], scales, *args[2:])), torch.float32, config=cfg).cpu()
         assert _rel(got[valid], ref[valid]) < KERNEL_REL

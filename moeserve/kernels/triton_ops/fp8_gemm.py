@@ -110,7 +110,9 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
     from row a_row0: with A_TMA, a_desc is a descriptor over a [rows, K] with blocks [BLOCK_M, GROUP] (rows past
     the segment are other experts' or zeros); else a pointer to a (row stride stride_am), its rows past the
     segment not read (at decode, an expert's few rows in a 64-row tile: no reads of its neighbours' rows).
-    SCALE_AHEAD: how many K blocks ahead the scales are loaded (1, 2; 0: in the step that uses them).
+    SCALE_AHEAD: how many K blocks ahead the scales are loaded (1, 2; 0: in the step that uses them; 3: one ahead,
+    loaded after the step's add into the registers it read, where 1 loads them before the step's dot and copies
+    them over at the step's end, a copy that waits for the load).
     cols count from n0 here."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     as_ptrs, bs_ptrs, a_s, b_s = _scale_start(as_ptr, bs_ptr, rows, row_ok, n0 + cols, col_ok, n0, stride_asm,
@@ -128,16 +130,20 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - kb * GROUP)[None, :], other=0.0)
             a_ptrs += GROUP
         b = b_desc.load([b_row0, kb * GROUP])
-        if SCALE_AHEAD == 0:
-            a_s, b_s = _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR)
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + SCALE_AHEAD, nk - 1), stride_ask, row_ok, col_ok,
-                           B_SCALAR)
-        acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
-        if SCALE_AHEAD == 2:
-            a_s, b_s = a_s1, b_s1
-            a_s1, b_s1 = a_n, b_n
+        if SCALE_AHEAD == 3:
+            acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
+            a_s, b_s = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
         else:
-            a_s, b_s = a_n, b_n
+            if SCALE_AHEAD == 0:
+                a_s, b_s = _scales(as_ptrs, bs_ptrs, kb, stride_ask, row_ok, col_ok, B_SCALAR)
+            a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + SCALE_AHEAD, nk - 1), stride_ask, row_ok, col_ok,
+                               B_SCALAR)
+            acc = _scaled_add(acc, tl.dot(a, b.T), a_s, b_s, B_SCALAR)
+            if SCALE_AHEAD == 2:
+                a_s, b_s = a_s1, b_s1
+                a_s1, b_s1 = a_n, b_n
+            else:
+                a_s, b_s = a_n, b_n
     return acc
 
 

@@ -12,7 +12,8 @@ grouped-M order and each program finds its expert and tile with `expert_tile` (t
 Reads: with "TMA": true in the configuration (the default; it needs K a multiple of 16 and a Hopper-class GPU, else
 the pointer path runs), a and b through tensor descriptors (no per-element address arithmetic); a by pointers where
 the configuration says "A_TMA": false (decode: a 64-row tile's rows past its expert's few are not read); the scales
-"SCALE_AHEAD" K blocks ahead of their step (1 by default; 0 or 2); "maxnreg" caps the registers a thread (182 at
+"SCALE_AHEAD" K blocks ahead of their step (1 by default; 0 or 2; 3: one ahead, loaded after the step's add:
+triton_ops/fp8_gemm.py block_scaled_tile_tma); "maxnreg" caps the registers a thread (182 at
 64 x 128 on 4 warps hold an SM to 2 programs, where shared memory allows 3). Else pointers with 64-bit row and
 column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
 and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`. An entry with
