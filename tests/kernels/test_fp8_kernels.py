@@ -156,7 +156,8 @@ def test_triton_gemm_matches_reference(device, m, n, k):
     wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
     ref = fp8_gemm_reference(xq, xs, wq, ws, torch.float32)
     for scales in (xs, scales_mn_major(xs)):
-        for config in (SMALL, GROUPED_2, WIDE_N):
+        # (SCALE_AHEAD 3: the next block's scales loaded after the step's add)
+        for config in (SMALL, GROUPED_2, WIDE_N, dict(SMALL, SCALE_AHEAD=3), dict(WIDE_N, SCALE_AHEAD=3)):
             got = fp8_gemm(*(t.to(device) for t in (xq, scales, wq, ws)), torch.float32, config=config).cpu()
             assert _rel(got, ref) < KERNEL_REL
 
@@ -174,7 +175,7 @@ def test_triton_gemm_split_k_matches_reference(device, m, n, k, split):
     wq, ws = quantize_weight(torch.randn(n, k, generator=gen))
     ref = fp8_gemm_reference(xq, xs, wq, ws, torch.float32)
     args = [t.to(device) for t in (xq, scales_mn_major(xs), wq, ws)]
-    for config in (dict(SMALL, SPLIT_K=split), dict(WIDE_N, SPLIT_K=split)):
+    for config in (dict(SMALL, SPLIT_K=split), dict(WIDE_N, SPLIT_K=split), dict(SMALL, SPLIT_K=split, SCALE_AHEAD=3)):
         got = fp8_gemm(*args, torch.float32, config=config)
         assert _rel(got.cpu(), ref) < KERNEL_REL
         assert torch.equal(fp8_gemm(*args, torch.float32, config=config), got)
@@ -186,8 +187,8 @@ from tests.kernels.gluon_build import compile_triton_for_hopper
 from moeserve.kernels.triton_ops import fp8_gemm as ops
 sig = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr="*bf16", ws_ptr="*fp32",
            count_ptr="*i32")
-for block_n, split in ((128, 1), (256, 1), (64, 2)):
-    consts = dict(BLOCK_M=64, BLOCK_N=block_n, GROUP=128, SPLIT_K=split)
+for block_n, split, ahead in ((128, 1, 1), (256, 1, 1), (64, 2, 1), (128, 1, 3), (256, 2, 3)):
+    consts = dict(BLOCK_M=64, BLOCK_N=block_n, GROUP=128, SPLIT_K=split, SCALE_AHEAD=ahead)
     ptx = compile_triton_for_hopper(ops._fp8_gemm_kernel, sig, consts, dict(num_warps=4, num_stages=3)).asm["ptx"]
     print(block_n, split, "e4m3" in ptx, "atom" in ptx)
 """
@@ -195,7 +196,8 @@ for block_n, split in ((128, 1), (256, 1), (64, 2)):
 
 def test_triton_gemm_compiles_for_hopper():
     """The dense kernel built for sm_90 by Triton's own compiler, in a process without the interpreter (which does
-    not compile): b's scale one scalar a step (128 / 64 columns) or one a column (256), split-K's counting store.
+    not compile): b's scale one scalar a step (128 / 64 columns) or one a column (256), split-K's counting store,
+    the scales loaded after the add (SCALE_AHEAD 3).
     Triton 3.9 compiled the code after a constexpr branch's return as well, and the scalar scale's other branch
     failed there."""
     pytest.importorskip("triton")
@@ -205,7 +207,8 @@ def test_triton_gemm_compiles_for_hopper():
     out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], env=env, cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[-4:-1] == ["128 1 True False", "256 1 True False", "64 2 True True"]
+    assert out.stdout.split("\n")[-6:-1] == ["128 1 True False", "256 1 True False", "64 2 True True",
+                                             "128 1 True False", "256 2 True True"]
 
 
 def test_triton_gemm_takes_the_tuned_table(device, tmp_path, monkeypatch):

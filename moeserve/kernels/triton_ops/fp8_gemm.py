@@ -75,12 +75,13 @@ def _scale_start(as_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, stride_asm, str
 @triton.jit
 def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am, stride_asm,
                       stride_ask, stride_bn, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      GROUP: tl.constexpr):
+                      GROUP: tl.constexpr, SCALE_AHEAD: tl.constexpr = 1):
     """fp32 [BLOCK_M, BLOCK_N] = sum over K blocks of (a_blk . b_blk^T) * a_scale[row, kb] * b_scale[col // 128, kb].
     rows / cols: int64 row indices into a and b (a_ptr, b_ptr already at the expert), masks for the ragged ends;
     n0: the tile's first column. The scales of the next K block are loaded a step ahead (their latency hides
     behind the step's dot); a's scales may lie either way round (stride_asm, stride_ask): M-major reads are
-    coalesced."""
+    coalesced. SCALE_AHEAD 3: the next block's scales loaded after the step's add instead (as in
+    `block_scaled_tile_tma`); any other value, a step ahead."""
     B_SCALAR: tl.constexpr = GROUP % BLOCK_N == 0
     ks = tl.arange(0, GROUP)
     a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
@@ -93,9 +94,13 @@ def block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, 
         k_ok = ks < K - kb * GROUP
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
-        acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
-        a_s, b_s = a_n, b_n
+        if SCALE_AHEAD == 3:
+            acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
+            a_s, b_s = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
+        else:
+            a_n, b_n = _scales(as_ptrs, bs_ptrs, tl.minimum(kb + 1, nk - 1), stride_ask, row_ok, col_ok, B_SCALAR)
+            acc = _scaled_add(acc, tl.dot(a, b), a_s, b_s, B_SCALAR)
+            a_s, b_s = a_n, b_n
         a_ptrs += GROUP
         b_ptrs += GROUP
     return acc
@@ -150,7 +155,7 @@ def block_scaled_tile_tma(a_desc, b_desc, as_ptr, bs_ptr, a_row0, b_row0, rows, 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, k_split, stride_am, stride_asm,
                      stride_ask, stride_bn, stride_bsn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
+                     GROUP: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     """Tile (pid 0, pid 1); with SPLIT_K > 1, pid 2 sums K from pid 2 * k_split (a multiple of GROUP) and the tile's
     last program to finish adds the SPLIT_K fp32 partials (ws [SPLIT_K, M, N]) in split order and stores the tile."""
     n0 = tl.program_id(1) * BLOCK_N
@@ -161,7 +166,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, 
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     if SPLIT_K == 1:
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr, bs_ptr, rows, row_ok, cols, col_ok, n0, K, stride_am,
-                                stride_asm, stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                stride_asm, stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, SCALE_AHEAD)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
     else:
         split = tl.program_id(2)
@@ -169,7 +174,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, count_ptr, M, 
         kb0 = k0 // GROUP
         acc = block_scaled_tile(a_ptr + k0, as_ptr + kb0 * stride_ask, b_ptr + k0, bs_ptr + kb0, rows, row_ok, cols,
                                 col_ok, n0, tl.minimum(K - k0, k_split), stride_am, stride_asm, stride_ask, stride_bn,
-                                stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                stride_bsn, BLOCK_M, BLOCK_N, GROUP, SCALE_AHEAD)
         _split_store(acc, ws_ptr, count_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), split, rows,
                      cols, ok, c_ptrs, M, N, SPLIT_K)
 
@@ -236,8 +241,8 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_i
     _fp8_gemm_kernel[(grid_m, grid_n, split)](
         xq, x_scale, w, w_scale_inv, out, out if ws is None else ws, out if counts is None else counts, m, n, k,
         k_split, xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w_scale_inv.stride(0),
-        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK, SPLIT_K=split, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK, SPLIT_K=split, SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

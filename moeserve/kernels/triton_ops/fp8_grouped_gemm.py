@@ -70,7 +70,7 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
     else:  # 64-bit row and column indices (the fallback path; Hopper reads through descriptors)
         acc = block_scaled_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse,
                                 m0 + rows, row_ok, (n0 + cols).to(tl.int64), col_ok, n0, K, stride_am, stride_asm,
-                                stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP)
+                                stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, SCALE_AHEAD)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
