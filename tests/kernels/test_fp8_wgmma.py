@@ -98,12 +98,13 @@ def test_contiguous_matches_reference(cfg, counts, mn_major):
 @cuda
 @pytest.mark.parametrize("cfg", FORMS)
 @pytest.mark.parametrize("mn_major", [False, True])
-def test_masked_matches_reference(cfg, mn_major):
+@pytest.mark.parametrize("k", [512, 128])  # 4 K steps, or a single one (the odd last step alone)
+def test_masked_matches_reference(cfg, mn_major, k):
     from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm_masked
 
     gen = torch.Generator().manual_seed(21)
-    xq, xs = quantize_activations_reference(torch.randn(3, 140, 512, generator=gen), mn_major)
-    wq, ws = quantize_weight(torch.randn(3, 256, 512, generator=gen))
+    xq, xs = quantize_activations_reference(torch.randn(3, 140, k, generator=gen), mn_major)
+    wq, ws = quantize_weight(torch.randn(3, 256, k, generator=gen))
     masked_m = torch.tensor([17, 0, 140], dtype=torch.int32)
     ref = fp8_grouped_gemm_masked_reference(xq, xs, wq, ws, masked_m, torch.float32)
     got = fp8_grouped_gemm_masked(*(t.cuda() for t in (xq, xs, wq, ws, masked_m)), torch.bfloat16,
