@@ -123,7 +123,7 @@ class MLAttention(nn.Module):
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
         self._qkv_a = self._fuse_qkv_a(device)
-        self.quantized_input = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in self._x_projections())
+        self.quantized_input = self._x_projections_fp8()
         self._q_b_fp8 = self.q_lora_rank is not None and isinstance(self.q_b_proj, Fp8ColumnParallelLinear)
         # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
         self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
@@ -131,6 +131,10 @@ class MLAttention(nn.Module):
     def _x_projections(self) -> tuple[Linear, Linear]:
         """The layers that read x: q_proj (or q_a_proj, q's latent) and kv_a_proj_with_mqa."""
         return (self.q_proj if self.q_lora_rank is None else self.q_a_proj), self.kv_a_proj_with_mqa
+
+    def _x_projections_fp8(self) -> bool:
+        """Both layers that read x multiply in FP8."""
+        return all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in self._x_projections())
 
     def _fuse_qkv_a(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """q_proj (or q_a_proj) and kv_a_proj_with_mqa both read x: their weights as one [q rows + kv_a rows, H]
@@ -141,7 +145,7 @@ class MLAttention(nn.Module):
         parts = self._x_projections()
         first = parts[0]
         plain = all(type(p)._matmul is Linear._matmul for p in parts)
-        fp8 = all(isinstance(p, Fp8Linear | Fp8ColumnParallelLinear) for p in parts) and first.out_features % BLOCK == 0
+        fp8 = self._x_projections_fp8() and first.out_features % BLOCK == 0
         if not (plain or fp8) or any(p.bias is not None for p in parts):
             return None
         names = ("weight",) if plain else ("weight", "weight_scale_inv")

@@ -113,11 +113,11 @@ def dense_candidates(M: int, K: int) -> list[dict]:
     def split(c, s):  # K cut in s runs: s times the programs, each with s times fewer dependent K steps
         return dict(c, SPLIT_K=s)
 
-    # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
-    cublas = [{"backend": "cublas"}] if cublas_takes(M, K, torch.bfloat16) else []
     def after(c):  # the next K block's scales loaded after the step's add (triton_ops/fp8_gemm.py)
         return dict(c, SCALE_AHEAD=3)
 
+    # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
+    cublas = [{"backend": "cublas"}] if cublas_takes(M, K, torch.bfloat16) else []
     if M <= 64:
         return cublas + [cfg(16, 32, 4, 4), cfg(16, 64, 4, 4), cfg(16, 128, 4, 4), cfg(32, 64, 4, 4),
                          cfg(32, 128, 4, 3), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3)] + [
