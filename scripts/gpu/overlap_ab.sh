@@ -37,6 +37,9 @@
 #   fp8graph   tune the FP8 GEMMs at decode sizes in CUDA graphs, V2-Lite's experts and linear layers, each candidate
 #              against the table's entry (scripts/gpu/fp8_graph_tune.py --write); the tables land in
 #              $OUT/fp8_graph_tables.tgz (the next parts of the same call read them)
+#   gluonab    the Gluon FP8 grouped GEMM, BASE=DIR (as onebatch) beside this tree, twice in turn: its GPU tests
+#              (this tree), then scripts/gpu/fp8_tile_cost.py at V2-Lite's prefill shapes (gate/up at K 1,024 and
+#              2,048, down at its K 1,408) and scripts/gpu/fp8_gemm_pair.py (beside cuBLAS)
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
@@ -142,6 +145,21 @@ fp8ab)
       --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 2048 --output-len 2 --batch-size 4 \
       --chunked-prefill-size 8192 --piecewise-cuda-graph-max-tokens 8192 --cuda-graph-max-bs 4 \
       --result-file "$OUT/fp8_prefill_$side.jsonl" 2>&1 | grep -E "^batch|Error|error")
+  done
+  ;;
+gluonab)
+  SITE=${PYTHONPATH#*:}
+  python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/kernels/test_fp8_wgmma.py 2>&1 | tail -2
+  for round in 1 2; do
+    for side in base on; do
+      tree=$PWD; [ $side = base ] && tree=$(realpath "$BASE")
+      echo "== Gluon FP8 grouped GEMM, $side, round $round $(date -u +%T)"
+      (cd "$tree" && PYTHONPATH="$tree:$SITE" python3 scripts/gpu/fp8_tile_cost.py --rows 768 --ks 1024 2048 \
+        2>&1 | grep -E "^K|^fit|Error")
+      (cd "$tree" && PYTHONPATH="$tree:$SITE" python3 scripts/gpu/fp8_tile_cost.py --rows 768 --n 2048 --ks 1408 \
+        2>&1 | grep -E "^K|Error")
+      (cd "$tree" && PYTHONPATH="$tree:$SITE" python3 scripts/gpu/fp8_gemm_pair.py 2>&1 | grep -vE "^\s*$|Warning")
+    done
   done
   ;;
 fp8vsbf16)
