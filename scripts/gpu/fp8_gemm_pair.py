@@ -20,12 +20,13 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_tile_cost import PREFILL  # noqa: E402
+
 from moeserve.kernels.fp8_quant import quantize_activations, quantize_weight  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_gemm import cublas_block_fp8  # noqa: E402
 from moeserve.kernels.triton_ops.fp8_grouped_gemm import fp8_grouped_gemm  # noqa: E402
-
-PREFILL = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 16, "num_warps": 4, "num_stages": 4, "WGMMA": True,
-           "TILE_MAP": True}
 
 
 def main() -> int:

@@ -113,24 +113,21 @@ def dense_candidates(M: int, K: int) -> list[dict]:
     def split(c, s):  # K cut in s runs: s times the programs, each with s times fewer dependent K steps
         return dict(c, SPLIT_K=s)
 
-    def after(c):  # the next K block's scales loaded after the step's add (triton_ops/fp8_gemm.py)
-        return dict(c, SCALE_AHEAD=3)
-
+    # (dropped after the sweep in CUDA graphs of 2026-12-04: "SCALE_AHEAD": 3, the scales loaded after the step's
+    # add, won no dense shape: docs/BENCHMARKS.md)
     # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
     cublas = [{"backend": "cublas"}] if cublas_takes(M, K, torch.bfloat16) else []
     if M <= 64:
         return cublas + [cfg(16, 32, 4, 4), cfg(16, 64, 4, 4), cfg(16, 128, 4, 4), cfg(32, 64, 4, 4),
                          cfg(32, 128, 4, 3), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3)] + [
             split(cfg(bm, bn, 4, st), s) for bm, bn, st, s in [(16, 128, 4, 4), (32, 128, 3, 2), (32, 128, 3, 4),
-                                                               (64, 128, 3, 4), (64, 64, 4, 4)]] + [
-            after(cfg(64, 64, 4, 4)), after(split(cfg(64, 64, 4, 4), 4)), after(split(cfg(64, 128, 4, 3), 4))]
+                                                               (64, 128, 3, 4), (64, 64, 4, 4)]]
     if M <= 512:
         return cublas + [cfg(32, 64, 4, 4), cfg(64, 64, 4, 4), cfg(64, 128, 4, 3), cfg(64, 128, 4, 4),
                          cfg(128, 64, 4, 4), cfg(128, 128, 8, 3)] + [
             split(cfg(bm, bn, w, st), s) for bm, bn, w, st, s in [(64, 128, 4, 3, 2), (64, 128, 4, 3, 4),
                                                                   (64, 128, 4, 3, 8), (64, 64, 4, 4, 2),
-                                                                  (64, 64, 4, 4, 4), (128, 128, 8, 3, 4)]] + [
-            after(cfg(64, 128, 4, 3)), after(split(cfg(64, 64, 4, 4), 2)), after(split(cfg(64, 128, 4, 3), 2))]
+                                                                  (64, 64, 4, 4, 4), (128, 128, 8, 3, 4)]]
     return cublas + [cfg(64, 128, 4, 3), cfg(64, 128, 4, 4), cfg(128, 128, 8, 3), cfg(128, 128, 8, 4),
                      cfg(128, 64, 4, 4), cfg(64, 256, 8, 3)]
 
