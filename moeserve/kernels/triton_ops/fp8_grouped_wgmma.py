@@ -190,16 +190,23 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
              BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
     """Warpgroup wg's 64 rows of the MMA's M side (a's rows wg * 64.., or with SWAP the weights'), tile after tile:
     each K step's product waited for, its slot released, then scaled and added while the other warpgroup's MMA
-    runs; then the tile's rows stored."""
+    runs. A tile's rows are stored while the next tile's first MMA runs (the last tile's after the walk)."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.shape[1]
     SWAP: gl.constexpr = BLOCK_M < 128  # (the plain form splits 128 rows of a between the warpgroups)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M if SWAP else BLOCK_N, 32])
     SHAPE: gl.constexpr = [64, BLOCK_M] if SWAP else [64, BLOCK_N]
+    STORE_M: gl.constexpr = BLOCK_M if SWAP else 64
+    STORE_N: gl.constexpr = 64 if SWAP else BLOCK_N
     nk = gl.cdiv(K, 128)
     zero = gl.zeros(SHAPE, gl.float32, layout=mma)
     it = 0
+    # the tile waiting for its store: its accumulator, first row, rows left, first column (no rows: nothing stored)
+    done = zero.to(c_ptr.dtype.element_ty)  # (in c's dtype: half the registers of fp32 while the next MMA runs)
+    done_row = 0
+    done_left = 0
+    done_col = 0
     last = num_m * num_n - 1
     nxt = tile(gl.program_id(0), starts_ptr, counts_ptr, map_ptr, cap, tiles_per_expert, num_m, num_n, E, E_P2,
                 MASKED, TILE_MAP, BLOCK_M, GROUP_M)
@@ -217,57 +224,80 @@ def _consume(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_p
             as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
             bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
             acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, 0, STAGES,
-                              wg * 64, zero, SWAP)
+                              wg * 64, zero, SWAP, True, c_ptr, done, done_row, done_left, done_col, N, stride_cm,
+                              STORE_M, STORE_N)
             it += nk
+            done = acc.to(c_ptr.dtype.element_ty)
             if SWAP:
-                store_tile(c_ptr, acc, row0, left, n0 + wg * 64, N, stride_cm, BLOCK_M, 64, SWAP, 4)
+                done_row, done_left, done_col = row0, left, n0 + wg * 64
             else:
-                store_tile(c_ptr, acc, row0 + wg * 64, left - wg * 64, n0, N, stride_cm, 64, BLOCK_N, SWAP, 4)
+                done_row, done_left, done_col = row0 + wg * 64, left - wg * 64, n0
+    store_tile(c_ptr, done, done_row, done_left, done_col, N, stride_cm, STORE_M, STORE_N, SWAP, 4)
 
 
 @gluon.jit
 def _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, base: gl.constexpr,
-                RING: gl.constexpr, half, zero, SWAP: gl.constexpr):
+                RING: gl.constexpr, half, zero, SWAP: gl.constexpr, STORE: gl.constexpr, c_ptr, done, done_row,
+                done_left, done_col, N, stride_cm, STORE_M: gl.constexpr, STORE_N: gl.constexpr):
     """One tile's nk K steps from the ring of RING slots from slot base, the ring's it-th fill first: each step's
-    product waited for, its slot released, then scaled by the step's scales and added in fp32.
+    product waited for, its slot released, then scaled by the step's scales and added in fp32. With STORE, the
+    previous tile (done: its accumulator, first row, rows left, first column) is stored while the first step's MMA
+    runs: the store no longer leaves the tensor cores without this warpgroup's work (at V2-Lite's prefill sizes a
+    tile cost about 2.6 K steps beyond its steps, 2026-12-04).
 
     Two steps an iteration, each with its own scale registers, loaded two steps before their use, after their last
     one. (Loaded two steps ahead and passed down a chain of registers, each copy waited for the load just issued,
     and the MMA's issue behind it: Nsight Compute, 2026-12-04. A load in the step that uses the scales fared no
     better, its product with b's scale computed ahead of the MMA.)"""
-    acc = gl.zeros_like(zero)
-    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask, SWAP)
-    a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask, SWAP)
-    for kb in range(0, nk - 1, 2):
-        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb) % RING, ((it + kb) // RING) & 1, half,
-                             zero, SWAP)
-        acc = _scaled_add(acc, part, a0 * b0, SWAP)
-        a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask, SWAP)
-        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb + 1) % RING, ((it + kb + 1) // RING) & 1,
-                             half, zero, SWAP)
+    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, 0, stride_ask, SWAP)  # even steps' scales
+    a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 1), stride_ask, SWAP)  # odd steps'
+    s = base + it % RING
+    mbarrier.wait(ready.index(s), (it // RING) & 1)
+    first = _issue(a_bufs, b_bufs, s, half, zero, SWAP)
+    if STORE:
+        store_tile(c_ptr, done, done_row, done_left, done_col, N, stride_cm, STORE_M, STORE_N, SWAP, 4)
+    part = warpgroup_mma_wait(num_outstanding=0, deps=(first, ))
+    mbarrier.arrive(empty.index(s), count=1)
+    acc = _scaled_add(zero, part, a0 * b0, SWAP)
+    a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, 2), stride_ask, SWAP)
+    for kb in range(1, nk - 1, 2):
+        part, acc = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb) % RING, ((it + kb) // RING) & 1,
+                                  half, zero, acc, SWAP)
         acc = _scaled_add(acc, part, a1 * b1, SWAP)
-        a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 3), stride_ask, SWAP)
-    if nk % 2 == 1:  # the last step, its scales in a0, b0
-        part = _step_product(a_bufs, b_bufs, ready, empty, base + (it + nk - 1) % RING, ((it + nk - 1) // RING) & 1,
-                             half, zero, SWAP)
+        a1, b1 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 2), stride_ask, SWAP)
+        part, acc = _step_product(a_bufs, b_bufs, ready, empty, base + (it + kb + 1) % RING,
+                                  ((it + kb + 1) // RING) & 1, half, zero, acc, SWAP)
         acc = _scaled_add(acc, part, a0 * b0, SWAP)
+        a0, b0 = _scales(as_ptrs, bs_ptrs, row_ok, gl.minimum(nk - 1, kb + 3), stride_ask, SWAP)
+    if nk % 2 == 0 and nk > 1:  # the last step (odd), its scales in a1, b1
+        part, acc = _step_product(a_bufs, b_bufs, ready, empty, base + (it + nk - 1) % RING,
+                                  ((it + nk - 1) // RING) & 1, half, zero, acc, SWAP)
+        acc = _scaled_add(acc, part, a1 * b1, SWAP)
     return acc
 
 
 @gluon.jit
-def _step_product(a_bufs, b_bufs, ready, empty, s, phase, half, zero, SWAP: gl.constexpr):
-    """Slot s's product once its loads landed (ready's phase), waited for; the slot released. The MMA reads rows
-    half.. + 64 of the slot's a (with SWAP, of its b: the weights' rows) and all of the other operand."""
-    mbarrier.wait(ready.index(s), phase)
+def _issue(a_bufs, b_bufs, s, half, zero, SWAP: gl.constexpr):
+    """Slot s's MMA (its loads landed), not waited for. It reads rows half.. + 64 of the slot's a (with SWAP, of
+    its b: the weights' rows) and all of the other operand."""
     if SWAP:
-        part = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
+        mma = warpgroup_mma(b_bufs.index(s).slice(half, 64), a_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
     else:
-        part = warpgroup_mma(a_bufs.index(s).slice(half, 64), b_bufs.index(s).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-    part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        mma = warpgroup_mma(a_bufs.index(s).slice(half, 64), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+    return mma
+
+
+@gluon.jit
+def _step_product(a_bufs, b_bufs, ready, empty, s, phase, half, zero, acc, SWAP: gl.constexpr):
+    """Slot s's product once its loads landed (ready's phase), waited for; the slot released. acc goes through
+    the wait as well: the last step's add (which made acc) stays before this step's wait, next to its MMA, where
+    ptxas (Triton 3.6's SASS, 2026-12-04) put both steps' adds after the second wait."""
+    mbarrier.wait(ready.index(s), phase)
+    part, acc = warpgroup_mma_wait(num_outstanding=0, deps=(_issue(a_bufs, b_bufs, s, half, zero, SWAP), acc))
     mbarrier.arrive(empty.index(s), count=1)
-    return part
+    return part, acc
 
 
 @gluon.jit
@@ -297,7 +327,7 @@ def _consume_pairs(wg: gl.constexpr, a_bufs, b_bufs, ready, empty, as_ptr, bs_pt
             as_ptrs = as_ptr + (row0 + rows).to(gl.int64) * stride_asm
             bs_ptrs = bs_ptr + e.to(gl.int64) * stride_bse + (n0 // 128) * stride_bsn
             acc = _tile_steps(a_bufs, b_bufs, ready, empty, as_ptrs, bs_ptrs, row_ok, stride_ask, nk, it, wg * HALF,
-                              HALF, 0, zero, False)
+                              HALF, 0, zero, False, False, c_ptr, zero, 0, 0, 0, N, stride_cm, 64, BLOCK_N)
             store_tile(c_ptr, acc, row0, left, n0, N, stride_cm, 64, BLOCK_N, False, 4)
             it += nk
 
