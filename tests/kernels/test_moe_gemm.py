@@ -185,3 +185,30 @@ def test_tile_map_lists_every_tile_in_order(counts, block_m, device):
     assert got.shape == (3, num_m)
     assert [tuple(t) for t in got[:, :len(want)].t().tolist()] == want
     assert (got[2, len(want):] == 0).all()  # spare programs: nothing to do
+
+
+@pytest.mark.parametrize("counts,block_m", [([0, 37, 1, 0, 18], 16), ([1], 64), ([64, 64, 0], 64), ([0, 0], 16),
+                                            ([3] * 70, 16), ([5] * 64 + [256, 256], 64)])
+def test_expert_tile_runs_every_tile_once(counts, block_m, device):
+    """expert_tile's contiguous lookup over the grid's static bound: each expert's row tiles once, in order, then
+    nothing for the spare programs. (The spare programs once took their tile counted from the end, and those below
+    the last expert's own tile count redid its first tiles: equal values written twice, weights read twice.)"""
+    import triton
+
+    from tests.kernels.tile_lookup import lookup_kernel
+
+    c = torch.tensor(counts, dtype=torch.int32)
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(c, 0)
+    rows = int(starts[-1])
+    num_m = triton.cdiv(rows, block_m) + min(len(counts), rows)
+    if num_m == 0:
+        return
+    want = [(e, int(starts[e]) + t * block_m, n - t * block_m)
+            for e, n in enumerate(counts) for t in range(triton.cdiv(n, block_m))]
+    out = torch.full((num_m, 3), -7, dtype=torch.int32, device=device)
+    lookup_kernel[(num_m,)](starts.to(device), c.to(device), out, E=len(counts),
+                            E_P2=triton.next_power_of_2(len(counts)), BLOCK_M=block_m)
+    got = out.cpu()
+    assert [tuple(t) for t in got[:len(want)].tolist()] == want
+    assert (got[len(want):, 2] == 0).all(), got[len(want):].tolist()  # spare programs: nothing to do

@@ -46,11 +46,13 @@ def tile_of(pid_m, starts_ptr, counts_ptr, E: gl.constexpr, E_P2: gl.constexpr, 
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     incl = gl.associative_scan(tiles, 0, add)
     # (gl.reduce with a combine of ours, not gl.sum: Triton's standard library is interpreted under TRITON_INTERPRET)
-    e = gl.reduce((incl <= pid_m).to(gl.int32), 0, add)  # the first expert whose tiles reach past pid_m
-    tile = pid_m - gl.reduce(gl.where(ei < e, tiles, 0), 0, add)
-    e = gl.minimum(e, E - 1)
+    past = gl.reduce((incl <= pid_m).to(gl.int32), 0, add)  # the first expert whose tiles reach past pid_m
+    tile = pid_m - gl.reduce(gl.where(ei < past, tiles, 0), 0, add)
+    e = gl.minimum(past, E - 1)
     count = gl.reduce(gl.where(ei == e, counts, 0), 0, add)
-    left = gl.where(tile < gl.reduce(gl.where(ei == e, tiles, 0), 0, add), count - tile * BLOCK_M, 0)
+    # past < E: past the last tile, `tile` counts from the end and would redo the last expert's first tiles
+    mine = (past < E) & (tile < gl.reduce(gl.where(ei == e, tiles, 0), 0, add))
+    left = gl.where(mine, count - tile * BLOCK_M, 0)
     return e, gl.load(starts_ptr + e) + tile * BLOCK_M, left
 
 

@@ -41,11 +41,13 @@ def expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, n
         ei = tl.arange(0, E_P2)
         tiles = (tl.load(counts_ptr + ei, mask=ei < E, other=0) + BLOCK_M - 1) // BLOCK_M
         incl = tl.cumsum(tiles, 0)
-        e = tl.sum((incl <= pid_m).to(tl.int32), 0)  # the first expert whose tiles reach past pid_m
-        tile = pid_m - tl.sum(tl.where(ei < e, tiles, 0), 0)
-        e = tl.minimum(e, E - 1)  # programs past the last tile: any expert; count 0 stops them
+        past = tl.sum((incl <= pid_m).to(tl.int32), 0)  # the first expert whose tiles reach past pid_m (E: none)
+        tile = pid_m - tl.sum(tl.where(ei < past, tiles, 0), 0)
+        e = tl.minimum(past, E - 1)  # programs past the last tile: any expert; count 0 stops them
         start = tl.load(starts_ptr + e)
-        count = tl.where(tile < tl.sum(tl.where(ei == e, tiles, 0), 0), tl.load(counts_ptr + e), 0)
+        # (past < E: a program past the last tile has a small `tile` counted from the end, which the last expert's
+        # own tile count would have let through, redoing that expert's first tiles)
+        count = tl.where((past < E) & (tile < tl.sum(tl.where(ei == e, tiles, 0), 0)), tl.load(counts_ptr + e), 0)
     return e, tile, start, count
 
 
