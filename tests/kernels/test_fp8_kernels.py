@@ -163,7 +163,7 @@ def test_triton_gemm_matches_reference(device, m, n, k):
 
 
 @pytest.mark.parametrize(("m", "n", "k", "split"), [(37, 150, 260, 2), (20, 300, 1024, 3), (5, 64, 128, 4),
-                                                    (64, 256, 2048, 8)])
+                                                    (64, 128, 2048, 8)])
 def test_triton_gemm_split_k_matches_reference(device, m, n, k, split):
     """SPLIT_K: K cut in runs of whole 128-blocks (the last one short; more splits asked than blocks: one a block),
     the partials summed by each tile's last program in split order: the same bits at every launch, and the tile
