@@ -8,8 +8,8 @@ quantized, gate/up, SiLU-and-mul + quantize, down; --layers layers with their ow
 same random layout as scripts/gpu/fp8_graph_tune.py's), and prints for each GEMM:
 - the span (first program's start to last one's end) and the gap after the launch before it;
 - the programs' durations (median, 90th percentile, max);
-- the ramp: how long until the weights stream at the middle's rate (the first 10% of the bytes, by program ends);
-  the tail: the time the last 10% of the bytes take; each beside what it would take at the middle's rate;
+- the rate of the middle 80% of the span (each program's bytes counted as streamed evenly over its life), and
+  the ramp and tail: how long the first and last 10% of the bytes take, beside what they would take at that rate;
 - the SMs' last ends: how far apart the SMs finish.
 The raw buffers go to --out (torch.save) for a closer look.
 
@@ -48,15 +48,35 @@ def gemm(xq, xs, w, ws, offsets, counts, timeline):
     return out, cfg
 
 
+def _bytes_between(live: torch.Tensor, bytes_each: int, t0: float, t1: float) -> float:
+    """The bytes the programs [start, end] (ns, float64, from the launch's start) streamed between t0 and t1, each
+    evenly over its life (a program's share of its time inside the window)."""
+    s, e = live[:, 0], live[:, 1]
+    inside = (e.clamp(max=t1) - s.clamp(min=t0)).clamp(min=0)
+    return float((inside / (e - s).clamp(min=1)).sum()) * bytes_each
+
+
+def _bytes_done_at(live: torch.Tensor, bytes_each: int, target: float) -> float:
+    """The time (ns, as live's) by which the programs had streamed `target` bytes (bisection on `_bytes_between`)."""
+    lo, hi = float(live[:, 0].min()), float(live[:, 1].max())
+    first = lo
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _bytes_between(live, bytes_each, first, mid) < target else (lo, mid)
+    return hi
+
+
 def summary(name: str, t: torch.Tensor, prev_end: int | None, bytes_each: int) -> int:
     """One line for a launch's [programs, 4] buffer (start, end, SM, expert; expert -1: an empty tile)."""
     live = t[t[:, 3] >= 0]
     start, end = int(t[:, 0].min()), int(t[:, 1].max())
     dur = (live[:, 1] - live[:, 0]).double() / 1e3
-    ends = torch.sort(live[:, 1]).values.double()
-    n = ends.numel()
-    lo, hi = ends[n // 10 - 1], ends[(9 * n) // 10 - 1]  # 10% and 90% of the bytes done
-    mid_rate = (0.8 * n * bytes_each) / float(hi - lo)  # bytes a ns between them
+    n = live.shape[0]
+    rel = (live[:, :2] - start).double()  # ns from the launch's first start: float64 keeps them exact
+    lo = start + _bytes_done_at(rel, bytes_each, 0.1 * n * bytes_each)
+    hi = start + _bytes_done_at(rel, bytes_each, 0.9 * n * bytes_each)
+    t0, t1 = 0.1 * (end - start), 0.9 * (end - start)
+    mid_rate = _bytes_between(rel, bytes_each, t0, t1) / (t1 - t0)  # bytes a ns in the span's middle 80%
     ramp_ideal = 0.1 * n * bytes_each / mid_rate
     sm_last = torch.zeros(int(t[:, 2].max()) + 1, dtype=torch.int64)
     sm_last.scatter_reduce_(0, live[:, 2], live[:, 1], reduce="amax")
@@ -64,7 +84,7 @@ def summary(name: str, t: torch.Tensor, prev_end: int | None, bytes_each: int) -
     gap = f"{(start - prev_end) / 1e3:5.1f}" if prev_end is not None else "    -"
     print(f"{name:10s} span {(end - start) / 1e3:6.1f} us (gap before {gap}) | {n:5d} programs "
           f"({t.shape[0] - n} empty), {dur.median():5.1f} / {dur.quantile(0.9):5.1f} / {dur.max():5.1f} us | "
-          f"middle {mid_rate:.2f} TB/s, {n * bytes_each / (end - start):.2f} overall | "
+          f"middle {mid_rate / 1e3:.2f} TB/s, {n * bytes_each / (end - start) / 1e3:.2f} overall | "
           f"ramp {(lo - start) / 1e3:5.1f} us (at the middle's rate {ramp_ideal / 1e3:4.1f}), "
           f"tail {(end - hi) / 1e3:5.1f} ({ramp_ideal / 1e3:4.1f}) | SMs end within "
           f"{(sm_last.max() - sm_last.min()) / 1e3:5.1f} us (10th-90th pct {(sm_last.quantile(0.9) - sm_last.quantile(0.1)) / 1e3:5.1f})",

@@ -21,7 +21,7 @@ def program_start():
 @triton.jit
 def program_end(times_ptr, pid, start, tag):
     """Row pid of the [programs, 4] buffer: start, the timer now, this program's SM, tag (e.g. its expert)."""
-    end = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    end = program_start()
     sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     row = times_ptr + pid.to(tl.int64) * 4
     tl.store(row, start)
