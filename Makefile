@@ -29,5 +29,5 @@ test: install
 	bash scripts/test.sh
 
 lint: install
-	$(BIN)/ruff check moeserve tests scripts
+	$(BIN)/ruff check moeserve tests scripts benchmark
 	$(BIN)/lint-imports --no-cache

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin
 [ -x "$BIN/pytest" ] || BIN="$(dirname "$(command -v python3)")"
 if [ "$#" -eq 0 ] && [ -x "$BIN/ruff" ]; then
-  "$BIN/ruff" check moeserve tests scripts || exit 1
+  "$BIN/ruff" check moeserve tests scripts benchmark || exit 1
   "$BIN/lint-imports" --no-cache || exit 1  # the layering of pyproject.toml's [tool.importlinter]
 fi
 "$BIN/python" -m pytest --durations=15 "$@"  # the slowest tests in the log: the suite must stay lean

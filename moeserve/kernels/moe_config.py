@@ -6,7 +6,7 @@ mapping a row count M (pairs in the layout, T * top_k) to a launch configuration
 {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}, with "TMA": true where the weights are read through
 tensor descriptors and "GROUP_M": g for a grouped-M program order (or {"backend": "torch"} where torch's grouped GEMM measured faster); a launch takes the entry of the nearest M.
 N is the op's output width (I for the gate/up GEMM with SiLU fused, H for the down GEMM), K its reduction size.
-scripts/gpu/tune_moe.py writes them. A shape tuned for another expert count E' (the same op, N, K, dtype and
+benchmark/kernels/tune_moe.py writes them. A shape tuned for another expert count E' (the same op, N, K, dtype and
 device) lends its table, read at the same rows per expert (M * E' / E): shared-experts fusion runs the routed E
 plus the shared slots, and an EP rank its E / ep local experts, through kernels tuned for the model's E. Without
 any table, `default_config` picks by the rows per expert.
@@ -26,9 +26,9 @@ import torch
 CONFIG_DIR = Path(__file__).parent / "configs"
 logger = logging.getLogger(__name__)
 # the script that writes each op's tables (named in the warning a GPU shape without one gets)
-TUNERS = {"moe_gemm": "scripts/gpu/tune_moe.py", "moe_gemm_silu": "scripts/gpu/tune_moe.py",
-          "fp8_gemm": "scripts/gpu/tune_fp8.py --dense", "fp8_grouped_gemm": "scripts/gpu/tune_fp8.py",
-          "fp8_grouped_gemm_masked": "scripts/gpu/tune_fp8.py"}
+TUNERS = {"moe_gemm": "benchmark/kernels/tune_moe.py", "moe_gemm_silu": "benchmark/kernels/tune_moe.py",
+          "fp8_gemm": "benchmark/kernels/tune_fp8.py --dense", "fp8_grouped_gemm": "benchmark/kernels/tune_fp8.py",
+          "fp8_grouped_gemm_masked": "benchmark/kernels/tune_fp8.py"}
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -96,5 +96,5 @@ def _nearest_tuned_e(op: str, E: int, N: int, K: int, dtype: torch.dtype, device
     if not tuned and device != "cpu":  # once a shape (cached): the default tile can be far off the tuned one
         logger.warning("No tuned %s table for E=%d N=%d K=%d %s on %s: the default launch configuration runs, "
                        "which can be much slower (tune it with %s)", op, E, N, K, str(dtype).removeprefix("torch."),
-                       device, TUNERS.get(op, "the tuning scripts in scripts/gpu"))
+                       device, TUNERS.get(op, "the tuners in benchmark/kernels"))
     return min(tuned, key=lambda e: (abs(e - E), e)) if tuned else None

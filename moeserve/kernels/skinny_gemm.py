@@ -8,7 +8,7 @@ At decode a dense layer reads its whole weight for one to a few rows of x, so it
 the copy bandwidth plus a launch. cuBLAS runs these shapes as GEMM tiles sized for more rows (its best measured
 about 2.2 TB/s over V2-Lite's 8-23 MB weights); the Triton kernel (triton_ops/skinny_gemm.py) is a GEMV that
 streams each weight row once and sums the M rows' dots on the CUDA cores. Measured in CUDA graphs over weights
-past L2 (scripts/gpu/bench_skinny_gemm.py, H200), at one row it was faster than cuBLAS on every DeepSeek-V2-Lite
+past L2 (benchmark/experiments/bench_skinny_gemm.py, H200), at one row it was faster than cuBLAS on every DeepSeek-V2-Lite
 and V3 weight timed (V2-Lite's o_proj 4.3 against 6.0 us, its LM head 98 against 105, V3's q_a 7.8 against 10.9);
 with more rows it loses as the weight grows (its work per weight element grows with M on the CUDA cores, cuBLAS's
 does not). So it runs for CUDA tensors with one row, and with 2 to MAX_ROWS rows where rows x weight bytes is at

@@ -95,7 +95,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             # The host's tensors here are small (a step's lengths and slots): one thread. With the default (a thread
             # per core) each CPU op waits for the pool to wake, 0.4 ms for a 64-element repeat_interleave against
-            # 13 us (scripts/gpu/sdpa_backends.py), every step.
+            # 13 us (scripts/gpu/sdpa_backends.py at 3438fba), every step.
             torch.set_num_threads(1)
         self.model, self.config = load_model(server_args, self.device)
         self.weight_format = weight_format(self.model)

@@ -134,7 +134,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     loop = WorkerLoop(server_args, runner, scheduler, req_sock, result_sock, sync)
     # The model, its modules, the captured graphs and the imported libraries never die: out of the cyclic GC's
     # sight, a full collection under load scans only what serving made (a full one over the start-up heap paused
-    # the host for milliseconds inside a step; scripts/gpu/prefill_stalls.py measures it).
+    # the host for milliseconds inside a step; scripts/gpu/prefill_stalls.py at 3438fba).
     gc.collect()
     gc.freeze()
     loop.run()

@@ -138,7 +138,7 @@ _KERNEL = DirectLauncher(_extend_attention_kernel)
 
 def default_config(d: int, r: int, dv: int, dtype: torch.dtype, max_extend: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims and the longest request. Measured on an H200
-    at MLA's 128 + 64 / 128 (scripts/gpu/bench_extend_attention.py): 128/64/8/3 fastest from 2,048 new tokens a
+    at MLA's 128 + 64 / 128 (benchmark/experiments/bench_extend_attention.py): 128/64/8/3 fastest from 2,048 new tokens a
     request (265-410 TFLOP/s), 64/64/4/2 on short ones (serving's 128-768 token prompts: 164 against 149)."""
     if dtype == torch.float32:
         return 32, 32, 4, 2

@@ -6,7 +6,7 @@ is accumulated in fp32 after multiplying by the row scales of a and the column-b
 fp8_gemm does. A column's b scale is read by column (col // 128), so BLOCK_N need not divide 128. Partial blocks
 at the ends of M, N and K are masked (zeros). `block_scaled_tile` is shared with the grouped GEMMs, and so is
 `block_scaled_tile_tma`, the same sum with b (and a, or a by pointers) read through tensor descriptors. Launch
-configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: scripts/gpu/tune_fp8.py
+configurations come from the tuned tables where a shape has one (op `fp8_gemm`, E = 1: benchmark/kernels/tune_fp8.py
 --dense), else 64 x 128; an entry {"backend": "cublas"} sends the shape to cuBLAS's block-scaled FP8 GEMM
 instead (`cublas_block_fp8`). An entry's "SPLIT_K": s cuts each tile's K in s runs of whole 128-blocks, each its
 own program: decode's few rows make few tiles whose K steps run one after another, and s times the programs with

@@ -16,7 +16,7 @@ the configuration says "A_TMA": false (decode: a 64-row tile's rows past its exp
 triton_ops/fp8_gemm.py block_scaled_tile_tma); "maxnreg" caps the registers a thread (182 at
 64 x 128 on 4 warps hold an SM to 2 programs, where shared memory allows 3). Else pointers with 64-bit row and
 column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
-and `fp8_grouped_gemm_masked`, written by scripts/gpu/tune_fp8.py), else `default_config`. An entry with
+and `fp8_grouped_gemm_masked`, written by benchmark/kernels/tune_fp8.py), else `default_config`. An entry with
 "WGMMA": true sends the shape to the warp-specialized Gluon kernel (triton_ops/fp8_grouped_wgmma.py) on a Hopper
 GPU: at prefill sizes it beat this kernel by 5-9% (docs/BENCHMARKS.md, 2026-12-03).
 `fp8_grouped_gemm_act` / `fp8_grouped_gemm_masked_act` start from the activations (the tokens and the pairs that

@@ -24,7 +24,7 @@ from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 GROUPS = 8  # groups of 128 a program: 1,024 values, 16 a thread at 2 warps
-WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (scripts/gpu/quant_bench.py --sweep,
+WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (benchmark/experiments/quant_bench.py --sweep,
 # docs/BENCHMARKS.md 2026-12-04): V2-Lite's SiLU-and-mul 121 / 141 us, gathered rows 86 / 99, V3's 183 / 199 and
 # 318 / 376, the plain quantizer 1-4% faster
 
@@ -86,7 +86,7 @@ def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tens
                   top_k: int = 1, launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows a GEMM multiplies, quantized (kernels/fp8_quant.quantize_rows_reference's result): x's rows, the
     tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows. launch: {"groups", "flat", "num_warps"}
-    instead of the choice below (scripts/gpu/quant_bench.py --sweep)."""
+    instead of the choice below (benchmark/experiments/quant_bench.py --sweep)."""
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     kb = num_blocks(k)
     x2 = x.reshape(-1, x.shape[-1])

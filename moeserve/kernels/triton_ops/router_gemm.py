@@ -6,7 +6,7 @@ At decode sizes the work is a few million multiply-adds, so the time is latency:
 how many loop steps each waits on. A program takes one expert and a quarter of the tokens (up to 16), and sums a
 [BLOCK_T, 1, BLOCK_H] product over H in steps of TILE / BLOCK_T, so V2-Lite's gate at batch 1 is 64 programs of one
 step each. A `tl.dot` tile (16 rows at least) left most of the GPU idle and looped over H in small steps; larger
-expert blocks measured slower too (scripts/gpu/bench_router.py on an H200).
+expert blocks measured slower too (benchmark/experiments/bench_router.py on an H200).
 
 At prefill sizes (`router_logits_split`, bf16 x) the work is a GEMM worth the tensor cores: each fp32 weight tile is
 split in registers into three bf16 parts, hi + mid + lo, which sum to it exactly (each part holds the next 8 bits
@@ -88,7 +88,7 @@ def block_h(block_t: int, block_e: int, H: int) -> int:
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Same signature as moeserve.kernels.router_gemm.router_logits_reference (x 2-D, w float32). block: (BLOCK_T,
-    BLOCK_E, BLOCK_H) in place of `blocks`' choice (scripts/gpu/bench_router.py compares them)."""
+    BLOCK_E, BLOCK_H) in place of `blocks`' choice (benchmark/experiments/bench_router.py compares them)."""
     T, H = x.shape
     E = w.shape[0]
     if w.shape[1] != H or w.dtype != torch.float32:

@@ -66,7 +66,8 @@ _KERNEL = DirectLauncher(_skinny_gemm_kernel)
 
 
 def blocks(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K, num_stages), from scripts/gpu/bench_skinny_gemm.py on the H200.
+    """(BLOCK_N, BLOCK_K, num_warps, SPLIT_K, num_stages), from benchmark/experiments/bench_skinny_gemm.py
+    on the H200.
     One row: 8 warps, 2 columns of 2,048 a program; for very wide weights (over 32k columns: the LM head) or K
     that 2,048-steps would pad by over a fifth (V3's q_b, K 1,536), 16 columns in pipelined steps of 512. More
     rows: 4 warps, TILE elements a step (K in steps of up to 2,048), fewer columns a program (down to 1) until there
@@ -124,8 +125,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, block: t
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor,
                 block: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS) times w [N, K] transposed, in x's dtype (bf16, fp16, fp32; w the same), summed
-    in fp32. block: (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, num_stages) in place of `blocks`' choice (scripts/gpu/
-    bench_skinny_gemm.py compares them)."""
+    in fp32. block: (BLOCK_N, BLOCK_K, num_warps, SPLIT_K, num_stages) in place of `blocks`' choice
+    (benchmark/experiments/bench_skinny_gemm.py compares them)."""
     if w.dim() != 2 or x.dim() != 2:
         raise ValueError(f"skinny_gemm: x {tuple(x.shape)} and w {tuple(w.shape)} are not matrices")
     _check(x, w, x.shape[1])

@@ -247,8 +247,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     # NOTE: never cuDNN. torch picks it first on an H200 for MLA's q/k head 192 with v head 128 (FLASH refuses
     # unequal heads), and it builds an execution plan for every new shape: 59 ms of host time per new prompt length
-    # (scripts/gpu/sdpa_backends.py), which made a serving prefill step 95 ms instead of 20. EFFICIENT runs any
-    # length at once; MATH is the fallback for what neither fused kernel takes.
+    # (scripts/gpu/sdpa_backends.py at 3438fba), which made a serving prefill step 95 ms instead of 20.
+    # EFFICIENT runs any length at once; MATH is the fallback for what neither fused kernel takes.
     with sdpa_kernel(_CUDA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=rep > 1)
