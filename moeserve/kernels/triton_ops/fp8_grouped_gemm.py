@@ -34,7 +34,6 @@ from moeserve.kernels.moe_config import get_config
 from moeserve.kernels.triton_ops.fp8_gemm import block_scaled_tile, block_scaled_tile_tma
 from moeserve.kernels.triton_ops.fp8_quant import quantize_rows
 from moeserve.kernels.triton_ops.tile_order import expert_tile, grouped_order, tile_map
-from moeserve.kernels.triton_ops.timeline import program_end, program_start
 from moeserve.kernels.triton_ops.tma import descriptor_usable
 
 OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables' op names by layout (masked?)
@@ -47,21 +46,16 @@ def default_config(M: int, E: int) -> dict:
 
 
 @triton.jit
-def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, times_ptr, N, K, cap,
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_ptr, map_ptr, N, K, cap,
                         tiles_per_expert, num_m, stride_am, stride_asm, stride_ask, stride_be, stride_bn, stride_bse,
                         stride_bsn, stride_cm,
                         E: tl.constexpr, E_P2: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
-                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr,
-                        TIMELINE: tl.constexpr):
-    if TIMELINE:  # scripts/gpu/decode_gemm_timeline.py: when and where each program ran
-        t0 = program_start()
+                        A_TMA: tl.constexpr, TILE_MAP: tl.constexpr, SCALE_AHEAD: tl.constexpr):
     pid_m, pid_n = grouped_order(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, tile, start, count = expert_tile(pid_m, starts_ptr, counts_ptr, cap, tiles_per_expert, map_ptr, num_m, E,
                                         E_P2, MASKED, BLOCK_M, TILE_MAP)
     if tile * BLOCK_M >= count:
-        if TIMELINE:
-            program_end(times_ptr, tl.program_id(0), t0, -1)
         return
     m0 = (start + tile * BLOCK_M).to(tl.int64)  # the tile's first row in a and c
     n0 = pid_n * BLOCK_N
@@ -79,13 +73,9 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, starts_ptr, counts_
                                 stride_ask, stride_bn, stride_bsn, BLOCK_M, BLOCK_N, GROUP, SCALE_AHEAD)
     c_ptrs = c_ptr + m0 * stride_cm + rows[:, None] * stride_cm + (n0 + cols)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    if TIMELINE:
-        program_end(times_ptr, tl.program_id(0), t0, e)
 
 
-def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config, timeline=None):
-    """timeline: None, or a list that gets the launch's [programs, 4] int64 buffer (triton_ops/timeline.py;
-    the Triton kernel only, for scripts/gpu/decode_gemm_timeline.py)."""
+def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, config):
     m, k = xq.shape
     e, n = w.shape[0], w.shape[1]
     assert w.shape[2] == k and xq.stride(1) == 1 and w.stride(2) == 1, (xq.shape, w.shape)
@@ -104,18 +94,12 @@ def _launch(xq, x_scale, w, w_scale_inv, out, starts, counts, cap, masked, confi
     a, b = (_descriptors(xq, w, bm, bn, a_tma) if tma else (xq, w))
     mapped = bool(cfg.get("TILE_MAP")) and not masked
     tiles = tile_map(starts, counts, num_m, bm) if mapped else counts
-    programs = num_m * triton.cdiv(n, bn)
-    times = None
-    if timeline is not None:
-        times = torch.zeros(programs, 4, dtype=torch.int64, device=xq.device)
-        timeline.append(times)
-    _fp8_grouped_kernel[(programs,)](
-        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, times, n, k, cap, tiles_per_expert, num_m,
+    _fp8_grouped_kernel[(num_m * triton.cdiv(n, bn),)](
+        a, x_scale, b, w_scale_inv, out, starts, counts, tiles, n, k, cap, tiles_per_expert, num_m,
         xq.stride(0), x_scale.stride(0), x_scale.stride(1), w.stride(0), w.stride(1), w_scale_inv.stride(0),
         w_scale_inv.stride(1), out.stride(0), E=e, E_P2=triton.next_power_of_2(e), MASKED=masked, BLOCK_M=bm,
         BLOCK_N=bn, GROUP_M=cfg.get("GROUP_M", 8), GROUP=BLOCK, TMA=tma, A_TMA=a_tma, TILE_MAP=mapped,
-        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), TIMELINE=times is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        SCALE_AHEAD=cfg.get("SCALE_AHEAD", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}))
     return out
 
