@@ -22,6 +22,7 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.eplb.location import ExpertLocation
+from moeserve.eplb.rebalancer import WORKING
 from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.sampling_params import SamplingParams
@@ -90,12 +91,13 @@ def main() -> None:
     t_start = time.perf_counter()
     reb.rebalance_to(target, from_host=True)
     during = []
-    while reb._thread.is_alive():
+    while reb.status() == WORKING:  # the prepare thread uploads; then ready (1), FAILED or SKIPPED
         during.append(_step(sched, runner))
+    prepared = reb.status()
     prepare_s = time.perf_counter() - t_start
     stalls_before = reb.report.num_stalls
     execute_steps = []
-    while reb._job is not None:
+    while reb.status() != WORKING:  # execute chunk by chunk, then commit
         execute_steps.append(_step(sched, runner))
     stalls = reb.report.stalls_s[stalls_before - reb.report.num_stalls:] if reb.report.num_stalls > stalls_before else []
     after = [_step(sched, runner) for _ in range(40)]
@@ -109,7 +111,7 @@ def main() -> None:
         "after_tok_s": a.batch * len(after) / sum(after), "chunks": len(stalls),
         "stall_ms_max": 1e3 * max(stalls) if stalls else None,
         "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
-        "rebalances": reb.report.rebalances, "error": reb._job.error if reb._job else "",
+        "rebalances": reb.report.rebalances, "prepared": prepared,
     }
     if result["during_prepare_tok_s"]:
         result["during_over_baseline"] = result["during_prepare_tok_s"] / result["baseline_tok_s"]
