@@ -3,7 +3,7 @@
 The reference is loaded from a copy outside the repository (it is not vendored):
 
     mkdir -p /tmp/eplb_ref && git --git-dir=<clone of deepseek-ai/EPLB>/.git show HEAD:eplb.py > /tmp/eplb_ref/eplb.py
-    .venv/bin/python benchmark/experiments/bench_eplb.py --reference /tmp/eplb_ref/eplb.py --out /tmp/eplb_bench.md   (the table goes into docs/BENCHMARKS.md)
+    .venv/bin/python benchmark/experiments/bench_eplb.py --reference /tmp/eplb_ref/eplb.py --out /tmp/eplb_bench.md   (its table: docs/BENCHMARKS.md, benchmark/results/)
 
 Workloads (generated here, seeded): per layer a base popularity over experts, Zipf (p ~ rank^-a, ranks
 shuffled per layer) or lognormal (log p ~ N(0, sigma)); over W windows the log popularity drifts by a

@@ -47,7 +47,7 @@
 #   gaps       where the device idles in the traces `profile` / `prefprof` left in /tmp/prof (benchmark/experiments/trace_gaps.py)
 #   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192, TUNE_TOKENS picks); the tables
 #              it writes land in $OUT (the next parts of the same call read them)
-#   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-768-token prompts, 128-384 out),
+#   serving    `moeserve serve` + `bench serving` at concurrency 64 (random 256-512-token prompts, 128-256 out),
 #              overlap off / on / on with --enable-mixed-chunk (CFGS picks; mixed2k: chunks of 2,048 tokens; nopcg,
 #              mixednopcg: on and mixed with --disable-piecewise-cuda-graph)
 # Results: $OUT/*.jsonl and $OUT/log.

@@ -76,7 +76,7 @@ def candidates(rows_per_expert: int) -> list[dict]:
                                                  cfg(64, 128, 4, 4, tma=True), cfg(64, 128, 4, 3, tma=True),
                                                  cfg(64, 64, 4, 4, tma=True))]
         # (dropped after the sweeps of 2026-12-03: the scales loaded 0 or 2 steps ahead, no better beyond the noise;
-        # the Gluon kernel's SWAP_AB form, 1.3x to 3.4x the table's time at every decode size: docs/BENCHMARKS.md)
+        # the Gluon kernel's SWAP_AB form, 1.3x to 3.4x the table's time at every decode size: benchmark/results/)
         # the Gluon kernel's PAIRS form (a 64-row tile a warpgroup, each with half of the slots: up to 8 stages of
         # 16 KB of weights an SM, where Triton's 64 x 128 tile keeps 2-3 in flight a program), its plain 128-row form
         out += [dict(cfg(64, bn, 4, st), WGMMA=True, PAIRS=True, **m)
@@ -114,7 +114,7 @@ def dense_candidates(M: int, K: int) -> list[dict]:
         return dict(c, SPLIT_K=s)
 
     # (dropped after the sweep in CUDA graphs of 2026-12-04: "SCALE_AHEAD": 3, the scales loaded after the step's
-    # add, won no dense shape: docs/BENCHMARKS.md)
+    # add, won no dense shape: benchmark/results/)
     # cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm), timed beside the tiles
     cublas = [{"backend": "cublas"}] if cublas_takes(M, K, torch.bfloat16) else []
     if M <= 64:

@@ -11,7 +11,7 @@ runs the grouped GEMMs instead.
 NOTE: a packed per-column-block weight layout (each expert's [K, 64] column block contiguous, so that the tiles
 stream it and it stays in cache across the row blocks) is not done: the rebalancer (eplb/) writes the experts'
 slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
-the kernel is about 20% of a decode step (docs/BENCHMARKS.md, 2026-12-01); tiles of up to 6 rows took some of it.
+the kernel is about 20% of a decode step (benchmark/results/, 2026-12-01); tiles of up to 6 rows took some of it.
 
 The C++ source is compiled on first use (moeserve/kernels/build.py). `load()` returns None (and logs why, once)
 where that is impossible, and callers keep the grouped GEMMs. Under torch.compile the kernels are the custom ops

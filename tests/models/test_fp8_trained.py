@@ -14,7 +14,7 @@ other window of moeserve/models/default_heldout.shipped_windows(); 64 greedy ste
 Measured (torch 2.13 CPU): 8 of these 24 prompts (33%) agree on all 64 tokens, short of issue 15's 90%.
 Teacher-forced on the reference's own continuations, the FP8 model picks the reference's token at 97.6% of the
 positions; its centered logits are 3.3% off the reference's (median over positions; 26% at the 99th percentile).
-Why the 64-step share is low, from the experiments in docs/BENCHMARKS.md ("FP8 greedy agreement on the trained
+Why the 64-step share is low, from the experiments in benchmark/results/ ("FP8 greedy agreement on the trained
 default model", 24 other held-out prompts, 8 agree there too): with the activations' rounding turned off all
 agree (the test below: weights, scales, partial blocks and layout are exact); rounding in groups of 16 or 32
 instead of 128, or to 4 significant bits with no range limit, gives the same 6-9 of 24, so it is e4m3's 3-bit

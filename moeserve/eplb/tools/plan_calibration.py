@@ -198,7 +198,7 @@ def fit_efficiency(start: Efficiency = DEFAULT_EFFICIENCY, rounds: int = 40) -> 
 
 
 def format_calibration(rows: list[CalibrationRow], eff: Efficiency = DEFAULT_EFFICIENCY) -> str:
-    """The calibration table as text (also the table in docs/BENCHMARKS.md)."""
+    """The calibration table as text (also the table in benchmark/results/, 2026-11-29)."""
     lines = [
         "Step-time model vs published DeepSeek-V3 throughput (tokens/s per node)",
         f"constants: gemm {eff.gemm:.2f}, attn {eff.attn:.2f}, mem {eff.mem:.2f}, rdma {eff.rdma:.2f}, "

@@ -11,7 +11,7 @@ configurations come from the tuned tables where a shape has one (op `fp8_gemm`, 
 instead (`cublas_block_fp8`). An entry's "SPLIT_K": s cuts each tile's K in s runs of whole 128-blocks, each its
 own program: decode's few rows make few tiles whose K steps run one after another, and s times the programs with
 s times fewer steps each finish sooner (V2-Lite's dense down at K 10,944, ran 1.4-2.2x as fast at 64-256 rows in
-CUDA graphs, docs/BENCHMARKS.md 2026-12-04; the FP8 layer runs it padded to K 11,008); the partials go to a float32
+CUDA graphs, benchmark/results/ 2026-12-04; the FP8 layer runs it padded to K 11,008); the partials go to a float32
 workspace and each tile's last program to finish (an atomic count a tile, zeroed again by that program) adds them in
 split order and stores the tile.
 `fp8_linear` starts from the activations: the quantizer (triton_ops/fp8_quant.py), then this GEMM.

@@ -18,7 +18,7 @@ triton_ops/fp8_gemm.py block_scaled_tile_tma); "maxnreg" caps the registers a th
 column indices. Launch configurations come from the tuned tables (moeserve/kernels/moe_config.py, ops `fp8_grouped_gemm`
 and `fp8_grouped_gemm_masked`, written by benchmark/kernels/tune_fp8.py), else `default_config`. An entry with
 "WGMMA": true sends the shape to the warp-specialized Gluon kernel (triton_ops/fp8_grouped_wgmma.py) on a Hopper
-GPU: at prefill sizes it beat this kernel by 5-9% (docs/BENCHMARKS.md, 2026-12-03).
+GPU: at prefill sizes it beat this kernel by 5-9% (benchmark/results/, 2026-12-03).
 `fp8_grouped_gemm_act` / `fp8_grouped_gemm_masked_act` start from the activations (the tokens and the pairs that
 gather them, or [gate | up] rows for SiLU-and-mul): the quantizer (triton_ops/fp8_quant.py), then the GEMM.
 """
@@ -41,7 +41,7 @@ OPS = {False: "fp8_grouped_gemm", True: "fp8_grouped_gemm_masked"}  # the tables
 
 def default_config(M: int, E: int) -> dict:
     """Without a table: 64 x 128 tiles read through tensor descriptors, 4 warps, 4 stages, the best of the sweep at
-    every size of DeepSeek-V3's expert GEMMs on an H200 (docs/BENCHMARKS.md, 2026-12-01)."""
+    every size of DeepSeek-V3's expert GEMMs on an H200 (benchmark/results/, 2026-12-01)."""
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=True)
 
 
