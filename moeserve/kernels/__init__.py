@@ -7,7 +7,7 @@
     kernels/triton_ops/<op>.py  the @triton.jit kernel(s) and their launcher, again with the same signature. Imported
                                 lazily (Triton is optional on CPU hosts); tests run them on the CPU under
                                 TRITON_INTERPRET=1 (tests/kernels).
-    kernels/configs/<op>/*.json tuned launch configurations (moe_config.py reads them; benchmark/kernels/tune_moe.py
+    kernels/configs/<op>/*.json tuned launch tables (moe_config.py reads them; benchmark/kernels/tune_moe.py
                                 writes them), one file per (shape, dtype, device), keyed by the row count M.
 
 The MoE kernels, in the order an MoE layer runs them (shapes at the interfaces):

@@ -27,7 +27,8 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 logger = logging.getLogger(__name__)
 # the script that writes each op's tables (named in the warning a GPU shape without one gets)
 TUNERS = {"moe_gemm": "benchmark/kernels/tune_moe.py", "moe_gemm_silu": "benchmark/kernels/tune_moe.py",
-          "fp8_gemm": "benchmark/kernels/tune_fp8.py --dense", "fp8_grouped_gemm": "benchmark/kernels/tune_fp8.py",
+          "fp8_gemm": "benchmark/kernels/tune_fp8.py --dense",
+          "fp8_grouped_gemm": "benchmark/kernels/tune_fp8.py",
           "fp8_grouped_gemm_masked": "benchmark/kernels/tune_fp8.py"}
 
 
