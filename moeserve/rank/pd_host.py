@@ -122,7 +122,7 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
     buffers = kv_buffers(kv_pool)
     backend = backend_class(args.disaggregation_transfer_backend)(
         buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disaggregation_ib_device)
-    decode = args.disaggregation_mode == "decode"
+    decode = args.disagg.is_decode
     group = _rank_group(backend, decode, sync)
     channel = heartbeat = None
     if group.leader:
