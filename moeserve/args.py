@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import functools
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -366,9 +365,9 @@ class ServerArgs:
         """Ranks per attention group: tp_size / dp_size with DP attention, tp_size otherwise."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
 
-    @functools.cached_property
+    @property
     def disagg(self) -> PDOptions:
-        """--disaggregation-mode and its settings, typed."""
+        """--disaggregation-mode and its settings, typed; built on each read, so that vars() holds the flags only."""
         return PDOptions(PDRole(self.disaggregation_mode),
                          **{k.removeprefix("disaggregation_"): getattr(self, k) for k in PD_ONLY_DEFAULTS})
 
