@@ -16,9 +16,8 @@ from typing import Any, get_args
 # A flag's choices come from the registry that maps each name to its implementation (tests/test_flag_registries.py).
 from moeserve.ep.all2all import DEEPEP_MODES
 from moeserve.ep.registry import BACKENDS as DISPATCH_BACKENDS
+from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
-from moeserve.eplb.rebalancer import ALGORITHMS as EPLB_ALGORITHMS
-from moeserve.eplb.rebalancer import WEIGHT_SOURCES
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 
@@ -28,27 +27,12 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 # KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
 TRANSFER_BACKENDS = {"mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
                      "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend")}
-
 # SGLang's other spellings of a flag (its short and long forms), so that an SGLang launch command runs unchanged.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "tp_size": ("--tp", "--tensor-parallel-size"),
     "dp_size": ("--dp", "--data-parallel-size"),
     "ep_size": ("--ep", "--expert-parallel-size"),
 }
-# Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
-SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
-                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "disaggregation_bootstrap_port",
-                    "disaggregation_transfer_backend", "disaggregation_ib_device", "disaggregation_bootstrap_timeout",
-                    "disaggregation_waiting_timeout", "disaggregation_transfer_timeout",
-                    "disaggregation_heartbeat_interval", "disaggregation_heartbeat_timeout",
-                    "disaggregation_debug_failure_prob")
-# PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
-PD_ONLY_DEFAULTS = {"disaggregation_bootstrap_port": 8998, "disaggregation_transfer_backend": "mooncake",
-                    "disaggregation_ib_device": None, "disaggregation_bootstrap_timeout": 30.0,
-                    "disaggregation_waiting_timeout": 60.0, "disaggregation_transfer_timeout": 30.0,
-                    "disaggregation_heartbeat_interval": 1.0, "disaggregation_heartbeat_timeout": 3.0,
-                    "disaggregation_debug_failure_prob": 0.0}
-
 
 class PDRole(str, enum.Enum):
     """--disaggregation-mode: this server's side of a PD pair, or NULL for a server that does both."""
@@ -215,10 +199,10 @@ class ServerArgs:
         0.01, "No rebalance when the new placement raises the window's balancedness by less than this.")
     eplb_algorithm: str = _flag(
         "auto", "Placement algorithm: auto (moeserve's, never worse than the reference) or deepseek (DeepSeek's "
-        "reference EPLB policy).", tuple(EPLB_ALGORITHMS))
+        "reference EPLB policy).", tuple(rebalancer.ALGORITHMS))
     eplb_expert_weights: str = _flag(
         "memory", "Where every expert waits on the host for a rebalance: memory (read at start-up; pinned on CUDA) "
-        "or mmap (read from the memory-mapped safetensors checkpoint when needed).", WEIGHT_SOURCES)
+        "or mmap (read from the memory-mapped safetensors checkpoint when needed).", rebalancer.WEIGHT_SOURCES)
     eplb_debug_fail: str | None = _flag(
         None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
 
@@ -419,6 +403,14 @@ class ServerArgs:
             msg = ", ".join(f"{u}" + (f" (did you mean {h[0]}?)" if h else "") for u, h in hints.items())
             raise TypeError(f"unknown server argument(s): {msg}")
         return cls(**kwargs)
+
+
+# PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
+PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
+                    if f.name.startswith("disaggregation_") and f.name != "disaggregation_mode"}
+# Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
+SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
+                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", *PD_ONLY_DEFAULTS)
 
 
 def _dash(name: str) -> str:
