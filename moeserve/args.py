@@ -9,41 +9,65 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+# A flag's choices come from the registry that maps each name to its implementation (tests/test_flag_registries.py).
+from moeserve.ep.all2all import DEEPEP_MODES
+from moeserve.ep.registry import BACKENDS as DISPATCH_BACKENDS
+from moeserve.eplb import rebalancer
+from moeserve.eplb.location import DISPATCH_ALGORITHMS
+from moeserve.eplb.recorder import RECORDER_MODES
+from moeserve.layers.moe.experts import RUNNER_BACKENDS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-A2A_BACKENDS = ("none", "allgather", "all2all")
-DEEPEP_MODES = ("auto", "normal", "low_latency")
-MOE_RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")
-RECORDER_MODES = ("stat", "per_pass", "per_token")
-EP_DISPATCH_ALGORITHMS = ("static", "dynamic")
-EPLB_ALGORITHMS = ("auto", "deepseek")
-EPLB_WEIGHT_SOURCES = ("memory", "mmap")
-DISAGG_MODES = ("null", "prefill", "decode")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-
+# KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
+TRANSFER_BACKENDS = {"mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
+                     "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend")}
 # SGLang's other spellings of a flag (its short and long forms), so that an SGLang launch command runs unchanged.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "tp_size": ("--tp", "--tensor-parallel-size"),
     "dp_size": ("--dp", "--data-parallel-size"),
     "ep_size": ("--ep", "--expert-parallel-size"),
 }
-# Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
-SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
-                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "disaggregation_bootstrap_port",
-                    "disaggregation_transfer_backend", "disaggregation_ib_device", "disaggregation_bootstrap_timeout",
-                    "disaggregation_waiting_timeout", "disaggregation_transfer_timeout",
-                    "disaggregation_heartbeat_interval", "disaggregation_heartbeat_timeout",
-                    "disaggregation_debug_failure_prob")
-TRANSFER_BACKENDS = ("mooncake", "zmq")
-# PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
-PD_ONLY_DEFAULTS = {"disaggregation_bootstrap_port": 8998, "disaggregation_transfer_backend": "mooncake",
-                    "disaggregation_ib_device": None, "disaggregation_bootstrap_timeout": 30.0,
-                    "disaggregation_waiting_timeout": 60.0, "disaggregation_transfer_timeout": 30.0,
-                    "disaggregation_heartbeat_interval": 1.0, "disaggregation_heartbeat_timeout": 3.0,
-                    "disaggregation_debug_failure_prob": 0.0}
+
+class PDRole(str, enum.Enum):
+    """--disaggregation-mode: this server's side of a PD pair, or NULL for a server that does both."""
+
+    NULL = "null"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """The PD role and the --disaggregation-* settings (without the prefix), read once: `ServerArgs.disagg`."""
+
+    role: PDRole
+    bootstrap_port: int
+    transfer_backend: str
+    ib_device: str | None
+    bootstrap_timeout: float
+    waiting_timeout: float
+    transfer_timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    debug_failure_prob: float
+
+    @property
+    def enabled(self) -> bool:
+        return self.role is not PDRole.NULL
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.role is PDRole.PREFILL
+
+    @property
+    def is_decode(self) -> bool:
+        return self.role is PDRole.DECODE
 
 
 def _flag(default: Any, help: str, choices: tuple | None = None, **kw: Any) -> Any:
@@ -129,13 +153,13 @@ class ServerArgs:
     moe_a2a_backend: str = _flag(
         "none", "Expert dispatch: none (all experts local; with --ep-size > 1 it means allgather, like SGLang's "
         "default all-reduce MoE path), allgather (every rank sees every token: the oracle), all2all (see "
-        "--deepep-mode).", A2A_BACKENDS
+        "--deepep-mode).", tuple(DISPATCH_BACKENDS)
     )
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     moe_runner_backend: str = _flag(
         "auto", "Routed experts' kernels: grouped_gemm (torch's grouped GEMM), cpu_kernel (moeserve's CPU kernel, "
         "compiled on first use; few rows per expert), triton (moeserve's Triton kernels, CUDA), auto (cpu_kernel on "
-        "the CPU where it builds, triton on CUDA where Triton imports, else grouped_gemm).", MOE_RUNNER_BACKENDS
+        "the CPU where it builds, triton on CUDA where Triton imports, else grouped_gemm).", RUNNER_BACKENDS
     )
     ep_max_tokens_per_rank: int = _flag(128, "low_latency: static token capacity per rank per dispatch.")
     enable_two_batch_overlap: bool = _flag(False, "Split each step in two micro-batches to overlap comm.")
@@ -156,7 +180,7 @@ class ServerArgs:
     ep_dispatch_algorithm: str = _flag(
         "static", "How a token picks among an expert's replicas: static (each rank's table: a replica on its own "
         "GPU, else its node, else spread) or dynamic (at random, so a hot expert's replicas share its load).",
-        EP_DISPATCH_ALGORITHMS)
+        DISPATCH_ALGORITHMS)
     expert_distribution_recorder_mode: str | None = _flag(
         None, "Record expert load (start/stop/dump endpoints): stat (counts per MoE layer and expert), per_pass "
         "(also each forward pass's counts), per_token (also each token's experts).", (None, *RECORDER_MODES))
@@ -175,10 +199,10 @@ class ServerArgs:
         0.01, "No rebalance when the new placement raises the window's balancedness by less than this.")
     eplb_algorithm: str = _flag(
         "auto", "Placement algorithm: auto (moeserve's, never worse than the reference) or deepseek (DeepSeek's "
-        "reference EPLB policy).", EPLB_ALGORITHMS)
+        "reference EPLB policy).", tuple(rebalancer.ALGORITHMS))
     eplb_expert_weights: str = _flag(
         "memory", "Where every expert waits on the host for a rebalance: memory (read at start-up; pinned on CUDA) "
-        "or mmap (read from the memory-mapped safetensors checkpoint when needed).", EPLB_WEIGHT_SOURCES)
+        "or mmap (read from the memory-mapped safetensors checkpoint when needed).", rebalancer.WEIGHT_SOURCES)
     eplb_debug_fail: str | None = _flag(
         None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
 
@@ -197,13 +221,13 @@ class ServerArgs:
     # --- PD disaggregation ---
     disaggregation_mode: str = _flag(
         "null", "null (one server does both), prefill or decode: one side of a PD pair behind sglang-router "
-        "(docs/disaggregation.md).", DISAGG_MODES)
+        "(docs/disaggregation.md).", tuple(r.value for r in PDRole))
     disaggregation_bootstrap_port: int = _flag(
         8998, "Prefill: port of the bootstrap server where the prefill ranks register and decode asks for them (the "
         "number after the prefill URL in sglang-router's --prefill).")
     disaggregation_transfer_backend: str = _flag(
         "mooncake", "KV transfer backend, the same on both sides: mooncake (Mooncake's Transfer Engine, RDMA or TCP) "
-        "or zmq (built in, TCP).", TRANSFER_BACKENDS)
+        "or zmq (built in, TCP).", tuple(TRANSFER_BACKENDS))
     disaggregation_ib_device: str | None = _flag(
         None, "mooncake: the RDMA device(s) to use, e.g. mlx5_0 (default: Mooncake's choice, TCP without RDMA).")
     disaggregation_bootstrap_timeout: float = _flag(
@@ -285,7 +309,7 @@ class ServerArgs:
                 raise ValueError("--enable-shared-experts-fusion runs without --enable-eplb and "
                                  "--ep-num-redundant-experts: the placement covers the routed experts only")
         self._check_disaggregation()
-        if self.enable_mixed_chunk and self.disaggregation_mode != "null":
+        if self.enable_mixed_chunk and self.disagg.enabled:
             raise ValueError(f"--enable-mixed-chunk does nothing with --disaggregation-mode {self.disaggregation_mode}: "
                              "a prefill server has no running decodes and a decode server runs no prefill")
         if self.eplb_debug_fail is not None:
@@ -297,7 +321,7 @@ class ServerArgs:
                              "dispatchers' collectives are not compiled")
 
     def _check_disaggregation(self) -> None:
-        if self.disaggregation_mode == "null":
+        if not self.disagg.enabled:
             changed = [k for k, v in PD_ONLY_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
                 raise ValueError(f"--{_dash(changed[0])} takes effect only with --disaggregation-mode prefill or "
@@ -324,6 +348,12 @@ class ServerArgs:
     def attn_tp_size(self) -> int:
         """Ranks per attention group: tp_size / dp_size with DP attention, tp_size otherwise."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    @property
+    def disagg(self) -> PDOptions:
+        """--disaggregation-mode and its settings, typed; built on each read, so that vars() holds the flags only."""
+        return PDOptions(PDRole(self.disaggregation_mode),
+                         **{k.removeprefix("disaggregation_"): getattr(self, k) for k in PD_ONLY_DEFAULTS})
 
     @property
     def chunk_size(self) -> int | None:
@@ -373,6 +403,14 @@ class ServerArgs:
             msg = ", ".join(f"{u}" + (f" (did you mean {h[0]}?)" if h else "") for u, h in hints.items())
             raise TypeError(f"unknown server argument(s): {msg}")
         return cls(**kwargs)
+
+
+# PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
+PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
+                    if f.name.startswith("disaggregation_") and f.name != "disaggregation_mode"}
+# Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
+SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
+                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", *PD_ONLY_DEFAULTS)
 
 
 def _dash(name: str) -> str:

@@ -28,12 +28,10 @@ def _args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Se
 def _check_model_or_exit(parser: argparse.ArgumentParser, args: ServerArgs) -> None:
     """The model's config.json read and the parallel layout checked, before any process starts: a layout the model
     cannot run is a usage error (exit 2, one line), not tracebacks from every rank."""
-    from moeserve.core.model_config import ModelConfig
-    from moeserve.models.default_model import resolve_model_path
-    from moeserve.server.launch import check_model_fits
+    from moeserve.server.startup import load_model_config
 
     try:
-        check_model_fits(args, ModelConfig.from_pretrained(resolve_model_path(args)))
+        load_model_config(args)
     except ValueError as e:
         parser.error(str(e))
 

@@ -61,7 +61,7 @@ def test_shutdown_timeout_flag():
 
 def test_served_model_name_defaults_to_the_directory_name():
     from moeserve.models.default_model import default_model_path
-    from moeserve.server.tokenizer_manager import default_served_name
+    from moeserve.server.startup import default_served_name
 
     assert default_served_name(default_model_path()) == "default"  # not its cache path
     assert default_served_name("/models/Qwen3-30B-A3B/") == "Qwen3-30B-A3B"
@@ -90,7 +90,7 @@ def test_a_layout_the_model_cannot_run_fails_before_any_process_starts(tmp_path)
 def test_check_model_fits_names_the_flags():
     from moeserve.core.model_config import ModelConfig
     from moeserve.models.default_model import default_model_path
-    from moeserve.server.launch import check_model_fits
+    from moeserve.server.startup import check_model_fits
 
     config = ModelConfig.from_pretrained(default_model_path())  # 16 experts, 4 MLA heads
     check_model_fits(ServerArgs(tp_size=2, ep_size=2), config)

@@ -19,7 +19,7 @@ from moeserve.ep.base import Dispatcher
 if TYPE_CHECKING:
     from moeserve.core.forward_batch import ForwardBatch
 
-DEEPEP_MODES = ("normal", "low_latency", "auto")
+DEEPEP_MODES = ("auto", "normal", "low_latency")
 
 
 def resolve_deepep_mode(mode: str, batch: ForwardBatch | None) -> str:

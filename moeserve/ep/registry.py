@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moeserve.ep.all2all import DEEPEP_MODES, All2AllDispatcher
+from moeserve.ep.all2all import All2AllDispatcher, resolve_deepep_mode
 from moeserve.ep.all2all_low_latency import FP8Quantize
 from moeserve.ep.allgather import AllGatherDispatcher
 from moeserve.ep.base import Dispatcher
@@ -45,9 +45,8 @@ class DispatchOptions:
     max_tokens_per_rank: int = 128  # all2all low-latency slot size
 
     def __post_init__(self) -> None:
-        resolve_backend(self.backend, 1)  # a bad name fails here, not at the first forward
-        if self.deepep_mode not in DEEPEP_MODES:
-            raise ValueError(f"--deepep-mode must be one of {', '.join(DEEPEP_MODES)}, got {self.deepep_mode!r}")
+        resolve_backend(self.backend, 1)  # bad names fail here, not at the first forward
+        resolve_deepep_mode(self.deepep_mode, None)
         if self.max_tokens_per_rank < 1:
             raise ValueError(f"--ep-max-tokens-per-rank must be >= 1, got {self.max_tokens_per_rank}")
 

@@ -27,6 +27,8 @@ from moeserve.eplb.algorithm import (
 
 __all__ = ["ExpertLocation"]
 
+DISPATCH_ALGORITHMS = ("static", "dynamic")  # --ep-dispatch-algorithm: select_physical's modes
+
 
 @dataclass(eq=False)
 class ExpertLocation:
@@ -321,7 +323,7 @@ class ExpertLocation:
                                              self.logical_to_all_physical_map_num_valid[layers][i], u[i])
                                for i in range(ids.shape[0])])
         else:
-            raise ValueError(f"mode must be 'static' or 'dynamic', not {mode!r}")
+            raise ValueError(f"mode must be {' or '.join(map(repr, DISPATCH_ALGORITHMS))}, not {mode!r}")
         out = out.view_as(ids)
         return out[0] if layer is not None else out
 

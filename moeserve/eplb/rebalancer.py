@@ -46,9 +46,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 WORKING = 0  # nothing in flight, or still preparing
 FAILED = -1
 SKIPPED = -2  # the plan does not raise balancedness enough
-ALGORITHMS = ("auto", "deepseek")
+ALGORITHMS = {"auto": rebalance_experts, "deepseek": rebalance_experts_reference}  # --eplb-algorithm
 # An expert's weights, (w13 [2I, H], w2 [H, I]), of `logical` expert in the `moe_index`-th MoE layer.
 ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+WEIGHT_SOURCES = ("memory", "mmap")  # --eplb-expert-weights: models/expert_weights.py reads each
 
 
 class RebalancedLayer(Protocol):
@@ -131,8 +132,6 @@ class Rebalancer:
                  device: torch.device):
         """layers: the MoE layers in location's layer order; counts: the recorder's cumulative logical counts
         [layers, experts] on the device; group: a CPU (gloo) group over all ranks, None for one rank."""
-        if options.algorithm not in ALGORITHMS:
-            raise ValueError(f"--eplb-algorithm must be one of {', '.join(ALGORITHMS)}, got {options.algorithm!r}")
         self.layers, self.location, self.source = list(layers), location, source
         self.counts, self.options, self.group, self.device = counts, options, group, device
         self.ep_rank, self.ep_size = ep_rank, location.ep_size
@@ -274,8 +273,7 @@ class Rebalancer:
 
     def _plan(self, logical: torch.Tensor) -> ExpertLocation:
         loc = self.location
-        policy = rebalance_experts if self.options.algorithm == "auto" else rebalance_experts_reference
-        phy2log, _, _ = policy(logical, loc.num_physical_experts, self.options.num_groups, loc.num_nodes,
+        phy2log, _, _ = ALGORITHMS[self.options.algorithm](logical, loc.num_physical_experts, self.options.num_groups, loc.num_nodes,
                                self.ep_size)
         return ExpertLocation.from_placement(phy2log, self.ep_size, loc.num_gpus_per_node,
                                              num_logical_experts=loc.num_logical_experts)

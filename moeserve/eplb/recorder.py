@@ -30,7 +30,7 @@ import torch
 
 from moeserve.paths import cache_root
 
-RECORDER_MODES = ("stat", "per_pass", "per_token")
+RECORDER_MODES = ("stat", "per_pass", "per_token")  # --expert-distribution-recorder-mode
 
 
 def expert_distribution_dir() -> Path:
@@ -46,8 +46,6 @@ class ExpertDistributionRecorder:
                  buffer_size: int = 1000, top_k: int = 1, max_rows_per_pass: int = 1):
         """buffer_size: passes kept (per_pass) or tokens kept (per_token). top_k and max_rows_per_pass (the most
         tokens one forward pass routes on this rank) size per_token's buffers."""
-        if mode not in RECORDER_MODES:
-            raise ValueError(f"--expert-distribution-recorder-mode must be one of {', '.join(RECORDER_MODES)}")
         if buffer_size < 1:
             raise ValueError(f"--expert-distribution-recorder-buffer-size must be >= 1, got {buffer_size}")
         self.mode, self.buffer_size = mode, buffer_size

@@ -18,11 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moeserve.eplb.rebalancer import ExpertSource
+from moeserve.eplb.rebalancer import WEIGHT_SOURCES, ExpertSource
 from moeserve.layers.moe.layer import MoE
 from moeserve.models.loader import checkpoint_files, dummy_tensor, read_headers
-
-WEIGHT_SOURCES = ("memory", "mmap")
 
 
 def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str, seed: int) -> ExpertSource:

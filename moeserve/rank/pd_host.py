@@ -120,38 +120,38 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
     peer_host = args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None
     host = advertised_host(args.host, peer_host)
     buffers = kv_buffers(kv_pool)
-    backend = backend_class(args.disaggregation_transfer_backend)(
-        buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disaggregation_ib_device)
-    decode = args.disaggregation_mode == "decode"
+    backend = backend_class(args.disagg.transfer_backend)(
+        buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disagg.ib_device)
+    decode = args.disagg.is_decode
     group = _rank_group(backend, decode, sync)
     channel = heartbeat = None
     if group.leader:
         channel = ControlChannel(args.host, host, args.api_key)
-        heartbeat = Heartbeat(args.host, host, args.api_key, args.disaggregation_heartbeat_interval,
-                              args.disaggregation_heartbeat_timeout)
+        heartbeat = Heartbeat(args.host, host, args.api_key, args.disagg.heartbeat_interval,
+                              args.disagg.heartbeat_timeout)
     replicated = config.is_mla  # the latent is the same on every attention-TP rank; GQA's heads are split
     identity = {"architecture": config.architecture, "num_layers": config.num_hidden_layers,
                 "page_size": args.page_size, "page_bytes": backend.page_bytes,
-                "backend": args.disaggregation_transfer_backend}
+                "backend": args.disagg.transfer_backend}
     if not replicated:
         identity = {"attn_tp_size": group.size, **identity}
     if decode:
         rooms: DecodeRooms | PrefillRooms = DecodeRooms(
-            scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
-            args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout, group=group)
+            scheduler, backend, channel, heartbeat, identity, args.api_key, args.disagg.bootstrap_timeout,
+            args.disagg.waiting_timeout, args.disagg.transfer_timeout, group=group)
     else:
         rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size,
-                             args.disaggregation_bootstrap_timeout, args.disaggregation_transfer_timeout,
-                             debug_failure_prob=args.disaggregation_debug_failure_prob,
+                             args.disagg.bootstrap_timeout, args.disagg.transfer_timeout,
+                             debug_failure_prob=args.disagg.debug_failure_prob,
                              seed=args.random_seed + dp_rank * group.size + group.rank, group=group,
                              kv_replicated=replicated)
         if group.leader:
             node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "")
                                                           else args.host)
-            register_rank(node0, args.disaggregation_bootstrap_port,
+            register_rank(node0, args.disagg.bootstrap_port,
                           {"dp_rank": dp_rank, "addr": channel.addr, "hb": heartbeat.addr, "identity": identity},
                           args.api_key)
-    logger.info("PD %s rank %d/%d of DP group %d: %s backend, %d KV buffers%s", args.disaggregation_mode,
+    logger.info("PD %s rank %d/%d of DP group %d: %s backend, %d KV buffers%s", args.disagg.role.value,
                 group.rank, group.size, dp_rank, backend.name, len(buffers),
                 f", control {channel.addr}" if channel else "")
     return rooms

@@ -53,7 +53,7 @@ class Scheduler(PDHost, StepResults):
         self.tokenizer = tokenizer  # for stop strings only
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
-        no_cache = server_args.disable_radix_cache or server_args.disaggregation_mode == "decode"
+        no_cache = server_args.disable_radix_cache or server_args.disagg.is_decode
         self.cache = None if no_cache else RadixCache(self.allocator, self.page_size)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
@@ -103,7 +103,7 @@ class Scheduler(PDHost, StepResults):
                               "needs bootstrap_host, bootstrap_port and bootstrap_room (send it through "
                               "sglang-router --pd-disaggregation)")
             return
-        if self.args.disaggregation_mode == "prefill":  # prefill samples the first token only
+        if self.args.disagg.is_prefill:  # prefill samples the first token only
             one = dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, max_new_tokens=1))
             req = Req.from_generate(one, self.eos_token_ids)  # (it scores the prompt if asked)
             error = self.pd.add(req, r.bootstrap_room)

@@ -84,7 +84,7 @@ class StepResults:
         if batch.mode.is_extend:
             self.stats.prefilled += batch.num_prefill_tokens
             self.stats.mixed_steps += batch.mode.is_mixed
-            if self.pd is not None and self.args.disaggregation_mode == "prefill":
+            if self.pd is not None and self.args.disagg.is_prefill:
                 for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
                     if not done:  # a chunk: its complete pages can go
                         self.pd.after_extend(req, req.kv_len, None)

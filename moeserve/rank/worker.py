@@ -120,7 +120,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     dp_rank = state.dp_rank
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank)
-    if server_args.disaggregation_mode != "null":
+    if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 
         scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank, sync)

@@ -2,7 +2,7 @@
 
 tokenizer_manager.py (TokenizerManager: validate, tokenize, per-request state, detokenize and stream outputs,
 aborts), dp_controller.py (which attention DP group gets a request), rank_client.py (ZeroMQ to the ranks,
-receiver thread, watchdog, control requests), launch.py (starting and stopping the rank processes, their
-addresses), detokenizer.py (incremental detokenization), engine.py (the offline Engine), http/ (the HTTP
+receiver thread, watchdog, control requests), startup.py (everything in order before serving: model, fit check,
+tokenizer, ranks), launch.py (starting and stopping the rank processes, their addresses), detokenizer.py (incremental detokenization), engine.py (the offline Engine), http/ (the HTTP
 layer). The rank processes are moeserve/rank/.
 """

@@ -1,7 +1,7 @@
 """Engine: the offline API. `Engine(model_path=..., **server_args).generate(prompts, sampling_params)`.
 
-It runs the server's own TokenizerManager (tokenizer_manager.py; with the DP controller and the rank client
-behind it) on a private asyncio loop in a background thread, so plain synchronous code can call it, and
+It runs the server's own TokenizerManager (started by startup.py, as the HTTP server's is; with the DP
+controller and the rank client behind it) on a private asyncio loop in a background thread, so plain synchronous code can call it, and
 exposes `async_generate` for asyncio code (streaming or not).
 """
 
@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from moeserve.args import ServerArgs
-from moeserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from moeserve.server.startup import start_engine
+from moeserve.server.tokenizer_manager import GenerateInput
 
 
 class Engine:
@@ -24,7 +25,7 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="moeserve-engine", daemon=True)
         self._thread.start()
-        self.client = TokenizerManager(self.server_args)
+        self.client = start_engine(self.server_args)
         self.tokenizer = self.client.tokenizer
 
     # ------------------------------------------------------------------

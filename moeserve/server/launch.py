@@ -12,35 +12,9 @@ import time
 import uuid
 
 from moeserve.args import ServerArgs
-from moeserve.core.model_config import ModelConfig
 from moeserve.rank.worker import WorkerPorts, worker_main
 
 logger = logging.getLogger(__name__)
-
-
-def check_model_fits(args: ServerArgs, config: ModelConfig) -> None:
-    """Refuse, before any process starts, a parallel layout the model cannot run (the ranks would each die on an
-    assertion): ValueError saying what does not split and which flags to change."""
-    tp = args.attn_tp_size
-    group = (f"--tp-size {args.tp_size} / --dp-size {args.dp_size} with --enable-dp-attention"
-             if args.enable_dp_attention else f"--tp-size {args.tp_size}")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp:
-        raise ValueError(
-            f"{config.architecture} has {heads} attention heads, which do not split over the {tp} ranks of an "
-            f"attention group ({group}): use an attention group size that divides {heads} (--enable-dp-attention "
-            f"--dp-size makes the groups smaller)")
-    if config.kv_lora_rank is None and kv_heads % tp and tp % kv_heads:  # GQA: each rank holds whole KV heads
-        raise ValueError(
-            f"{config.architecture} has {kv_heads} KV heads, which neither split over nor spread evenly across the "
-            f"{tp} ranks of an attention group ({group}): use a group size that divides {kv_heads} or is a multiple "
-            "of it")
-    physical = config.num_experts + args.ep_num_redundant_experts
-    if config.num_experts and args.ep_size > 1 and physical % args.ep_size:
-        raise ValueError(
-            f"{config.architecture} has {physical} physical experts ({config.num_experts} + "
-            f"--ep-num-redundant-experts {args.ep_num_redundant_experts}), which do not split over --ep-size "
-            f"{args.ep_size}: make the expert count a multiple of the EP size with --ep-num-redundant-experts")
 
 
 def free_port() -> int:

@@ -1,9 +1,9 @@
 """RankClient: the server process's connection to the rank processes of one server (node 0's view).
 
 It binds the ZeroMQ sockets (one PUSH socket per attention DP group, to that group's leader; one PULL socket
-that every leader sends to), starts the ranks and waits until all report ready, and then runs two threads: the
-receiver, which hands step outputs and loads to its owner (the TokenizerManager) and resolves control
-replies, and the watchdog, which notices a rank process that died. A dead engine fails every waiting control
+that every leader sends to), starts the ranks and waits until all report ready; once its owner (the
+TokenizerManager) listens, it runs two threads: the receiver, which hands step outputs and loads to the owner and
+resolves control replies, and the watchdog, which notices a rank process that died. A dead engine fails every waiting control
 request and tells the owner, which fails its requests. Control requests go to every DP group and wait for one
 reply from each. Starting and stopping the processes and their addresses are launch.py's.
 """
@@ -66,18 +66,11 @@ class _ControlWaiter:
 
 
 class RankClient:
-    """Sends messages to the rank processes and receives theirs.
+    """Sends messages to the rank processes and receives theirs. Constructing it starts the ranks and waits for
+    them; `listen` then starts receiving."""
 
-    `on_outputs` gets each step's token outputs and `on_load` each load a group reports, both on the receiver
-    thread; `on_dead(reason)` is called once the engine is dead (on the receiver or the watchdog thread).
-    """
-
-    def __init__(self, server_args: ServerArgs, on_outputs: Callable[[list[TokenOut]], None],
-                 on_load: Callable[[LoadOut], None], on_dead: Callable[[str], None]):
+    def __init__(self, server_args: ServerArgs):
         self.server_args = server_args
-        self.on_outputs = on_outputs
-        self.on_load = on_load
-        self.on_dead = on_dead
         self.healthy = False
         self.dead_reason: str | None = None
         self._waiters: list[_ControlWaiter] = []
@@ -103,6 +96,12 @@ class RankClient:
         except BaseException:
             self.shutdown()
             raise
+
+    def listen(self, on_outputs: Callable[[list[TokenOut]], None], on_load: Callable[[LoadOut], None],
+               on_dead: Callable[[str], None]) -> None:
+        """`on_outputs` gets each step's token outputs and `on_load` each load a group reports, both on the
+        receiver thread; `on_dead(reason)` is called once the engine is dead (on the receiver or the watchdog)."""
+        self.on_outputs, self.on_load, self.on_dead = on_outputs, on_load, on_dead
         self.healthy = True
         self._receiver = threading.Thread(target=self._receive_loop, name="moeserve-recv", daemon=True)
         self._receiver.start()

@@ -10,7 +10,6 @@ cache, load, expert distribution) of every DP group.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -19,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeserve.args import ServerArgs
-from moeserve.models.default_model import SHIPPED_DIR, resolve_model_path
+from moeserve.args import PDRole, ServerArgs
+from moeserve.core.model_config import ModelConfig
 from moeserve.rank.io_struct import (
     AbortReq,
     ExpertDistributionOut,
@@ -36,7 +35,6 @@ from moeserve.rank.io_struct import (
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.dp_controller import DPController
-from moeserve.server.launch import check_model_fits
 from moeserve.server.rank_client import EngineDeadError, RankClient
 from moeserve.server.validation import InvalidRequestError, RequestFailedError, RequestValidator
 
@@ -44,14 +42,6 @@ __all__ = ["DEFAULT_MODEL_NAME", "GenerateInput", "InvalidRequestError", "Reques
 
 DEFAULT_MODEL_NAME = "default"  # the embedded model's name, and a name every server answers to
 INLINE_DETOKENIZE_IDS = 2048  # more new tokens than this in one output are detokenized in a worker thread
-
-
-def default_served_name(model_path: str) -> str:
-    """The name the API reports when --served-model-name is not given: the model directory's name, 'default' for
-    the embedded model (not its cache path)."""
-    if os.path.realpath(model_path) == os.path.realpath(SHIPPED_DIR):
-        return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model_path)) or model_path
 
 
 @dataclass
@@ -100,49 +90,24 @@ class _ReqState:
 
 
 class TokenizerManager:
-    """The requests of one server (node 0's view) and the text of their outputs."""
+    """The requests of one server (node 0's view) and the text of their outputs. Its parts come from
+    server/startup.py, started; bootstrap: a prefill server's bootstrap server, else None."""
 
-    def __init__(self, server_args: ServerArgs):
-        from moeserve.core.model_config import ModelConfig
-
-        if server_args.node_rank != 0:
-            raise ValueError("the tokenizer manager runs on node 0; other nodes run only their ranks "
-                             "(moeserve serve with --node-rank > 0 does that)")
-        model_path = resolve_model_path(server_args)
-        self.server_args = server_args
-        self.model_config = ModelConfig.from_pretrained(model_path)
-        check_model_fits(server_args, self.model_config)  # before any rank process starts
-        self.model_name = server_args.served_model_name or default_served_name(model_path)
-        self.tokenizer = None
-        if not server_args.skip_tokenizer_init:
-            from moeserve.text.tokenizer import load_tokenizer
-
-            self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig, model_name: str, tokenizer: Any,
+                 dp: DPController, ranks: RankClient, validator: RequestValidator, bootstrap: Any = None):
+        self.server_args, self.model_config, self.model_name = server_args, model_config, model_name
+        self.tokenizer, self.dp, self.ranks = tokenizer, dp, ranks
+        self.validator, self.bootstrap = validator, bootstrap
         self.num_dp = server_args.num_dp_groups
-        self.dp = DPController(self.num_dp)
         self._states: dict[str, _ReqState] = {}  # wire id -> live request
         self._rids: dict[str, _ReqState] = {}  # rid -> live request
         self._seq = 0
         self._lock = threading.Lock()  # the states and the DP controller's counts (the receiver thread too)
-
-        self.bootstrap = None  # prefill: where its ranks register and decode finds them (before the ranks start)
-        if server_args.disaggregation_mode == "prefill":
-            from moeserve.disagg.bootstrap import BootstrapServer
-
-            self.bootstrap = BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port,
-                                             server_args.api_key, self.num_dp)
-        try:
-            self.ranks = RankClient(server_args, on_outputs=self._deliver, on_load=self.dp.record_load,
-                                    on_dead=self._fail_all)
-        except BaseException:
-            if self.bootstrap is not None:
-                self.bootstrap.close()
-            raise
-        self.context_length = self.ranks.ready.context_length
-        self.vocab_size = self.ranks.ready.vocab_size
-        self.max_total_tokens = self.ranks.ready.num_kv_tokens
-        self.weight_format = self.ranks.ready.weight_format
-        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens)
+        self.context_length = ranks.ready.context_length
+        self.vocab_size = ranks.ready.vocab_size
+        self.max_total_tokens = ranks.ready.num_kv_tokens
+        self.weight_format = ranks.ready.weight_format
+        ranks.listen(on_outputs=self._deliver, on_load=self.dp.record_load, on_dead=self._fail_all)
 
     @property
     def healthy(self) -> bool:
@@ -187,7 +152,7 @@ class TokenizerManager:
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
                            self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
             # a decode server's input logprobs are empty: prefill's come first (sglang-router prepends them)
-            decode = self.server_args.disaggregation_mode == "decode"
+            decode = self.server_args.disagg.is_decode
             st.scored_prompt_ids = ids[start:] if start >= 0 and not decode else []
             self._rids[rid] = st
             self._states[st.wire_id] = st
@@ -222,7 +187,7 @@ class TokenizerManager:
     def _pinned_dp_rank(self, obj: GenerateInput) -> int | None:
         """The DP group a request names, if any. A decode server picks its own group by load: the router sends both
         sides the same body, and there data_parallel_rank names the prefill side's group (as in SGLang)."""
-        return None if self.server_args.disaggregation_mode == "decode" else obj.data_parallel_rank
+        return None if self.server_args.disagg.is_decode else obj.data_parallel_rank
 
     def _check_pd_fields(self, obj: GenerateInput) -> None:
         """data_parallel_rank in range; in PD mode the three bootstrap fields (sglang-router adds them)."""
@@ -230,11 +195,11 @@ class TokenizerManager:
         if pinned is not None and not 0 <= pinned < self.num_dp:
             raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
                                       f"{self.num_dp} DP group(s)", param="data_parallel_rank")
-        mode = self.server_args.disaggregation_mode
-        if mode == "null" or obj.local:
+        role = self.server_args.disagg.role
+        if role is PDRole.NULL or obj.local:
             return
         if obj.bootstrap_room is None or obj.bootstrap_host is None or obj.bootstrap_port is None:
-            raise InvalidRequestError(f"this server runs --disaggregation-mode {mode}: a request needs "
+            raise InvalidRequestError(f"this server runs --disaggregation-mode {role.value}: a request needs "
                                       "bootstrap_host, bootstrap_port and bootstrap_room (send it through sglang-router "
                                       "--pd-disaggregation)", param="bootstrap_room")
         if not 0 <= obj.bootstrap_room < 1 << 63:
@@ -380,11 +345,10 @@ class TokenizerManager:
     def shutdown(self) -> None:
         """Stop the workers and free the sockets; safe to call twice."""
         self.ranks.shutdown()
-        if getattr(self, "bootstrap", None) is not None:
+        if self.bootstrap is not None:
             self.bootstrap.close()
             self.bootstrap = None
-        if hasattr(self, "validator"):
-            self.validator.shutdown()
+        self.validator.shutdown()
 
 
 def _raise_failure(finish: FinishReason | None) -> None:

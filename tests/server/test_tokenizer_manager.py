@@ -11,12 +11,11 @@ import pytest
 
 from moeserve.args import ServerArgs
 from moeserve.rank.io_struct import AbortReq, FinishReason, GenerateReq, TokenOut
-from moeserve.server import tokenizer_manager
+from moeserve.server import startup, tokenizer_manager
 from moeserve.server.tokenizer_manager import (
     GenerateInput,
     InvalidRequestError,
     RequestFailedError,
-    TokenizerManager,
 )
 
 
@@ -31,12 +30,14 @@ class _Ready:
 class FakeRanks:
     """RankClient's shape: records what the manager sends; the test delivers outputs through on_outputs."""
 
-    def __init__(self, server_args, on_outputs, on_load, on_dead):
-        self.on_outputs = on_outputs
+    def __init__(self, server_args):
         self.ready = _Ready()
         self.healthy = True
         self.dead_reason = None
         self.sent: list = []
+
+    def listen(self, on_outputs, on_load, on_dead):
+        self.on_outputs = on_outputs
 
     def send(self, dp_rank, msg):
         self.sent.append(msg)
@@ -47,8 +48,8 @@ class FakeRanks:
 
 @pytest.fixture()
 def tm(monkeypatch):
-    monkeypatch.setattr(tokenizer_manager, "RankClient", FakeRanks)
-    manager = TokenizerManager(ServerArgs())
+    monkeypatch.setattr(startup, "RankClient", FakeRanks)
+    manager = startup.start_engine(ServerArgs())
     yield manager
     manager.shutdown()
 

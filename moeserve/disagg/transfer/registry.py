@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+from moeserve.args import TRANSFER_BACKENDS as BACKENDS  # name -> (module, class)
 from moeserve.disagg.transfer.base import TransferBackend
-
-BACKENDS: dict[str, tuple[str, str]] = {  # name -> (module, class)
-    "mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
-    "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend"),
-}
 
 
 def backend_class(name: str) -> type[TransferBackend]:

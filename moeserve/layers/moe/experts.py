@@ -24,6 +24,8 @@ from moeserve.kernels.moe_gemm import moe_gemm, moe_gemm_masked, moe_gemm_masked
 from moeserve.kernels.triton_available import triton_importable
 from moeserve.layers.weights import WeightSpec
 
+RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")  # --moe-runner-backend: see the module doc
+
 
 class Experts(nn.Module):
     """Experts held by this rank. Local slot i holds logical expert `expert_ids[i]` of the checkpoint."""

@@ -134,7 +134,7 @@ def format_output(ctx: ServerContext, out: dict, return_text_in_logprobs: bool, 
 async def generate(request: Request, ctx: Ctx) -> Any:
     req = await ctx.read_body(request, GenerateRequest, "/generate request")
     logprob = any(req.return_logprob) if isinstance(req.return_logprob, list) else req.return_logprob
-    if req.stream and logprob and ctx.client.server_args.disaggregation_mode == "prefill":
+    if req.stream and logprob and ctx.client.server_args.disagg.is_prefill:
         # the router's only reader: sglang-router reads a streamed request's prefill answer whole, as one JSON
         # object, for the input_token_logprobs it prepends to decode's chunks (prefill answers once anyway)
         req = req.model_copy(update={"stream": False})

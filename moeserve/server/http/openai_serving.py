@@ -91,7 +91,7 @@ async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_
         raise APIError("echo is not supported with stream: true", 400, param="echo", code="unsupported_parameter")
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens 0 needs echo: true (to score the prompt)", 400, param="max_tokens")
-    if req.echo and req.logprobs is not None and ctx.client.server_args.disaggregation_mode != "null":
+    if req.echo and req.logprobs is not None and ctx.client.server_args.disagg.enabled:
         # sglang-router merges prefill's prompt logprobs into /generate's meta_info only: decode's would lack them
         raise APIError("echo with logprobs is not supported by a PD pair (the router does not merge the prompt's "
                        "logprobs here); use /generate with return_logprob and logprob_start_len", 400, param="echo",

@@ -1,4 +1,4 @@
-"""run_server: the server process's main. It starts the engine (a TokenizerManager, which starts the ranks),
+"""run_server: the server process's main. It starts the engine (server/startup.py: the ranks, a TokenizerManager),
 serves the HTTP app with uvicorn, and stops the engine at the end, leaving no worker behind.
 
 How it ends (docs/reliability.md):
@@ -25,7 +25,7 @@ import uvicorn
 from moeserve.args import ServerArgs
 from moeserve.server.http.app import build_app
 from moeserve.server.http.context import ServerContext
-from moeserve.server.tokenizer_manager import TokenizerManager
+from moeserve.server.startup import start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def run_server(server_args: ServerArgs) -> int:
     client = None
     exit_code = 0
     try:
-        client = TokenizerManager(server_args)
+        client = start_engine(server_args)
         app = build_app(client)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level, access_log=False, timeout_keep_alive=30,
