@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from moeserve.core.kv_pool import KVPool
 
 
 class ForwardMode(Enum):
@@ -84,7 +81,7 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64, KV slots of every request's whole sequence, concatenated
     kv_indptr: torch.Tensor  # [B + 1] int64, request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
     qo_indptr: torch.Tensor  # [B + 1] int64, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
-    kv_pool: KVPool | None = None
+    kv_pool: Any = None  # kvcache's KVPool (a floor above core: not imported here)
     # Host copies of the lengths (python ints) so attention can split without a device sync.
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
@@ -130,7 +127,7 @@ class ForwardBatch:
         extend_lens: list[int],
         out_cache_loc: list[int] | torch.Tensor,
         kv_indices: list[int] | torch.Tensor,
-        kv_pool: KVPool | None = None,
+        kv_pool: Any = None,
         return_all_logits: bool = False,
         num_decodes: int = 0,
     ) -> ForwardBatch:
@@ -196,7 +193,7 @@ class ForwardBatch:
         return ext, dec
 
     @staticmethod
-    def idle(kv_pool: KVPool | None = None) -> ForwardBatch:
+    def idle(kv_pool: Any = None) -> ForwardBatch:
         """A batch with no tokens: the rank only joins the collectives."""
         e = torch.zeros(0, dtype=torch.int64)
         return ForwardBatch(

@@ -1,0 +1,14 @@
+"""KV memory: the device pool, its pages, each request's slots, and the prefix cache over them.
+
+kv_pool.py: the per-layer KV buffers; page_allocator.py: pages and slots; req_to_token.py: each request's slots;
+prefix_cache.py: the PrefixCache the scheduler talks to (radix_cache.py: RadixCache, the one that reuses).
+"""
+
+from moeserve.kvcache.page_allocator import PageAllocator
+from moeserve.kvcache.prefix_cache import NoPrefixCache, PrefixCache
+from moeserve.kvcache.radix_cache import RadixCache
+
+
+def make_prefix_cache(reuse: bool, allocator: PageAllocator, page_size: int) -> PrefixCache:
+    """The scheduler's prefix cache, chosen once: a RadixCache, or a NoPrefixCache where nothing is reused."""
+    return (RadixCache if reuse else NoPrefixCache)(allocator, page_size)
