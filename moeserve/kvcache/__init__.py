@@ -1,8 +1,4 @@
-"""KV memory: the device pool, its pages, each request's slots, and the prefix cache over them.
-
-kv_pool.py: the per-layer KV buffers; page_allocator.py: pages and slots; req_to_token.py: each request's slots;
-prefix_cache.py: the PrefixCache the scheduler talks to (radix_cache.py: RadixCache, the one that reuses).
-"""
+"""KV memory: the device pool (kv_pool.py), its pages, each request's slots, and the prefix cache over them."""
 
 from moeserve.kvcache.page_allocator import PageAllocator
 from moeserve.kvcache.prefix_cache import NoPrefixCache, PrefixCache

@@ -1,8 +1,5 @@
-"""PrefixCache: what the scheduler asks of whatever keeps finished sequences' KV for later requests.
-
-The scheduler never asks which cache it has; a tier below the device (host memory, storage) fits behind the same
-calls. NoPrefixCache stands in where nothing is reused.
-"""
+"""PrefixCache: the scheduler's one view of KV kept for reuse. A tier below the device (host memory, storage)
+fits behind the same calls; NoPrefixCache stands in where nothing is reused."""
 
 from __future__ import annotations
 
@@ -20,9 +17,9 @@ class PrefixMatch(NamedTuple):
 
 
 class PrefixCache(ABC):
-    """Reusable KV in whole pages. It owns the pages it holds: they return to the allocator by evict."""
+    """Reusable KV in whole pages. It owns the pages it holds; evict gives them back to the allocator."""
 
-    evictable_size: int  # tokens held and unlocked: evict can free them
+    evictable_size: int  # tokens held and unlocked
     protected_size: int  # tokens held and locked by running requests
 
     def __init__(self, allocator: PageAllocator, page_size: int):
@@ -40,7 +37,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def lock(self, node: object) -> None:
-        """Keep a match's pages from eviction (ref counted)."""
+        """Keep a match's pages from eviction (ref counted: unlock once per lock)."""
 
     @abstractmethod
     def unlock(self, node: object) -> None: ...
@@ -84,18 +81,10 @@ class NoPrefixCache(PrefixCache):
         self.allocator.free_slots(slots.tolist())
         return 0
 
-    def lock(self, node: object) -> None:
-        pass
-
-    def unlock(self, node: object) -> None:
-        pass
-
-    def evict(self, num_tokens: int) -> int:
-        return 0
-
-    def reset(self) -> None:
-        pass
+    def lock(self, node: object) -> None: pass
+    def unlock(self, node: object) -> None: pass
+    def evict(self, num_tokens: int) -> int: return 0
+    def reset(self) -> None: pass
 
     def release(self, tokens: list[int], slots: np.ndarray, prefix_len: int, node: object, keep: bool) -> None:
-        # one call: the freed pages come back in order, as one run (page_allocator.py)
-        self.allocator.free_slots(slots[prefix_len:].tolist())
+        self.allocator.free_slots(slots[prefix_len:].tolist())  # in one call: the pages come back as one run
