@@ -37,7 +37,6 @@ class RadixCache(PrefixCache):
         self.reset()
 
     def reset(self) -> None:
-        """Drop every unlocked entry and return its pages (flush_cache)."""
         if hasattr(self, "root"):
             self.evict(self.evictable_size)
         self.root = TreeNode([], np.zeros(0, dtype=np.int64), None)
@@ -117,8 +116,7 @@ class RadixCache(PrefixCache):
         return pos
 
     # ------------------------------------------------------------------
-    def lock(self, node: TreeNode) -> None:
-        """Protect node and its ancestors from eviction (a running request reads them)."""
+    def lock(self, node: TreeNode) -> None:  # node and its ancestors
         while node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)

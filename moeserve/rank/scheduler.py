@@ -1,9 +1,9 @@
 """Scheduler: continuous batching over one attention group's requests and KV pool.
 
 Each step is either a prefill (EXTEND: new prompts, chunks of long prompts, recomputation of retracted
-requests) or a decode (one token for every running request); prefill goes first when something is admissible.
+requests) or a decode (DECODE_LEN tokens for every running request); prefill goes first when admissible.
 With --enable-mixed-chunk (SGLang's flag), a prefill that finds requests decoding runs together with them (MIXED:
-the prefill requests, then every running request as a one-token extend), so a long prompt does not stall the
+the prefill requests, then every running request as a DECODE_LEN-token extend), so a long prompt does not stall the
 decodes for whole prefill steps; the prefill's token budget shrinks by the decodes' tokens, as in SGLang.
 Admission is by free KV pages (after evicting unlocked prefix cache) with a reserve for the running requests'
 future tokens. When decode runs out of pages anyway, the newest requests are retracted: their KV is dropped and
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache import PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
@@ -183,13 +183,13 @@ class Scheduler(PDHost, StepResults):
         decodes = self._take_decode_slots()
         picked = None
         if self.stats.retractions == retractions:
-            picked = self._pick_extend(reserved_tokens=len(decodes))
+            picked = self._pick_extend(reserved_tokens=len(decodes) * DECODE_LEN)
         if picked is None:
-            return self._make_batch(ForwardMode.DECODE, decodes, [1] * len(decodes)) if decodes else None
+            return self._make_batch(ForwardMode.DECODE, decodes, [DECODE_LEN] * len(decodes)) if decodes else None
         reqs, extend_lens = picked
         if not decodes:
             return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
-        return self._make_batch(ForwardMode.MIXED, reqs + decodes, extend_lens + [1] * len(decodes),
+        return self._make_batch(ForwardMode.MIXED, reqs + decodes, extend_lens + [DECODE_LEN] * len(decodes),
                                 num_decodes=len(decodes))
 
     def _pages_for(self, tokens: int) -> int:
@@ -292,13 +292,13 @@ class Scheduler(PDHost, StepResults):
         reqs = self._take_decode_slots()
         if not reqs:
             return None
-        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+        return self._make_batch(ForwardMode.DECODE, reqs, [DECODE_LEN] * len(reqs))
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled while the running requests' last tokens are still being sampled
         (steps.py): only when no request would have to be retracted, since a retracted request is recomputed
         from tokens the host must know."""
-        need = sum(self.allocator.pages_needed(r.kv_len, 1) for r in self.running)
+        need = sum(self.allocator.pages_needed(r.kv_len, DECODE_LEN) for r in self.running)
         return need <= self._available_pages()
 
     def _will_finish(self, req: Req) -> bool:
@@ -313,9 +313,9 @@ class Scheduler(PDHost, StepResults):
                       key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
         while True:
             for req in list(reqs):
-                if req.kv_len == len(req.fill_ids):
-                    continue  # took its slot in an earlier pass of this loop
-                slots = self._alloc(req, 1)
+                if req.kv_len >= len(req.fill_ids):
+                    continue  # took its slots in an earlier pass of this loop
+                slots = self._alloc(req, DECODE_LEN)
                 if slots is None:
                     victim = self._retract_one(reqs)
                     if victim is None:
@@ -323,11 +323,11 @@ class Scheduler(PDHost, StepResults):
                     reqs.remove(victim)
                     break
                 self.req_table.write(req.row, req.kv_len, slots)
-                req.kv_len += 1  # provisional: the slot now belongs to the token this step computes
+                req.kv_len += DECODE_LEN  # provisional: the slots now belong to the tokens this step computes
             else:
                 break
         for req in reqs:
-            req.kv_len -= 1  # _make_batch counts this step's token as new
+            req.kv_len -= DECODE_LEN  # _make_batch counts this step's tokens as new
         return reqs
 
     def _retract_one(self, reqs: list[Req]) -> Req | None:
