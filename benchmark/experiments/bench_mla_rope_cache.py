@@ -16,10 +16,10 @@ import torch
 import triton.testing
 
 from moeserve.bench.results import append_results
-from moeserve.core.kv_pool import MLAKVPool
 from moeserve.core.model_config import RopeConfig
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.rms_norm import rms_norm
+from moeserve.kvcache.kv_pool import MLAKVPool
 from moeserve.layers.rotary import RotaryEmbedding
 
 TOKENS = (1, 64, 256, 8192)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
-from moeserve.core.kv_pool import make_kv_pool
+from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.server.launch import free_port
 
 

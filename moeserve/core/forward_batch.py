@@ -8,18 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from moeserve.core.kv_pool import KVPool
+DECODE_LEN = 1  # tokens per request of a decode-like step (DECODE, MIXED's decodes); a verify step: k + 1
 
 
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill (possibly a chunk, possibly after a cached prefix)
-    DECODE = auto()  # one new token per request
+    DECODE = auto()  # DECODE_LEN new tokens per request
     MIXED = auto()  # an extend whose last `num_decodes` requests are running decodes (--enable-mixed-chunk)
     IDLE = auto()  # this rank has no tokens but joins the MoE collectives
 
@@ -78,13 +77,13 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each new token in its sequence
     seq_lens: torch.Tensor  # [B] int64, sequence length after this step (prefix + new)
-    extend_lens: torch.Tensor  # [B] int64, new tokens per request (all ones for DECODE)
+    extend_lens: torch.Tensor  # [B] int64, new tokens per request (DECODE_LEN each for DECODE)
     prefix_lens: torch.Tensor  # [B] int64, tokens already in the KV cache before this step
     out_cache_loc: torch.Tensor  # [T] int64, KV slots written by this step's tokens
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64, KV slots of every request's whole sequence, concatenated
     kv_indptr: torch.Tensor  # [B + 1] int64, request b's slots are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
     qo_indptr: torch.Tensor  # [B + 1] int64, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
-    kv_pool: KVPool | None = None
+    kv_pool: Any = None  # kvcache's KVPool (a floor above core: not imported here)
     # Host copies of the lengths (python ints) so attention can split without a device sync.
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
@@ -98,7 +97,7 @@ class ForwardBatch:
     # DECODE only: every request's cache slots as a padded block [B, L >= max seq_len]; entries past a
     # request's seq_len are any valid slot (attention masks them by seq_lens). Static shapes for CUDA graphs.
     decode_slots: torch.Tensor | None = None
-    # MIXED only: the last num_decodes requests (one new token each) are decodes; attention runs them through the
+    # MIXED only: the last num_decodes requests (DECODE_LEN new tokens each) are decodes; attention runs them through the
     # decode kernel (decode_slots then holds their rows only, [num_decodes, L]) and the rest as an extend.
     num_decodes: int = 0
 
@@ -130,14 +129,14 @@ class ForwardBatch:
         extend_lens: list[int],
         out_cache_loc: list[int] | torch.Tensor,
         kv_indices: list[int] | torch.Tensor,
-        kv_pool: KVPool | None = None,
+        kv_pool: Any = None,
         return_all_logits: bool = False,
         num_decodes: int = 0,
     ) -> ForwardBatch:
         """Build the batch from host-side lists (the scheduler's view). Positions continue each prefix.
-        MIXED: the last num_decodes requests must have extend_lens 1."""
+        MIXED: the last num_decodes requests must have extend_lens DECODE_LEN."""
         assert mode.is_mixed or num_decodes == 0
-        assert num_decodes == 0 or all(e == 1 for e in extend_lens[len(extend_lens) - num_decodes:])
+        assert num_decodes == 0 or all(e == DECODE_LEN for e in extend_lens[len(extend_lens) - num_decodes:])
         prefix_lens = [s - e for s, e in zip(seq_lens, extend_lens, strict=True)]
         i64 = torch.int64
         ext = torch.tensor(extend_lens, dtype=i64)
@@ -145,7 +144,7 @@ class ForwardBatch:
         qo_indptr[1:] = torch.cumsum(ext, 0)
         # token i of request b sits at prefix_b + (i - qo_start_b): one vector op, not a loop over the tokens
         pre = torch.tensor(prefix_lens, dtype=i64)
-        positions = pre.clone() if mode.is_decode else (torch.arange(int(qo_indptr[-1]), dtype=i64)
+        positions = pre.clone() if mode.is_decode and DECODE_LEN == 1 else (torch.arange(int(qo_indptr[-1]), dtype=i64)
                                                 + torch.repeat_interleave(pre - qo_indptr[:-1], ext))
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=i64)
         kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=i64), 0)
@@ -196,7 +195,7 @@ class ForwardBatch:
         return ext, dec
 
     @staticmethod
-    def idle(kv_pool: KVPool | None = None) -> ForwardBatch:
+    def idle(kv_pool: Any = None) -> ForwardBatch:
         """A batch with no tokens: the rank only joins the collectives."""
         e = torch.zeros(0, dtype=torch.int64)
         return ForwardBatch(

@@ -4,7 +4,7 @@
 Hugging Face checkpoint directory. One flat dataclass covers the four supported families; fields that do not
 apply to a family keep neutral values (e.g. `kv_lora_rank` is None for GQA models, `num_experts` is 0 for dense
 layers). The rank sizes its KV cache from `kv_bytes_per_token(dtype, attn_tp_size)` and builds it with
-`moeserve.core.kv_pool.make_kv_pool`.
+`moeserve.kvcache.kv_pool.make_kv_pool`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,10 @@ class CudaGraphRunner:
         self.len_buckets = length_buckets(max_len)
         self.max_bs, self.max_len = self.bs_buckets[-1], self.len_buckets[-1]
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(self.max_bs, **i64)
-        self.positions = torch.zeros(self.max_bs, **i64)
+        self.input_ids = torch.zeros(self.max_bs * DECODE_LEN, **i64)
+        self.positions = torch.zeros(self.max_bs * DECODE_LEN, **i64)
         self.seq_lens = torch.ones(self.max_bs, **i64)
-        self.out_cache_loc = torch.zeros(self.max_bs, **i64)
+        self.out_cache_loc = torch.zeros(self.max_bs * DECODE_LEN, **i64)
         self.decode_slots = torch.zeros(self.max_bs, self.max_len, **i64)
         self.arange = torch.arange(self.max_bs + 1, **i64)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}

@@ -11,8 +11,8 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
-from moeserve.core.kv_pool import make_kv_pool
 from moeserve.ep.stats import enable_local_expert_tokens
+from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import make_rebalancer, make_recorder

@@ -18,8 +18,8 @@ from moeserve.rank.io_struct import FinishReason
 from moeserve.rank.request import Req
 
 if TYPE_CHECKING:
-    from moeserve.core.kv_pool import KVPool
     from moeserve.core.model_config import ModelConfig
+    from moeserve.kvcache.kv_pool import KVPool
     from moeserve.rank.rank_sync import RankSync
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from moeserve.rank.io_struct import FinishReason, GenerateReq, TokenOut
 from moeserve.rank.prompt_logprobs import first_scored_position
-from moeserve.rank.radix_cache import TreeNode
 from moeserve.rank.sampling_params import SamplingParams
 
 NO_POSITION = 1 << 62  # next_scored_position when no prompt position is left to score
@@ -23,8 +22,8 @@ class Req:
     # KV bookkeeping
     row: int | None = None  # request-to-token table row while the request holds KV
     kv_len: int = 0  # tokens of fill_ids whose KV is in the cache
-    prefix_len: int = 0  # leading tokens whose slots belong to the radix tree (locked through last_node)
-    last_node: TreeNode | None = None
+    prefix_len: int = 0  # leading tokens whose slots belong to the prefix cache (locked through last_node)
+    last_node: object = None  # the prefix cache's handle of that match (PrefixMatch.node)
     cached_tokens: int = 0  # reported: prompt tokens served from the prefix cache
     # finish and streaming
     finish_reason: FinishReason | None = None

@@ -12,7 +12,7 @@ from moeserve.rank.request import Req
 @dataclass
 class ScheduledBatch:
     """What one step runs: the requests and, for EXTEND and MIXED, how many tokens of each (a chunk may be partial;
-    a MIXED step's decodes come last, one token each)."""
+    a MIXED step's decodes come last, DECODE_LEN tokens each)."""
 
     mode: ForwardMode
     reqs: list[Req]
@@ -31,7 +31,7 @@ class ScheduledBatch:
 
     @property
     def num_decodes(self) -> int:
-        """Requests that decode one token this step: all of a DECODE step, the last ones of a MIXED step."""
+        """Requests that decode DECODE_LEN tokens this step: all of a DECODE step, the last ones of a MIXED step."""
         return len(self.reqs) if self.mode.is_decode else self.forward.num_decodes
 
     @property

@@ -1,9 +1,9 @@
 """Scheduler: continuous batching over one attention group's requests and KV pool.
 
 Each step is either a prefill (EXTEND: new prompts, chunks of long prompts, recomputation of retracted
-requests) or a decode (one token for every running request); prefill goes first when something is admissible.
+requests) or a decode (DECODE_LEN tokens for every running request); prefill goes first when admissible.
 With --enable-mixed-chunk (SGLang's flag), a prefill that finds requests decoding runs together with them (MIXED:
-the prefill requests, then every running request as a one-token extend), so a long prompt does not stall the
+the prefill requests, then every running request as a DECODE_LEN-token extend), so a long prompt does not stall the
 decodes for whole prefill steps; the prefill's token budget shrinks by the decodes' tokens, as in SGLang.
 Admission is by free KV pages (after evicting unlocked prefix cache) with a reserve for the running requests'
 future tokens. When decode runs out of pages anyway, the newest requests are retracted: their KV is dropped and
@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from moeserve.args import ServerArgs
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
+from moeserve.kvcache import PageAllocator, make_prefix_cache
+from moeserve.kvcache.req_to_token import ReqToTokenPool
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
-from moeserve.rank.page_allocator import PageAllocator
 from moeserve.rank.pd_host import PDHost
 from moeserve.rank.prompt_logprobs import scored_positions
-from moeserve.rank.radix_cache import RadixCache
-from moeserve.rank.req_to_token import ReqToTokenPool
 from moeserve.rank.request import Req
 from moeserve.rank.scheduled_batch import ScheduledBatch, SchedulerStats
 from moeserve.rank.step_results import StepResults
@@ -37,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler(PDHost, StepResults):
-    """Owns the waiting queue, the running set, the KV page allocator, the radix cache and the req table.
+    """Owns the waiting queue, the running set, the KV page allocator, the prefix cache and the req table.
 
     In PD mode `self.pd` (set by the worker) holds the requests before they reach the queue (decode: until their
     KV arrived) and after their prefill (prefill: until decode has it); pd_host.py has the hooks it calls.
@@ -54,7 +53,7 @@ class Scheduler(PDHost, StepResults):
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
         no_cache = server_args.disable_radix_cache or server_args.disagg.is_decode
-        self.cache = None if no_cache else RadixCache(self.allocator, self.page_size)
+        self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -141,15 +140,14 @@ class Scheduler(PDHost, StepResults):
         """Empty the prefix cache; refused (False) while requests are in flight."""
         if self.running or self.waiting or self.chunked or (self.pd is not None and self.pd.busy):
             return False
-        if self.cache is not None:
-            self.cache.reset()
+        self.cache.reset()
         return True
 
     # ------------------------------------------------------------------ load
     @property
     def num_used_tokens(self) -> int:
-        cached = self.cache.evictable_size if self.cache else 0
-        return (self.allocator.num_pages - self.allocator.num_free_pages) * self.page_size - cached
+        used_pages = self.allocator.num_pages - self.allocator.num_free_pages
+        return used_pages * self.page_size - self.cache.evictable_size
 
     def get_load(self) -> LoadOut:
         waiting_tokens = sum(len(r.fill_ids) - r.kv_len for r in self.waiting)
@@ -160,7 +158,7 @@ class Scheduler(PDHost, StepResults):
             dp_rank=self.dp_rank, num_running=len(self.running) + (self.chunked is not None),
             num_waiting=len(self.waiting) + pd_waiting, num_waiting_tokens=waiting_tokens,
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
-            num_cached_tokens=self.cache.total_size if self.cache else 0,
+            num_cached_tokens=self.cache.total_size,
             disagg=self.pd.stats.to_json() if self.pd is not None else None,
         )
 
@@ -185,21 +183,20 @@ class Scheduler(PDHost, StepResults):
         decodes = self._take_decode_slots()
         picked = None
         if self.stats.retractions == retractions:
-            picked = self._pick_extend(reserved_tokens=len(decodes))
+            picked = self._pick_extend(reserved_tokens=len(decodes) * DECODE_LEN)
         if picked is None:
-            return self._make_batch(ForwardMode.DECODE, decodes, [1] * len(decodes)) if decodes else None
+            return self._make_batch(ForwardMode.DECODE, decodes, [DECODE_LEN] * len(decodes)) if decodes else None
         reqs, extend_lens = picked
         if not decodes:
             return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
-        return self._make_batch(ForwardMode.MIXED, reqs + decodes, extend_lens + [1] * len(decodes),
+        return self._make_batch(ForwardMode.MIXED, reqs + decodes, extend_lens + [DECODE_LEN] * len(decodes),
                                 num_decodes=len(decodes))
 
     def _pages_for(self, tokens: int) -> int:
         return (tokens + self.page_size - 1) // self.page_size
 
     def _available_pages(self) -> int:
-        evictable = self.cache.evictable_size // self.page_size if self.cache else 0
-        return self.allocator.num_free_pages + evictable
+        return self.allocator.num_free_pages + self.cache.evictable_size // self.page_size
 
     def _reserved_pages(self, reqs: list[Req]) -> int:
         """Pages kept back for the future tokens of running requests (decode would otherwise retract)."""
@@ -212,7 +209,7 @@ class Scheduler(PDHost, StepResults):
         last_slot = int(self.req_table.table[req.row, req.kv_len - 1]) if req.kv_len else -1
         need = self.allocator.pages_needed(req.kv_len, n)
         short = need - self.allocator.num_free_pages
-        if short > 0 and self.cache is not None:
+        if short > 0:
             self.cache.evict(short * self.page_size)
         return self.allocator.extend_slots(req.kv_len, last_slot, n)
 
@@ -266,8 +263,8 @@ class Scheduler(PDHost, StepResults):
         return reqs, extend_lens
 
     def _waiting_in_order(self) -> list[Req]:
-        if self.args.schedule_policy == "lpm" and self.cache is not None:
-            return sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(r.fill_ids)[0]))
+        if self.args.schedule_policy == "lpm":
+            return sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(r.fill_ids).slots))
         return list(self.waiting)
 
     def _acquire_row_and_prefix(self, req: Req) -> bool:
@@ -277,20 +274,16 @@ class Scheduler(PDHost, StepResults):
             return False
         req.row = row
         fill = req.fill_ids
-        if self.cache is not None:
-            # Keep at least one token to compute: the last prompt token's logits pick the next token.
-            usable = len(fill) - 1
-            if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
-                usable = min(usable, req.next_scored_position)
-            usable = usable // self.page_size * self.page_size
-            slots, node = self.cache.match_prefix(fill[:usable])
-            self.cache.lock(node)
-            req.last_node = node
-            req.prefix_len = len(slots)
-            self.req_table.write(row, 0, slots)
-        else:
-            req.prefix_len = 0
-        req.kv_len = req.prefix_len
+        # Keep at least one token to compute: the last prompt token's logits pick the next token.
+        usable = len(fill) - 1
+        if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
+            usable = min(usable, req.next_scored_position)
+        usable = usable // self.page_size * self.page_size
+        slots, node = self.cache.match_prefix(fill[:usable])
+        self.cache.lock(node)
+        req.last_node = node
+        req.prefix_len = req.kv_len = len(slots)
+        self.req_table.write(row, 0, slots)
         if req.num_retractions == 0:
             req.cached_tokens = req.prefix_len
         return True
@@ -299,13 +292,13 @@ class Scheduler(PDHost, StepResults):
         reqs = self._take_decode_slots()
         if not reqs:
             return None
-        return self._make_batch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+        return self._make_batch(ForwardMode.DECODE, reqs, [DECODE_LEN] * len(reqs))
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled while the running requests' last tokens are still being sampled
         (steps.py): only when no request would have to be retracted, since a retracted request is recomputed
         from tokens the host must know."""
-        need = sum(self.allocator.pages_needed(r.kv_len, 1) for r in self.running)
+        need = sum(self.allocator.pages_needed(r.kv_len, DECODE_LEN) for r in self.running)
         return need <= self._available_pages()
 
     def _will_finish(self, req: Req) -> bool:
@@ -320,9 +313,9 @@ class Scheduler(PDHost, StepResults):
                       key=lambda r: r.seq_len)  # shortest first: retract the longest last-in
         while True:
             for req in list(reqs):
-                if req.kv_len == len(req.fill_ids):
-                    continue  # took its slot in an earlier pass of this loop
-                slots = self._alloc(req, 1)
+                if req.kv_len >= len(req.fill_ids):
+                    continue  # took its slots in an earlier pass of this loop
+                slots = self._alloc(req, DECODE_LEN)
                 if slots is None:
                     victim = self._retract_one(reqs)
                     if victim is None:
@@ -330,11 +323,11 @@ class Scheduler(PDHost, StepResults):
                     reqs.remove(victim)
                     break
                 self.req_table.write(req.row, req.kv_len, slots)
-                req.kv_len += 1  # provisional: the slot now belongs to the token this step computes
+                req.kv_len += DECODE_LEN  # provisional: the slots now belong to the tokens this step computes
             else:
                 break
         for req in reqs:
-            req.kv_len -= 1  # _make_batch counts this step's token as new
+            req.kv_len -= DECODE_LEN  # _make_batch counts this step's tokens as new
         return reqs
 
     def _retract_one(self, reqs: list[Req]) -> Req | None:
@@ -390,22 +383,11 @@ class Scheduler(PDHost, StepResults):
         return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets)
 
     def _release(self, req: Req, cache: bool) -> None:
-        """Return the request's KV: into the radix cache (finished requests) or straight to the free list."""
+        """Return the request's KV: into the prefix cache (finished requests) or straight to the free list."""
         if req.row is None:
             return
-        table = self.req_table.table[req.row]
-        ps = self.page_size
-        own_start = req.prefix_len
-        if cache and self.cache is not None:
-            whole = req.kv_len // ps * ps
-            in_tree = self.cache.insert(req.fill_ids[:whole], table[:whole])
-            # slots [prefix_len, in_tree) duplicate what the tree already had; [in_tree, whole) now belong to it
-            dup = table[own_start:in_tree].tolist()
-            self.allocator.free_slots(dup)
-            own_start = max(whole, own_start)
-        self.allocator.free_slots(table[own_start : req.kv_len].tolist())
-        if self.cache is not None and req.last_node is not None:
-            self.cache.unlock(req.last_node)
+        slots = self.req_table.table[req.row, : req.kv_len]
+        self.cache.release(req.fill_ids, slots, req.prefix_len, req.last_node, keep=cache)
         req.last_node = None
         req.prefix_len = 0
         req.kv_len = 0

@@ -6,7 +6,7 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
-from moeserve.core.kv_pool import make_kv_pool
+from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.loader import load_model
 
 ATOL = RTOL = 1e-4  # fp32 parity with transformers

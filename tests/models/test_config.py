@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from moeserve.core.kv_pool import MHAKVPool, MLAKVPool, make_kv_pool
 from moeserve.core.model_config import ModelConfig
+from moeserve.kvcache.kv_pool import MHAKVPool, MLAKVPool, make_kv_pool
 from tests.checkpoints import REAL_CONFIGS, write_config_only
 
 

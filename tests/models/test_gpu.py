@@ -13,8 +13,8 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
-from moeserve.core.kv_pool import make_kv_pool
 from moeserve.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.loader import load_model
 from tests.checkpoints import write_config_only
 from tests.models.harness import Runner, random_tokens

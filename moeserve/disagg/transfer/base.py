@@ -1,6 +1,6 @@
 """The one interface every KV transfer backend implements: one-sided page writes into a peer's KV pool.
 
-Both sides build a backend over their own KV pool's buffers (core/kv_pool.py: one tensor per layer, or per layer
+Both sides build a backend over their own KV pool's buffers (kvcache/kv_pool.py: one tensor per layer, or per layer
 and K/V, each [num_slots, ...] with `page_size` consecutive rows per page, so a run of consecutive pages is one
 contiguous byte range in every buffer). The decode side publishes `endpoint()` (through the control messages);
 the prefill side calls `write(peer_endpoint, runs)` from a transfer thread. When `write` returns, every byte of
@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from moeserve.core.kv_pool import KVPool, MHAKVPool, MLAKVPool
+from moeserve.kvcache.kv_pool import KVPool, MHAKVPool, MLAKVPool
 
 
 class TransferError(RuntimeError):

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
-from moeserve.core.kv_pool import KVPool
 from moeserve.kernels import extend_attention as extend_kernel
 from moeserve.kernels.triton_available import use_triton
+from moeserve.kvcache.kv_pool import KVPool
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # see _sdpa

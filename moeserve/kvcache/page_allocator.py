@@ -15,10 +15,6 @@ class PageAllocator:
     def num_free_pages(self) -> int:
         return len(self._free)
 
-    @property
-    def num_free_tokens(self) -> int:
-        return len(self._free) * self.page_size
-
     def alloc_pages(self, n: int) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from moeserve.disagg.transfer.base import merge_runs
-from moeserve.rank.page_allocator import PageAllocator
+from moeserve.kvcache.page_allocator import PageAllocator
 
 
 def test_freed_run_comes_back_ascending():

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from moeserve.rank.page_allocator import PageAllocator
-from moeserve.rank.radix_cache import RadixCache
+from moeserve.kvcache.page_allocator import PageAllocator
+from moeserve.kvcache.radix_cache import RadixCache
 
 
 def _seq(alloc: PageAllocator, n: int) -> np.ndarray:

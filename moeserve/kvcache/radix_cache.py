@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 
-from moeserve.rank.page_allocator import PageAllocator
+from moeserve.kvcache.page_allocator import PageAllocator
+from moeserve.kvcache.prefix_cache import PrefixCache, PrefixMatch
 
 
 class TreeNode:
@@ -27,17 +28,15 @@ class TreeNode:
         self.last_access = 0
 
 
-class RadixCache:
+class RadixCache(PrefixCache):
     """Prefix sharing over KV pages with LRU eviction."""
 
     def __init__(self, allocator: PageAllocator, page_size: int):
-        self.allocator = allocator
-        self.page_size = page_size
+        super().__init__(allocator, page_size)
         self._clock = itertools.count(1)
         self.reset()
 
     def reset(self) -> None:
-        """Drop every unlocked entry and return its pages (flush_cache)."""
         if hasattr(self, "root"):
             self.evict(self.evictable_size)
         self.root = TreeNode([], np.zeros(0, dtype=np.int64), None)
@@ -49,7 +48,7 @@ class RadixCache:
     def _page_key(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i : i + self.page_size])
 
-    def match_prefix(self, tokens: list[int]) -> tuple[np.ndarray, TreeNode]:
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole pages: (its slots, the deepest node matched)."""
         ps = self.page_size
         n = len(tokens) // ps * ps
@@ -68,7 +67,7 @@ class RadixCache:
             node = child
             node.last_access = now
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return slots, node
+        return PrefixMatch(slots, node)
 
     def _common_len(self, key: list[int], tokens: list[int], pos: int, end: int) -> int:
         """Matching length of key against tokens[pos:end], in whole pages."""
@@ -117,8 +116,7 @@ class RadixCache:
         return pos
 
     # ------------------------------------------------------------------
-    def lock(self, node: TreeNode) -> None:
-        """Protect node and its ancestors from eviction (a running request reads them)."""
+    def lock(self, node: TreeNode) -> None:  # node and its ancestors
         while node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
@@ -161,7 +159,3 @@ class RadixCache:
             elif node is not self.root:
                 out.append(node)
         return out
-
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size

@@ -12,10 +12,6 @@ class ReqToTokenPool:
         self.table = np.zeros((max_reqs, max_context), dtype=np.int64)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free_rows)
-
     def alloc(self) -> int | None:
         return self._free_rows.pop() if self._free_rows else None
 
@@ -24,9 +20,6 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: list[int] | np.ndarray) -> None:
         self.table[row, start : start + len(slots)] = slots
-
-    def read(self, row: int, length: int) -> np.ndarray:
-        return self.table[row, :length]
 
     def gather(self, rows: list[int], lengths: list[int]) -> np.ndarray:
         """Concatenated slots of several requests: the ForwardBatch's kv_indices."""
