@@ -147,23 +147,19 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
                 min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device)
-            if not a.disable_piecewise_cuda_graph:
-                self.piecewise = self._piecewise_runner()
+            if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
+                logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
+                            "would include the padding tokens): extend steps run eagerly")
+            elif not a.disable_piecewise_cuda_graph:
+                from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
+
+                # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt,
+                # run eagerly)
+                max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens,
+                                 a.max_prefill_tokens)
+                self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device,
+                                                      self.graph_runner.pool)
         return [r for r in (self.graph_runner, self.piecewise, self.compiled) if r is not None]
-
-    def _piecewise_runner(self):
-        """The extend steps' piecewise CUDA graphs, or None (and a log line) where they cannot run."""
-        if self.expert_recorder is not None:
-            logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts would "
-                        "include the padding tokens): extend steps run eagerly")
-            return None
-        from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
-
-        a = self.args
-        # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt, run
-        # eagerly)
-        max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens, a.max_prefill_tokens)
-        return PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device, self.graph_runner.pool)
 
     def memory_line(self) -> str:
         """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""

@@ -1,12 +1,8 @@
-"""MLA's absorbed decode attention over the latent cache, its kernel picked once at load (`pick_latent_decode`).
+"""MLA's absorbed decode over the latent cache, its kernel picked once at load (`pick_latent_decode`).
 
     decode(q_latent [B, h, r], q_rope [B, h, R], cache [N, r + R], meta, scale) -> o_latent [B, h, r]
 
-All heads attend over one latent head: key the whole row [c_kv | k_rope], value its c_kv part. The kernels:
-- CUDA with Triton: split over the KV length through the slot table (kernels/mla_decode.py), q's parts read apart;
-  under torch.compile, which cannot trace it, the torch form;
-- CPU where moeserve's C++ kernel builds (kernels/cpu_mla_decode.py): over the cache rows in place;
-- elsewhere, the torch form: the padded slot block gathered, then `decode_attention`.
+All heads attend over one latent head: the key is the whole row [c_kv | k_rope], the value its c_kv part.
 """
 
 from __future__ import annotations
@@ -24,29 +20,28 @@ from moeserve.layers.attention.ops import AttentionMetadata, decode_attention
 LatentDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
-def _torch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
+def _torch(q_latent, q_rope, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The padded slot block gathered, then `decode_attention` (anywhere)."""
     q = torch.cat((q_latent, q_rope), dim=-1)
     return decode_attention(q, cache[:, None, :], q_latent.shape[-1], meta.decode_slots, meta.decode_bias, scale)
 
 
-def _triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+def _triton(q_latent, q_rope, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Split over the KV length through the slot table, q's parts read apart; torch.compile traces the torch form."""
     if torch.compiler.is_compiling():
         return _torch(q_latent, q_rope, cache, meta, scale)
-    return mla_decode(q_latent, cache, meta.decode_slots, meta.decode_seq_lens, q_latent.shape[-1], scale,
-                      q_rope=q_rope)
+    return mla_decode(q_latent, cache, meta.decode_slots, meta.decode_seq_lens, q_latent.shape[-1], scale, q_rope)
 
 
-def _cpu(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-         scale: float) -> torch.Tensor:
+def _cpu(q_latent, q_rope, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """moeserve's C++ kernel over the cache rows in place (a custom op under torch.compile)."""
     q = torch.cat((q_latent, q_rope), dim=-1)
     return cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, q_latent.shape[-1], scale)
 
 
 def pick_latent_decode(device: torch.device, dtype: torch.dtype) -> LatentDecode:
-    """The kernel for a latent cache of `dtype` on `device`. Decided once: a check per call would hold a lock,
-    which torch.compile cannot trace."""
+    """Triton on CUDA, the C++ kernel on a CPU where it builds for the cache's dtype, else torch. Decided once:
+    a check per call would hold a lock, which torch.compile cannot trace."""
     probe = torch.empty(0, device=device)
     if use_triton(probe):
         return _triton

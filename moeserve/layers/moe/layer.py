@@ -1,18 +1,10 @@
-"""One MoE layer (DESIGN.md 'One MoE layer'): routed experts spread over the EP ranks, plus shared experts.
+"""One MoE layer (docs/ARCHITECTURE.md, 'One MoE layer'): routed experts spread over the EP ranks, plus shared ones.
 
     y = sum_{e in topk(x)} w_e(x) E_e(x)  +  S(x)
 
-    gate: x -> logical experts and weights -> (recorder) -> physical slots -> dispatch -> this rank's experts ->
-    combine -> + shared experts
-
-The layer holds this rank's experts [ep_rank * E_local, (ep_rank + 1) * E_local) of the physical slot list; the
-placement (placement.py) says which logical expert each slot holds and, where it is not the identity (redundant
-experts, --init-expert-location), which slot a token routed to logical expert e goes to. The gate is the model's
-(moeserve/layers/moe/router.py, configured by the model file).
-
-`forward` runs three stages in order: `dispatch`, `compute`, `combine`. Two-batch overlap (moeserve/models/tbo.py)
-runs the same stages interleaved with another micro-batch's. On one CPU rank with few rows per expert (decode),
-`forward_fused_cpu` replaces the three with one kernel call.
+gate (the model's, router.py) -> physical slots (placement.py) -> dispatch -> this rank's experts -> combine, + S(x).
+`forward` runs the stages `dispatch`, `compute`, `combine`; two-batch overlap (moeserve/models/tbo.py) interleaves
+them with another micro-batch's. On one CPU rank, few rows per expert (decode) take one kernel: `forward_fused_cpu`.
 """
 
 from __future__ import annotations
