@@ -38,13 +38,11 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
-from moeserve.kernels import cpu_mla_decode
 from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
-from moeserve.kernels.mla_decode import mla_decode
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
-from moeserve.kernels.triton_available import use_triton
-from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, decode_attention, extend_attention
+from moeserve.layers.attention.latent_decode import LatentDecode, latent_to_heads, pick_latent_decode
+from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
 from moeserve.layers.norm import RMSNorm
@@ -85,7 +83,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
-        self.cpu_decode = False  # decode through moeserve's CPU kernel (kernels/cpu_mla_decode.py): set at load
+        self.latent_decode: LatentDecode | None = None  # DECODE's kernel (layers/attention/latent_decode.py): at load
         self._qkv_a: Callable[[torch.Tensor], torch.Tensor] | None = None  # x's two projections in one GEMM: at load
         # Set at load: x's projections multiply in FP8, so the norm before this layer hands x over quantized
         # (kernels/rms_norm.py rms_norm_quant: no quantizer launch of its own); and so does q's latent norm for an
@@ -98,13 +96,8 @@ class MLAttention(nn.Module):
         where `quantized_input` says so."""
         T = x.shape[0]
         if T == 0:
-            return torch.empty(0, self.o_proj.out_features, dtype=self.kv_a_layernorm.weight.dtype,
-                               device=self.kv_a_layernorm.weight.device)
-        first, second = self._x_projections()  # q (or q's latent) and kv_a...
-        if self._qkv_a is not None:  # ...in one GEMM
-            q, kv_a = self._qkv_a(x).split([first.out_features, second.out_features], -1)
-        else:
-            q, kv_a = first(x), second(x)
+            return self.kv_a_layernorm.weight.new_empty(0, self.o_proj.out_features)
+        q, kv_a = self._down_projections(x)  # q (or its latent) and [c_kv | k_rope]
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q, quantize=self._q_b_fp8))
         q_nope, q_rope = q.view(T, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -113,20 +106,39 @@ class MLAttention(nn.Module):
         norm = self.kv_a_layernorm
         q_rope = mla_rope_cache(q_rope, c_kv, k_rope, norm.weight, norm.eps, meta.rope, self.rotary.interleaved,
                                 meta.kv_pool.get_latent(self.layer_id), meta.out_cache_loc)
-
-        o = attend_parts(meta, self._attend, q_nope, q_rope)
+        o = attend_parts(meta, self._attend, q_nope, q_rope)  # [T, h, v]
         return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One EXTEND or DECODE part -> [t, h, v]: decode absorbed into the latent space, extend expanded."""
+        cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]
+        if meta.mode.is_decode:  # q_nope W_UK against c_kv, all heads over one latent head, back through W_UV
+            w_uk, w_uv = self._kv_b()
+            q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
+            return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv)
+        c_kv, k_rope = cache[meta.kv_indices].to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(c_kv.shape[0], self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, h, nope], [S, h, v]
+        return extend_attention(q_nope, k_nope, v, meta.extend_lens, meta.seq_lens, self.scale,
+                                plan=meta.extend_plan, q_rope=q_rope, k_rope=k_rope)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
         """The absorbed decode multiplies by W_UK and W_UV directly: kv_b_proj's weight as a plain matrix (the
-        parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc)."""
+        parameter itself; FP8 weights dequantized once into the activations' dtype, as SGLang keeps w_kc / w_vc).
+        The decode kernel is picked here, for the device and the cache's dtype."""
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
         self._qkv_a = self._fuse_qkv_a(device)
         self.quantized_input = self._x_projections_fp8()
         self._q_b_fp8 = self.q_lora_rank is not None and isinstance(self.q_b_proj, Fp8ColumnParallelLinear)
-        # Decided once: a check per call would hold a lock, which torch.compile cannot trace.
-        self.cpu_decode = torch.device(device).type == "cpu" and cpu_mla_decode.available(dtype)
+        self.latent_decode = pick_latent_decode(device, dtype)
+
+    def _down_projections(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q or q's latent, kv_a): the two projections of x, in one GEMM where they are fused."""
+        first, second = self._x_projections()
+        if self._qkv_a is None:
+            return first(x), second(x)
+        return self._qkv_a(x).split([first.out_features, second.out_features], -1)
 
     def _x_projections(self) -> tuple[Linear, Linear]:
         """The layers that read x: q_proj (or q_a_proj, q's latent) and kv_a_proj_with_mqa."""
@@ -168,45 +180,6 @@ class MLAttention(nn.Module):
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
         w = self._kv_b_dense.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
-
-    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One EXTEND or DECODE part: decode in the absorbed form, extend expanded -> [t, h, v]."""
-        if meta.mode.is_decode:
-            return self._absorbed(q_nope, q_rope, meta)
-        return self._expanded(q_nope, q_rope, meta)
-
-    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        latent = meta.kv_pool.get_latent(self.layer_id)[meta.kv_indices].to(q_nope.dtype)  # [S, r + rope]
-        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        S = latent.shape[0]
-        kv = self.kv_b_proj(c_kv).view(S, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        return extend_attention(q_nope, k_nope, v, meta.extend_lens, meta.seq_lens, self.scale,
-                                plan=meta.extend_plan, q_rope=q_rope, k_rope=k_rope)  # [T, h, v]
-
-    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        w_uk, w_uv = self._kv_b()
-        # [B, h, r]: a product per head (no einsum); a GEMV per head at one row (W_UK read in place, [nope, r])
-        q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
-        cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]: the key, one head; value: its c_kv part
-        if use_triton(cache) and not torch.compiler.is_compiling():  # split-KV Triton over the slot table
-            o_latent = mla_decode(q_latent, cache, meta.decode_slots, meta.decode_seq_lens, self.kv_lora_rank,
-                                  self.scale, q_rope=q_rope)  # the query's two parts read apart: no cat
-        else:
-            q = torch.cat((q_latent, q_rope), dim=-1)  # [B, h, r + rope]
-            if self.cpu_decode and cache.is_cpu:  # over the cache rows in place
-                o_latent = cpu_mla_decode.mla_decode(q, cache, meta.kv_indices, meta.kv_indptr, self.kv_lora_rank,
-                                                     self.scale)  # [B, h, r]
-            else:
-                o_latent = decode_attention(q, cache[:, None, :], self.kv_lora_rank, meta.decode_slots,
-                                            meta.decode_bias, self.scale)
-        if torch.compiler.is_compiling():  # (an out= tensor would make dynamo compile once per batch size)
-            return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        # written straight into [B, h, v] (the o_proj's input, contiguous): the per-head matrices are its strided
-        # [h, B, v] view, so no transpose copy follows
-        out = o_latent.new_empty(o_latent.shape[0], self.num_heads, self.v_dim)
-        batched_skinny_gemm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
-        return out
 
 
 def deepseek_gate(config: ModelConfig) -> TopKRouter:

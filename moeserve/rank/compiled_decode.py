@@ -27,29 +27,28 @@ logger = logging.getLogger(__name__)
 class CompiledDecode:
     """The compiled decode forward of one model, for batches of 1 to max_bs requests."""
 
-    def __init__(self, model: torch.nn.Module, max_bs: int):
-        self.model = model
-        self.max_bs = max_bs
+    def __init__(self, model: torch.nn.Module, max_bs: int, kv_pool, device: torch.device):
+        self.model, self.max_bs, self.kv_pool, self.device = model, max_bs, kv_pool, device
         self.fn = torch.compile(model.forward)  # the batch's sizes are marked dynamic at each call
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and not batch.return_all_logits
                 and batch.decode_slots is not None)
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.batch_size == 1:  # the compiler specialises size 1: pad to 2 rather than compile a second graph
             return self.fn(_dynamic_sizes(_pad_one(batch)))[:1]
         return self.fn(_dynamic_sizes(batch))
 
-    def warmup(self, kv_pool, device: torch.device) -> None:
+    def capture_all(self, progress: bool = True) -> None:
         """Compile now, on a decode batch of two that reads and writes only the KV pool's scratch slot 0."""
         start = time.perf_counter()
         bs, length = 2, 3  # distinct sizes: equal ones would be assumed equal forever (duck sizing)
         batch = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, [length] * bs, [1] * bs, [0] * bs,
                                    [0] * (bs * length))
         batch.decode_slots = torch.zeros(bs, length, dtype=torch.int64)
-        batch = batch.to(device)  # built like a scheduler's batch, outside inference mode: the same guards
-        batch.kv_pool = kv_pool
+        batch = batch.to(self.device)  # built like a scheduler's batch, outside inference mode: the same guards
+        batch.kv_pool = self.kv_pool
         with torch.inference_mode():
             self.fn(_dynamic_sizes(batch))
         logger.info("torch.compile: decode forward compiled in %.1f s (batches up to %d)",

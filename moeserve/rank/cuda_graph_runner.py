@@ -14,12 +14,14 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+K, V = TypeVar("K"), TypeVar("V")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -34,6 +36,30 @@ def length_buckets(max_len: int) -> list[int]:
         out.append(n)
         n *= 2
     return [*out, max_len]
+
+
+def try_capture(capture: Callable[[K], V], key: K, what: str) -> V | None:
+    """capture(key), or None where some op cannot be captured: steps of that shape run eagerly from now on."""
+    try:
+        return capture(key)
+    except RuntimeError as e:
+        logger.warning("%s: capture failed for %s; running it eagerly: %s", what, key, e)
+        return None
+
+
+def capture_each(keys: list[K], captured: dict[K, V | None], capture: Callable[[K], V], what: str, progress: bool,
+                 device: torch.device) -> tuple[float, float]:
+    """`try_capture` each key not yet in `captured`, under a progress bar; (seconds, GiB of device memory taken)."""
+    from tqdm import tqdm
+
+    free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    for key in tqdm(keys, desc=f"Capturing {what}", disable=not progress, mininterval=1.0):
+        if key not in captured:
+            captured[key] = try_capture(capture, key, what)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the eager warm-ups' cached blocks: what stays is the graphs' pool
+    return time.perf_counter() - start, (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30
 
 
 class CudaGraphRunner:
@@ -62,28 +88,10 @@ class CudaGraphRunner:
     def capture_all(self, progress: bool = True) -> None:
         """Capture every (batch bucket, length bucket) now, largest batch first (its pool blocks then serve the
         smaller ones), so no request pays a capture."""
-        from tqdm import tqdm
-
         keys = [(bs, n) for bs in reversed(self.bs_buckets) for n in reversed(self.len_buckets)]
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        start = time.perf_counter()
-        for bs, n in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress, mininterval=1.0):
-            if (bs, n) not in self.graphs:
-                self.graphs[(bs, n)] = self._try_capture(bs, n)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the eager warm-ups' cached blocks: what stays is the graphs' pool
-        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        seconds, gib = capture_each(keys, self.graphs, self._capture, "CUDA graphs", progress, self.device)
         logger.info("captured %d CUDA graphs (decode batch sizes %s x lengths %s) in %.1f s, %.2f GiB",
-                    sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets,
-                    time.perf_counter() - start, used)
-
-    def _try_capture(self, bs: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        try:
-            return self._capture(bs, length)
-        except RuntimeError as e:  # some op cannot be captured: run this shape eagerly from now on
-            logger.warning("CUDA graph capture failed for batch %d, length %d; running it eagerly: %s",
-                           bs, length, e)
-            return None
+                    sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets, seconds, gib)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         # NOTE: with several DP groups, ranks would need to agree on one padded batch size (and an idle rank on
@@ -105,7 +113,8 @@ class CudaGraphRunner:
             global_num_tokens=[bs],  # the dispatch rounds of a low-latency EP step follow the padded size
         )
 
-    def _capture(self, bs: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        bs, length = key
         fb = self._static_batch(bs, length)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -142,7 +151,7 @@ class CudaGraphRunner:
             self.decode_slots[b:bs].zero_()
         key = (bs, length)
         if key not in self.graphs:  # capture_all was not called (tests): capture now
-            self.graphs[key] = self._try_capture(bs, length)
+            self.graphs[key] = try_capture(self._capture, key, "CUDA graphs")
         entry = self.graphs[key]
         if entry is None:
             return self.forward(batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -82,6 +82,16 @@ class _EPInfo:
                    graph_safe=all(d.graph_safe for d in dispatchers))
 
 
+class GraphRunner(Protocol):
+    """A faster way to run some steps than the eager model: CUDA graphs or a compiled forward."""
+
+    def can_run(self, batch: ForwardBatch) -> bool: ...
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor: ...  # logits, as the model's forward (tensors on the device)
+
+    def capture_all(self, progress: bool = True) -> None: ...  # capture (or compile) every shape now, at start-up
+
+
 class ModelRunner:
     """Loads the model on this rank's device, sizes the KV pool from the memory budget, runs steps."""
 
@@ -109,52 +119,47 @@ class ModelRunner:
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = make_kv_pool(self.config, self.num_pages, server_args.page_size, self.dtype, self.device,
                                     get_parallel_state().attn_tp_size)
-        self.compiled = None
-        self.graph_runner = None
-        if self.device.type == "cuda" and not server_args.disable_cuda_graph and self.ep.graph_safe:
-            from moeserve.rank.cuda_graph_runner import CudaGraphRunner
-
-            self.graph_runner = CudaGraphRunner(
-                self._decode_forward, self.kv_pool,
-                min(server_args.cuda_graph_max_bs, server_args.max_running_requests), self.context_length,
-                self.device)
         self.expert_tokens = (enable_local_expert_tokens(self.ep.num_local_experts, self.device)
                               if self.ep.num_moe_layers else None)
         self.expert_recorder = make_recorder(server_args, self.config, self.model, self.device)
         self._first_moe = self.model.moe_layers()[0] if self.expert_recorder is not None else None
         self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device)
                            if self.expert_recorder is not None else None)
-        if server_args.enable_torch_compile:  # last: the compiled graph sees the model as it will run
-            from moeserve.rank.compiled_decode import CompiledDecode
-
-            self.compiled = CompiledDecode(self.model, min(server_args.torch_compile_max_bs,
-                                                           server_args.max_running_requests))
-            self.compiled.warmup(self.kv_pool, self.device)
-        self.piecewise = None
-        if (self.device.type == "cuda" and not server_args.disable_cuda_graph and self.ep.graph_safe
-                and not server_args.disable_piecewise_cuda_graph):
-            self.piecewise = self._piecewise_runner()
-        progress = get_parallel_state().rank == 0
-        if self.piecewise is not None:  # last: the graphs capture the model as it will run (the largest first)
-            self.piecewise.capture_all(progress=progress)
-        if self.graph_runner is not None:
-            self.graph_runner.capture_all(progress=progress)
+        self.runners = self._graph_runners()
+        for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
+            runner.capture_all(progress=get_parallel_state().rank == 0)
         logger.info("%s", self.memory_line())
 
-    def _piecewise_runner(self):
-        """The extend steps' piecewise CUDA graphs, or None (and a log line) where they cannot run."""
-        if self.expert_recorder is not None:
-            logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts would "
-                        "include the padding tokens): extend steps run eagerly")
-            return None
-        from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
-
+    def _graph_runners(self) -> list[GraphRunner]:
+        """The runners the flags and the device allow, in the order a step tries them: decode's CUDA graphs,
+        extend's piecewise graphs, the compiled decode (which the decode graphs capture where both run)."""
         a = self.args
-        # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt, run
-        # eagerly)
-        max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens, a.max_prefill_tokens)
-        pool = self.graph_runner.pool if self.graph_runner is not None else None
-        return PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device, pool)
+        self.compiled = self.graph_runner = self.piecewise = None
+        if a.enable_torch_compile:
+            from moeserve.rank.compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(self.model, min(a.torch_compile_max_bs, a.max_running_requests),
+                                           self.kv_pool, self.device)
+        if self.device.type == "cuda" and not a.disable_cuda_graph and self.ep.graph_safe:
+            from moeserve.rank.cuda_graph_runner import CudaGraphRunner
+
+            uncaptured = [self.compiled] if self.compiled is not None else []
+            self.graph_runner = CudaGraphRunner(
+                lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
+                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device)
+            if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
+                logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
+                            "would include the padding tokens): extend steps run eagerly")
+            elif not a.disable_piecewise_cuda_graph:
+                from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
+
+                # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt,
+                # run eagerly)
+                max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens,
+                                 a.max_prefill_tokens)
+                self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device,
+                                                      self.graph_runner.pool)
+        return [r for r in (self.graph_runner, self.piecewise, self.compiled) if r is not None]
 
     def memory_line(self) -> str:
         """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""
@@ -220,21 +225,15 @@ class ModelRunner:
         """Run the model on one batch: logits [rows of batch.logits_indices, V] float32."""
         fb = batch.to(self.device)
         fb.kv_pool = self.kv_pool
-        if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            logits = self.graph_runner.run(fb)
-        elif self.piecewise is not None and self.piecewise.can_run(fb):
-            logits = self.piecewise.run(fb)
-        else:
-            logits = self._decode_forward(fb)
+        logits = self._run_first(self.runners, fb)
         if self.expert_recorder is not None:
             self.expert_recorder.on_pass_end(self._first_moe.recorded_rows(fb.num_tokens))
         return logits
 
-    def _decode_forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """The model, compiled where --enable-torch-compile covers the batch (also what CUDA graphs capture)."""
-        if self.compiled is not None and self.compiled.can_run(fb):
-            return self.compiled(fb)
-        return self.model(fb)
+    def _run_first(self, runners: list[GraphRunner], fb: ForwardBatch) -> torch.Tensor:
+        """The step on the first of `runners` that takes it, else the eager model."""
+        runner = next((r for r in runners if r.can_run(fb)), None)
+        return runner.run(fb) if runner is not None else self.model(fb)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Req], to_host: bool = True) -> SampleOutput:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ import torch
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts
+from moeserve.rank.cuda_graph_runner import capture_each, try_capture
 
 logger = logging.getLogger(__name__)
 
@@ -95,27 +95,12 @@ class PiecewiseGraphRunner:
     @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> None:
         """Every bucket now, the largest first (its pool blocks then serve the smaller ones)."""
-        from tqdm import tqdm
-
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        start = time.perf_counter()
-        for n in tqdm(list(reversed(self.buckets)), desc="Capturing piecewise CUDA graphs", disable=not progress,
-                      mininterval=1.0):
-            if n not in self.captured:
-                self.captured[n] = self._try_capture(n)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        what = "piecewise CUDA graphs"
+        seconds, gib = capture_each(list(reversed(self.buckets)), self.captured, self._capture, what, progress,
+                                    self.device)
         done = [b for b in self.captured.values() if b is not None]
         logger.info("captured piecewise CUDA graphs for extend steps of %s tokens (%d pieces each) in %.1f s, "
-                    "%.2f GiB", self.buckets, len(done[0].graphs) if done else 0, time.perf_counter() - start, used)
-
-    def _try_capture(self, n: int) -> _Bucket | None:
-        try:
-            return self._capture(n)
-        except RuntimeError as e:  # some op cannot be captured: steps of this size run eagerly from now on
-            logger.warning("piecewise CUDA graph capture failed for %d tokens; running them eagerly: %s", n, e)
-            return None
+                    "%.2f GiB", self.buckets, len(done[0].graphs) if done else 0, seconds, gib)
 
     @torch.inference_mode(False)  # plain tensors, like the scheduler's batches
     def _static_batch(self, n: int) -> ForwardBatch:
@@ -164,7 +149,7 @@ class PiecewiseGraphRunner:
         t = batch.num_tokens
         n = self.bucket(t)
         if n not in self.captured:  # capture_all was not called (tests): capture now
-            self.captured[n] = self._try_capture(n)
+            self.captured[n] = try_capture(self._capture, n, "piecewise CUDA graphs")
         bucket = self.captured[n]
         if bucket is None:
             return self.model(batch)

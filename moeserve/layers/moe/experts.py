@@ -37,8 +37,8 @@ class Experts(nn.Module):
                  runner_backend: str = "auto"):
         super().__init__()
         self.runner_backend = runner_backend
-        self.use_cpu_kernel = False  # decided by process_weights_after_loading
-        self.use_triton = False  # likewise
+        self.use_cpu_kernel = False  # decided by process_weights_after_loading, as are the grouped GEMMs:
+        self.gemm, self.gemm_masked = moe_gemm_reference, moe_gemm_masked_reference  # Triton's where they run
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts  # logical experts in the checkpoint
@@ -62,18 +62,16 @@ class Experts(nn.Module):
             # first GEMM into the counter (`tally`)
             tally = local_tally(self.num_local_experts, layout.x.device)
             # Rows past masked_m[e] are unspecified and ignored by combine (the torch path computes them too).
-            gemm = moe_gemm_masked if self.use_triton else moe_gemm_masked_reference
-            h = gemm(layout.x, self.w13, layout.masked_m, silu=True, tally=tally)
-            return gemm(h, self.w2, layout.masked_m)
+            h = self.gemm_masked(layout.x, self.w13, layout.masked_m, silu=True, tally=tally)
+            return self.gemm_masked(h, self.w2, layout.masked_m)
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         if self.use_cpu_kernel:
             record_local_tokens(counts[:self.num_local_experts])
             return cpu_experts.cpu_experts(layout.rows(), self.w13, self.w2, offs, counts)
-        gemm = moe_gemm if self.use_triton else moe_gemm_reference
         # SiLU-and-mul fused in the Triton kernel, which also gathers the layout's rows from the tokens
-        h = gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k,
-                 tally=local_tally(self.num_local_experts, layout.x.device))
-        return gemm(h, self.w2, offs, counts)
+        h = self.gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k,
+                      tally=local_tally(self.num_local_experts, layout.x.device))
+        return self.gemm(h, self.w2, offs, counts)
 
     def process_weights_after_loading(self, device: torch.device) -> None:
         """Pick the kernels for the weights' device and dtype; on the CPU, store each expert's matrix transposed in
@@ -93,7 +91,8 @@ class Experts(nn.Module):
         if self.runner_backend == "triton" and not (on_cuda and triton_importable()):
             raise ValueError(f"--moe-runner-backend triton runs on CUDA with Triton installed; here the experts are "
                              f"on {device}" + ("" if triton_importable() else " and Triton does not import"))
-        self.use_triton = on_cuda and self.runner_backend in ("auto", "triton") and triton_importable()
+        if on_cuda and self.runner_backend in ("auto", "triton") and triton_importable():
+            self.gemm, self.gemm_masked = moe_gemm, moe_gemm_masked
         if on_cpu:
             self._cpu_layout()
 

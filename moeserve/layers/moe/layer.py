@@ -1,18 +1,10 @@
-"""One MoE layer (DESIGN.md 'One MoE layer'): routed experts spread over the EP ranks, plus shared experts.
+"""One MoE layer (docs/ARCHITECTURE.md, 'One MoE layer'): routed experts spread over the EP ranks, plus shared ones.
 
     y = sum_{e in topk(x)} w_e(x) E_e(x)  +  S(x)
 
-    gate: x -> logical experts and weights -> (recorder) -> physical slots -> dispatch -> this rank's experts ->
-    combine -> + shared experts
-
-The layer holds this rank's experts [ep_rank * E_local, (ep_rank + 1) * E_local) of the physical slot list; the
-placement (placement.py) says which logical expert each slot holds and, where it is not the identity (redundant
-experts, --init-expert-location), which slot a token routed to logical expert e goes to. The gate is the model's
-(moeserve/layers/moe/router.py, configured by the model file).
-
-`forward` runs three stages in order: `dispatch`, `compute`, `combine`. Two-batch overlap (moeserve/models/tbo.py)
-runs the same stages interleaved with another micro-batch's. On one CPU rank with few rows per expert (decode),
-`forward_fused_cpu` replaces the three with one kernel call.
+gate (the model's, router.py) -> physical slots (placement.py) -> dispatch -> this rank's experts -> combine, + S(x).
+`forward` runs the stages `dispatch`, `compute`, `combine`; two-batch overlap (moeserve/models/tbo.py) interleaves
+them with another micro-batch's. On one CPU rank, few rows per expert (decode) take one kernel: `forward_fused_cpu`.
 """
 
 from __future__ import annotations
@@ -28,15 +20,15 @@ from moeserve.ep.base import Dispatcher
 from moeserve.ep.local import LocalDispatcher
 from moeserve.ep.registry import DispatchOptions, make_dispatcher
 from moeserve.ep.stats import record_local_tokens
-from moeserve.eplb.location import ExpertLocation, pick_replicas
+from moeserve.eplb.location import ExpertLocation
 from moeserve.kernels import cpu_experts
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.fp8_quant import quantize_activations
 from moeserve.kernels.moe_select import append_slots
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
-from moeserve.layers.moe.placement import layer_placement
-from moeserve.parallel.comm import all_gather
+from moeserve.layers.moe.placement import LayerPlacement
+from moeserve.layers.moe.token_split import TokenSplit
 from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
@@ -84,37 +76,28 @@ class MoE(nn.Module):
         if num_physical % ps.ep_size:
             raise ValueError(f"{num_physical} physical experts do not split over ep_size {ps.ep_size}")
         num_local = num_physical // ps.ep_size
-        self.moe_index, self.ep_rank = config.moe_layers.index(layer_id), ps.ep_rank
-        slots, self.dispatch_table = layer_placement(options.placement, self.moe_index, ps.ep_rank,
-                                                     config.num_experts, keep_table=options.rebalance)
-        self.replicas = self.num_replicas = None  # dynamic dispatch: every replica of each expert
-        if options.dynamic_dispatch:
-            if options.placement is None:
-                raise ValueError("--ep-dispatch-algorithm dynamic needs a placement (models/options.py builds one)")
-            self.replicas = options.placement.logical_to_all_physical_map[self.moe_index].clone()  # [E, X]
-            self.num_replicas = options.placement.logical_to_all_physical_map_num_valid[self.moe_index].clone()
+        self.placement = LayerPlacement(options.placement, config.moe_layers.index(layer_id), ps.ep_rank,
+                                        config.num_experts, options.rebalance, options.dynamic_dispatch)
         first = ps.ep_rank * num_local
         self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                               slots[first:first + num_local], expert_names, runner_backend=options.runner_backend)
+                               self.placement.slots[first:first + num_local], expert_names,
+                               runner_backend=options.runner_backend)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
             if config.num_shared_experts else None
         )
         # --enable-shared-experts-fusion: at load the shared MLP becomes num_shared_experts more local slots
         # (`_fuse_shared_experts`), which `route` appends to every token's choice with weight 1
-        self.num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
         self.shared_ids: torch.Tensor | None = None  # [num_shared] their local slots, once fused
         self.shared_apart_from: int | None = None  # from this many tokens a step they run apart (plain weights)
         self._gate_appends = False  # the gate writes them itself (no slot mapping between): no concatenation
-        # Attention TP + EP: the ranks of an attention group hold the same tokens, so each sends only its share
-        # through the dispatcher and the group all-gathers the results (else every pair is computed tp times).
-        self.attn_tp_size, self.attn_tp_rank, self.attn_tp_group = ps.attn_tp_size, ps.attn_tp_rank, ps.attn_tp_group
-        self.split_tokens = ps.attn_tp_size > 1 and ps.ep_size > 1
+        self.split = TokenSplit(ps)
         self.recorder: ExpertRecorder | None = None
         # Built at load (process_weights_after_loading), when the activations' dtype and device are known; one per
         # micro-batch of two-batch overlap (a dispatcher keeps state between its halves).
         self.dispatchers: tuple[Dispatcher, ...] = ()
-        self._dispatch = (options.dispatch, num_physical, num_local, 2 if options.two_batch_overlap else 1)
+        num_shared = config.num_shared_experts if options.fuse_shared_experts else 0
+        self._dispatch = (options.dispatch, num_physical, num_local, 2 if options.two_batch_overlap else 1, num_shared)
         self.fused_cpu = False  # forward_fused_cpu runs (one CPU rank, moeserve's kernel): decided at load
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -129,7 +112,7 @@ class MoE(nn.Module):
     # the combine. `mb` picks the dispatcher: 0 for micro-batch A of two-batch overlap (and steps without it), 1 for B.
     def dispatch(self, x: torch.Tensor, batch: ForwardBatch | None = None, mb: int = 0) -> None:
         """gate -> physical slots -> dispatch_a, for this rank's share of the tokens."""
-        x = self._own_tokens(x)
+        x = self.split.own(x)
         topk_ids, topk_weights = self.route(x)
         self.dispatchers[mb].dispatch_a(x, topk_ids, topk_weights, batch)
 
@@ -141,12 +124,10 @@ class MoE(nn.Module):
     def combine(self, x: torch.Tensor, mb: int = 0) -> torch.Tensor:
         """The shared experts (while the combine is in flight), then combine_b (wait) with their sum added (in the
         combine's own kernel where the dispatcher combines locally)."""
-        num_tokens = x.shape[0]
-        x = self._own_tokens(x)
         d = self.dispatchers[mb]
-        shared = self._shared_out(x)
+        shared = self._shared_out(self.split.own(x))
         y = d.combine_b() if shared is None else d.combine_b_plus(shared)
-        return self._gather_tokens(y, num_tokens) if self.split_tokens else y
+        return self.split.gather(y, x.shape[0])
 
     def forward_fused_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """forward on one CPU rank: routing straight into one kernel call (grouping the pairs by expert, the
@@ -156,6 +137,17 @@ class MoE(nn.Module):
         record_local_tokens(counts[:self.experts.num_local_experts])
         shared = self._shared_out(x)
         return y + shared if shared is not None else y
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate -> (recorder) -> physical slots: (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        apart = self._shared_apart(x.shape[0])  # the fused shared experts run apart: not appended
+        topk_ids, topk_weights = self.gate(x, append=False) if apart else self.gate(x)  # [T, k] (+ num_shared)
+        if self.recorder is not None:  # logical ids: the load EPLB plans from
+            self.recorder.on_select_experts(self.layer_id, topk_ids[:, :self.top_k])
+        topk_ids = self.placement.to_physical(topk_ids)
+        if self.shared_ids is not None and not self._gate_appends and not apart:  # the fused shared experts, weight 1
+            topk_ids, topk_weights = append_slots(topk_ids, topk_weights, self.shared_ids)
+        return topk_ids, topk_weights
 
     def _shared_apart(self, num_tokens: int) -> bool:
         """The fused shared experts run apart (not routed) this step: a step of prefill size (SHARED_APART_TOKENS)."""
@@ -169,40 +161,21 @@ class MoE(nn.Module):
         if not self._shared_apart(x.shape[0]):
             return None
         y = None
-        for j in range(self.experts.num_local_experts, self.experts.num_local_experts + self.num_shared):
+        for j in range(self.experts.num_local_experts, self.experts.w13.shape[0]):
             h = silu_and_mul(torch.nn.functional.linear(x, self.experts.w13[j]))
             y = torch.nn.functional.linear(h, self.experts.w2[j]) if y is None else y.addmm_(h, self.experts.w2[j].t())
         return y
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate -> (recorder) -> physical slots: (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        apart = self._shared_apart(x.shape[0])  # the fused shared experts run apart: not appended
-        topk_ids, topk_weights = self.gate(x, append=False) if apart else self.gate(x)  # [T, k] (+ num_shared)
-        if self.recorder is not None:  # logical ids: the load EPLB plans from
-            self.recorder.on_select_experts(self.layer_id, topk_ids[:, :self.top_k])
-        if self.replicas is not None:  # dynamic: each token to one of the expert's replicas, at random
-            topk_ids = pick_replicas(topk_ids, self.replicas, self.num_replicas, torch.rand(topk_ids.shape,
-                                                                                          device=topk_ids.device))
-        elif self.dispatch_table is not None:
-            topk_ids = self.dispatch_table.index_select(0, topk_ids.reshape(-1)).view_as(topk_ids)
-        if self.shared_ids is not None and not self._gate_appends and not apart:  # the fused shared experts, weight 1
-            topk_ids, topk_weights = append_slots(topk_ids, topk_weights, self.shared_ids)
-        return topk_ids, topk_weights
-
     def recorded_rows(self, num_tokens: int) -> int:
         """Rows this layer reported to its recorder in a pass of num_tokens tokens (its share of them with the
         attention-TP token split; none where another rank of the group reports)."""
-        if self.recorder is None:
-            return 0
-        if not self.split_tokens:
-            return num_tokens
-        chunk = -(-num_tokens // self.attn_tp_size)
-        return max(0, min(num_tokens, (self.attn_tp_rank + 1) * chunk) - self.attn_tp_rank * chunk)
+        rows = self.split.rows(num_tokens)
+        return rows.stop - rows.start if self.recorder is not None else 0
 
     def set_recorder(self, recorder: ExpertRecorder | None) -> None:
         """Report the chosen experts to `recorder` (None: stop). Ranks of an attention group that route the same
         tokens (no token split) leave it to the group's first rank, so the server's sum counts each token once."""
-        self.recorder = recorder if self.split_tokens or self.attn_tp_rank == 0 else None
+        self.recorder = recorder if self.split.active or self.split.rank == 0 else None
 
     # ------------------------------------------------------------------ what the online rebalancer moves
     def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,57 +184,33 @@ class MoE(nn.Module):
 
     def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
         """Take this layer's row of `location` into the maps, in place (CUDA graphs keep reading them)."""
-        if self.dispatch_table is not None:
-            self.dispatch_table.copy_(location.logical_to_rank_dispatch_physical_map[self.ep_rank, moe_index])
-        if self.replicas is not None:
-            self.replicas.copy_(location.logical_to_all_physical_map[moe_index])
-            self.num_replicas.copy_(location.logical_to_all_physical_map_num_valid[moe_index])
-        first = self.ep_rank * self.experts.num_local_experts
-        self.experts.expert_ids = location.physical_to_logical_map[moe_index, first:
-                                                                   first + self.experts.num_local_experts].tolist()
+        self.placement.update(location)
+        first, n = self.placement.ep_rank * self.experts.num_local_experts, self.experts.num_local_experts
+        self.experts.expert_ids = location.physical_to_logical_map[moe_index, first:first + n].tolist()
 
     def process_weights_after_loading(self, device: torch.device) -> None:
         """Build the dispatchers for the activations (the experts' dtype) on `device`, buffers allocated now."""
-        for name in ("dispatch_table", "replicas", "num_replicas"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).to(device))
-        options, num_physical, num_local, count = self._dispatch
-        if self.num_shared:
-            self._fuse_shared_experts(device)
-            num_physical, num_local = num_physical + self.num_shared, num_local + self.num_shared
+        self.placement.to(device)
+        options, num_physical, num_local, count, num_shared = self._dispatch
+        if num_shared:
+            self._fuse_shared_experts(num_shared, device)
         cfg = self.experts
         self.dispatchers = tuple(
-            make_dispatcher(options, num_physical, num_local, dtype=cfg.activation_dtype, device=device,
-                            hidden_size=cfg.hidden_size, top_k=self.top_k + self.num_shared,
+            make_dispatcher(options, num_physical + num_shared, num_local + num_shared,
+                            dtype=cfg.activation_dtype, device=device, hidden_size=cfg.hidden_size,
+                            top_k=self.top_k + num_shared,
                             fp8_quantize=quantize_activations if cfg.takes_fp8 else None) for _ in range(count))
         # The experts' load hook ran first (the loader runs children before parents): use_cpu_kernel is decided.
         self.fused_cpu = (self.experts.use_cpu_kernel and isinstance(self.dispatchers[0], LocalDispatcher)
-                          and not self.split_tokens)
+                          and not self.split.active)
 
-    def _fuse_shared_experts(self, device: torch.device) -> None:
-        """The shared MLP (intermediate num_shared * I) as num_shared experts of intermediate I after this rank's
-        routed slots: sum_j down_j (silu(gate_j x) * up_j x) over its column blocks j is the MLP, exactly."""
-        first = self.experts.add_slots(self.shared_experts.expert_slots(self.num_shared))
-        n = self.num_shared
+    def _fuse_shared_experts(self, n: int, device: torch.device) -> None:
+        """The shared MLP (intermediate n * I) as n experts of intermediate I after this rank's routed slots:
+        sum_j down_j (silu(gate_j x) * up_j x) over its column blocks j is the MLP, exactly."""
+        first = self.experts.add_slots(self.shared_experts.expert_slots(n))
         self.shared_ids = torch.arange(first, first + n, device=device)
         self.shared_experts = None
         if not self.experts.takes_fp8:  # (FP8 slots stay in the grouped GEMM at every size)
             self.shared_apart_from = SHARED_APART_TOKENS
-        if self.dispatch_table is None and self.replicas is None and hasattr(self.gate, "append"):
+        if self.placement.identity and hasattr(self.gate, "append"):
             self.gate.append, self._gate_appends = (first, n), True
-
-    def _own_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the attention group's tokens (all of them without the split)."""
-        if not self.split_tokens:
-            return x
-        chunk = -(-x.shape[0] // self.attn_tp_size)
-        return x[self.attn_tp_rank * chunk : (self.attn_tp_rank + 1) * chunk]
-
-    def _gather_tokens(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """[own share, H] on each rank of the group -> [num_tokens, H] on all of them."""
-        if num_tokens == 0:  # the whole group is idle together (its ranks run the same batch)
-            return y
-        chunk = -(-num_tokens // self.attn_tp_size)
-        if y.shape[0] < chunk:
-            y = torch.cat([y, y.new_zeros(chunk - y.shape[0], y.shape[1])])
-        return all_gather(y, self.attn_tp_group)[:num_tokens]
