@@ -138,13 +138,14 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
     if decode:
         rooms: DecodeRooms | PrefillRooms = DecodeRooms(
             scheduler, backend, channel, heartbeat, identity, args.api_key, args.disaggregation_bootstrap_timeout,
-            args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout, group=group)
+            args.disaggregation_waiting_timeout, args.disaggregation_transfer_timeout, group=group,
+            ahead_pages=-(-args.max_prefill_tokens // args.page_size))  # what one prefill batch can start
     else:
         rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size,
                              args.disaggregation_bootstrap_timeout, args.disaggregation_transfer_timeout,
                              debug_failure_prob=args.disaggregation_debug_failure_prob,
                              seed=args.random_seed + dp_rank * group.size + group.rank, group=group,
-                             kv_replicated=replicated)
+                             kv_replicated=replicated, waiting_timeout_s=args.disaggregation_waiting_timeout)
         if group.leader:
             node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "")
                                                           else args.host)
