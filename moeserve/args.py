@@ -36,7 +36,8 @@ SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurr
                     "disaggregation_transfer_backend", "disaggregation_ib_device", "disaggregation_bootstrap_timeout",
                     "disaggregation_waiting_timeout", "disaggregation_transfer_timeout",
                     "disaggregation_heartbeat_interval", "disaggregation_heartbeat_timeout",
-                    "disaggregation_debug_failure_prob")
+                    "disaggregation_debug_failure_prob", "api_key_all_routes", "http_header_timeout",
+                    "http_read_timeout")
 TRANSFER_BACKENDS = ("mooncake", "zmq")
 # PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
 PD_ONLY_DEFAULTS = {"disaggregation_bootstrap_port": 8998, "disaggregation_transfer_backend": "mooncake",
@@ -77,11 +78,17 @@ class ServerArgs:
     # --- HTTP ---
     host: str = _flag("127.0.0.1", "HTTP host to bind.")
     port: int = _flag(30000, "HTTP port.")
-    api_key: str | None = _flag(None, "If set, requests must carry 'Authorization: Bearer KEY'.")
+    api_key: str | None = _flag(None, "If set, requests must carry 'Authorization: Bearer KEY' (but /health and "
+                                "/metrics, as SGLang; docs/reliability.md).")
+    api_key_all_routes: bool = _flag(False, "With --api-key, /health and /metrics ask for the key too.")
+    http_header_timeout: float = _flag(10.0, "Seconds a client has to send a request's headers; then it is closed.")
+    http_read_timeout: float = _flag(30.0, "Seconds a client may send no byte in the middle of a body; then it is "
+                                     "closed.")
     log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_interval_s: float = _flag(5.0, "Seconds between the scheduler's throughput log lines.")
     stream_interval: int = _flag(1, "Send a streaming chunk every this many tokens.")
-    max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503.")
+    max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503 (429 with "
+                                         "--disaggregation-mode: sglang-router retries it), with Retry-After.")
     shutdown_timeout: float = _flag(
         20.0, "Seconds that SIGTERM or SIGINT leaves the requests in flight to finish (new ones get 503) before the "
         "rest end with a 503 error and the server stops; a second signal stops it at once.")
@@ -241,6 +248,8 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+        if min(self.http_header_timeout, self.http_read_timeout) <= 0:
+            raise ValueError("--http-header-timeout and --http-read-timeout must be > 0 seconds")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
