@@ -287,7 +287,7 @@ class DecodeRooms:
                 self._cancel(rec, now, f"the prefill server did not start the request within "
                                        f"{self.waiting_timeout_s:g} s (--disaggregation-waiting-timeout); retry "
                                        "later", "waiting_timeout", OVERLOADED)
-            elif rec.state == "transferring" and age > self.transfer_timeout_s:
+            elif rec.state == "transferring" and rec.started and age > self.transfer_timeout_s:
                 self._cancel(rec, now, f"the KV transfer did not finish within {self.transfer_timeout_s:g} s of its "
                                        "start (--disaggregation-transfer-timeout)", "transfer_timeout")
             elif rec.state == "cancelling" and age > self._hold_s:
