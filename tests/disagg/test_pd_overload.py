@@ -107,7 +107,7 @@ def test_overload_waits_instead_of_failing(pd):
     assert httpx.post(prefill.url + "/flush_cache", timeout=10).status_code == 200
     for server in (prefill, decode_a, decode_b):
         assert all(x["kv_used_tokens"] == 0 for x in _loads(server)), server.url
-    assert "moeserve:pd_failures_total" not in httpx.get(prefill.url + "/metrics", timeout=10).text
+    assert "moeserve:pd_failures_total{" not in httpx.get(prefill.url + "/metrics", timeout=10).text
 
 
 def test_dead_decode_fails_its_queued_rooms_by_the_heartbeat(pd):
@@ -124,7 +124,7 @@ def test_dead_decode_fails_its_queued_rooms_by_the_heartbeat(pd):
         assert took < 15, took  # the heartbeat's 3 s, with room for a loaded machine; the waiting timeout is 300 s
         assert _pd(prefill, "failures").get("peer_dead", 0) >= 2
         metrics = httpx.get(prefill.url + "/metrics", timeout=10).text
-        assert 'moeserve:pd_failures_total{model_name="default",side="prefill",cause="peer_dead"}' in metrics
+        assert 'moeserve:pd_failures_total{cause="peer_dead",model_name="default",side="prefill"}' in metrics
         assert "failed (peer_dead): the decode server stopped answering" in prefill.log.read_text()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
