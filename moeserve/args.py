@@ -215,11 +215,12 @@ class ServerArgs:
         None, "mooncake: the RDMA device(s) to use, e.g. mlx5_0 (default: Mooncake's choice, TCP without RDMA).")
     disaggregation_bootstrap_timeout: float = _flag(
         30.0, "Seconds a request waits for its peer to appear: decode for the prefill server to know the room, "
-        "prefill for decode to say where to write.")
+        "prefill for a decode server to ask for it.")
     disaggregation_waiting_timeout: float = _flag(
-        60.0, "Decode: seconds a request waits for KV cache space before it fails with 503.")
+        60.0, "Seconds a request waits in a healthy peer's queue: decode for KV cache space and for prefill to start "
+        "it (then 429: try later); prefill for decode to admit a room decode asked for.")
     disaggregation_transfer_timeout: float = _flag(
-        30.0, "Seconds one KV write may take, and decode's wait from reserving pages to the prefill's report (and "
+        30.0, "Seconds one KV write may take, and decode's wait from the prefill's first write to its report (and "
         "again for a cancellation's acknowledgement).")
     disaggregation_heartbeat_interval: float = _flag(
         1.0, "Seconds between decode's pings to the prefill ranks it waits on.")

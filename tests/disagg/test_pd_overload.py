@@ -1,9 +1,10 @@
 """PD under overload, through the real sglang-router (issue 54): deadlines time the peer, not its queue.
 
-One prefill server with a 2 s bootstrap timeout serves two decode servers, each behind its own router: decode A
+One prefill server with a 1 s bootstrap timeout serves two decode servers, each behind its own router: decode A
 admits one request at a time (--max-running-requests 1), so a burst of long prompts waits in its queue far past
-prefill's bootstrap timeout; decode B has a 3 s transfer timeout and reserves pages ahead for one small prefill
-batch, while the two bursts together keep prefill busy far past that timeout. Every request finishes with the
+prefill's bootstrap timeout; decode B has a 2 s transfer timeout and reserves pages ahead for one small prefill
+batch, while the two bursts together keep prefill busy far past that timeout (each prompt's own prefill takes a
+fraction of it). Every request finishes with the
 colocated engine's greedy tokens, both sides' pools drain to 0 and no failure is counted. Then decode A is killed
 with rooms queued for it: prefill fails them by the heartbeat (3 s), though its waiting timeout is minutes.
 """
@@ -25,16 +26,16 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (it 
 pytestmark = pytest.mark.slow
 
 WAIT = ["--disaggregation-waiting-timeout", "300"]  # the server's own bound on a queue: never reached here
-PREFILL = [*WAIT, "--disaggregation-bootstrap-timeout", "2", "--disaggregation-transfer-timeout", "3"]
+PREFILL = [*WAIT, "--disaggregation-bootstrap-timeout", "1", "--disaggregation-transfer-timeout", "3"]
 DECODE_A = [*WAIT, "--max-running-requests", "1", "--disaggregation-bootstrap-timeout", "2"]
-DECODE_B = [*WAIT, "--disaggregation-transfer-timeout", "3", "--max-prefill-tokens", "256"]
+DECODE_B = [*WAIT, "--disaggregation-transfer-timeout", "2", "--max-prefill-tokens", "256"]
 SP = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-BURST = 6
+BURST = 10
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 400) for _ in range(rng.randrange(200, 280))] for _ in range(n)]
+    return [[rng.randrange(3, 400) for _ in range(rng.randrange(400, 500))] for _ in range(n)]
 
 
 def _wait(cond, what: str, timeout: float = 60) -> float:

@@ -69,7 +69,7 @@ class Metrics:
                                          registry=r).labels(**self.labels)
         self.pd_transfer_seconds = Counter(
             "moeserve:pd_transfer_seconds", "Sum of KV transfer latencies (prefill: from decode's destination to the "
-            "last write; decode: from reserving pages to the prefill's report).", names, registry=r).labels(**self.labels)
+            "last write; decode: from the prefill's first write to its report).", names, registry=r).labels(**self.labels)
         self.pd_transfer_write_seconds = Counter(
             "moeserve:pd_transfer_write_seconds", "Sum of the time spent inside KV writes (prefill; writes may "
             "overlap: bytes over this is one write's rate).", names, registry=r).labels(**self.labels)
