@@ -101,11 +101,17 @@ class ServerArgs:
     # --- HTTP ---
     host: str = _flag("127.0.0.1", "HTTP host to bind.")
     port: int = _flag(30000, "HTTP port.")
-    api_key: str | None = _flag(None, "If set, requests must carry 'Authorization: Bearer KEY'.")
+    api_key: str | None = _flag(None, "If set, requests must carry 'Authorization: Bearer KEY' (but /health and "
+                                "/metrics, as SGLang; docs/reliability.md).")
+    api_key_all_routes: bool = _flag(False, "With --api-key, /health and /metrics ask for the key too.")
+    http_header_timeout: float = _flag(10.0, "Seconds a client has to send a request's headers; then it is closed.")
+    http_read_timeout: float = _flag(30.0, "Seconds a client may send no byte in the middle of a body; then it is "
+                                     "closed.")
     log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_interval_s: float = _flag(5.0, "Seconds between the scheduler's throughput log lines.")
     stream_interval: int = _flag(1, "Send a streaming chunk every this many tokens.")
-    max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503.")
+    max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503 (429 with "
+                                         "--disaggregation-mode: sglang-router retries it), with Retry-After.")
     shutdown_timeout: float = _flag(
         20.0, "Seconds that SIGTERM or SIGINT leaves the requests in flight to finish (new ones get 503) before the "
         "rest end with a 503 error and the server stops; a second signal stops it at once.")
@@ -232,11 +238,12 @@ class ServerArgs:
         None, "mooncake: the RDMA device(s) to use, e.g. mlx5_0 (default: Mooncake's choice, TCP without RDMA).")
     disaggregation_bootstrap_timeout: float = _flag(
         30.0, "Seconds a request waits for its peer to appear: decode for the prefill server to know the room, "
-        "prefill for decode to say where to write.")
+        "prefill for a decode server to ask for it.")
     disaggregation_waiting_timeout: float = _flag(
-        60.0, "Decode: seconds a request waits for KV cache space before it fails with 503.")
+        60.0, "Seconds a request waits in a healthy peer's queue: decode for KV cache space and for prefill to start "
+        "it (then 429: try later); prefill for decode to admit a room decode asked for.")
     disaggregation_transfer_timeout: float = _flag(
-        30.0, "Seconds one KV write may take, and decode's wait from reserving pages to the prefill's report (and "
+        30.0, "Seconds one KV write may take, and decode's wait from the prefill's first write to its report (and "
         "again for a cancellation's acknowledgement).")
     disaggregation_heartbeat_interval: float = _flag(
         1.0, "Seconds between decode's pings to the prefill ranks it waits on.")
@@ -265,6 +272,8 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+        if min(self.http_header_timeout, self.http_read_timeout) <= 0:
+            raise ValueError("--http-header-timeout and --http-read-timeout must be > 0 seconds")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -410,7 +419,8 @@ PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
                     if f.name.startswith("disaggregation_") and f.name != "disaggregation_mode"}
 # Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
-                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", *PD_ONLY_DEFAULTS)
+                    "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "api_key_all_routes",
+                    "http_header_timeout", "http_read_timeout", *PD_ONLY_DEFAULTS)
 
 
 def _dash(name: str) -> str:

@@ -97,14 +97,15 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         logger.debug("bootstrap: " + format, *args)
 
-    def _authorized(self) -> bool:
+    def _authorized(self, answer: bool = True) -> bool:
         key = self.server_state.api_key
         if key is None:
             return True
         given = self.headers.get("Authorization", "")
         if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return True
-        self._answer(401, {"error": "the bootstrap server needs Authorization: Bearer <--api-key>"})
+        if answer:
+            self._answer(401, {"error": "the bootstrap server needs Authorization: Bearer <--api-key>"})
         return False
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
@@ -117,10 +118,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         url = urllib.parse.urlparse(self.path)
-        if url.path == "/health":
-            self._answer(200, {"status": "ok", "registered": sorted(self.server_state.ranks)})
+        if url.path == "/health" and not self._authorized(answer=False):  # open, but names no rank
+            self._answer(200, {"status": "ok"})
             return
         if not self._authorized():
+            return
+        if url.path == "/health":
+            self._answer(200, {"status": "ok", "registered": sorted(self.server_state.ranks)})
             return
         if url.path != "/route":
             self._answer(404, {"error": f"no {url.path}"})

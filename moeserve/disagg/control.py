@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from moeserve.disagg.messages import BadMessage, decode, encode
+from moeserve.disagg.messages import BadMessage, ReplayGuard, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ControlChannel:
         port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         self.addr = f"tcp://{advertise_host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
+        self.replays = ReplayGuard() if api_key is not None else None  # unsigned messages prove nothing anyway
 
     def send(self, addr: str, msg: dict[str, Any]) -> bool:
         """Queue msg for the peer at addr; False when its queue is full (the peer does not read)."""
@@ -62,7 +63,8 @@ class ControlChannel:
             return False
 
     def recv_all(self) -> list[dict[str, Any]]:
-        """Every message waiting now (none blocks); malformed or unsigned ones are logged and dropped."""
+        """Every message waiting now (none blocks); malformed, unsigned, stale or replayed ones are logged and
+        dropped."""
         out = []
         while True:
             try:
@@ -70,7 +72,10 @@ class ControlChannel:
             except zmq.Again:
                 return out
             try:
-                out.append(decode(frames, self.api_key))
+                msg = decode(frames, self.api_key)
+                if self.replays is not None:
+                    self.replays.check(msg)
+                out.append(msg)
             except BadMessage as e:
                 logger.warning("dropped a PD control message: %s", e)
 

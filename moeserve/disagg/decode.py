@@ -7,9 +7,12 @@
 
 bootstrapping: a worker thread asks the prefill server's bootstrap server which rank holds the room.
 waiting: admitted in arrival order only when the host (the scheduler) can reserve the prompt's pages and a request
-slot without touching what running requests need (back-pressure: the rest wait; a request waits at most
---disaggregation-waiting-timeout). transferring: the prefill rank writes into the reserved pages (through the
-backend's window for the request) and reports `done` with the first token. Pages go back to the pool only after
+slot without touching what running requests need, and only while the rooms whose prefill has not started hold
+at most `ahead_pages` (back-pressure: the rest wait; a request waits at most --disaggregation-waiting-timeout;
+`wait` tells prefill that the room is queued here, so prefill times it by this side's heartbeat, not a clock).
+transferring: the request waits in prefill's queue (at most --disaggregation-waiting-timeout), then prefill
+reports `started` and writes into the reserved pages (through the backend's window for the request) and reports
+`done` with the first token, within --disaggregation-transfer-timeout of `started`. Pages go back to the pool only after
 the writer acknowledged completion or cancellation, after it was declared dead, or after a further transfer
 timeout (the window is closed first, so a zmq write that comes even later is dropped; a one-sided backend such as
 Mooncake cannot drop it, so there the pages wait UNGUARDED_HOLD transfer timeouts while the writer's heartbeat
@@ -42,6 +45,7 @@ STATES = ("bootstrapping", "waiting", "transferring", "cancelling")
 # One-sided writes (Mooncake) cannot be refused once the pages are freed: a room whose cancellation is not
 # acknowledged keeps its pages while the writer lives, up to this many transfer timeouts.
 UNGUARDED_HOLD = 4
+OVERLOADED = 429  # a queue wait ran out at a healthy peer: sglang-router retries it, and its breaker stays closed
 
 
 class DecodeHost(Protocol):
@@ -64,6 +68,8 @@ class DecodeRoom:
     route: dict[str, Any] | None = None
     window: str | None = None
     reserved: bool = False  # holds pages from pd_reserve
+    pages: int = 0  # how many
+    started: bool = False  # prefill reported its first write: the transfer deadline runs
     aborted: bool = False  # the client is answered already; only the clean-up is left
 
     @property
@@ -82,7 +88,7 @@ class DecodeRooms:
     def __init__(self, host: DecodeHost, backend: TransferBackend, channel: ControlChannel | None,
                  heartbeat: Heartbeat | None, identity: dict[str, Any], api_key: str | None,
                  bootstrap_timeout_s: float, waiting_timeout_s: float, transfer_timeout_s: float,
-                 group: RankGroup | None = None):
+                 group: RankGroup | None = None, ahead_pages: int | None = None):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -91,6 +97,7 @@ class DecodeRooms:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.waiting_timeout_s = waiting_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.ahead_pages = ahead_pages  # most pages reserved for rooms whose prefill has not started (None: any)
         self.heartbeat = heartbeat
         self.group = group or RankGroup(endpoints=[backend.endpoint()])
         self.rooms: dict[int, DecodeRoom] = {}
@@ -137,6 +144,7 @@ class DecodeRooms:
         rec = self.by_req.get(id(req))
         if rec is None or rec.aborted:
             return
+        self._ended(rec, "aborted", "the request was aborted (client gone or /abort_request)")
         rec.aborted = True
         if rec.state == "transferring":
             self._cancel(rec, self.now)
@@ -189,7 +197,7 @@ class DecodeRooms:
         for seq in ev["unsent"]:
             rec = self.by_seq.get(seq)
             if rec is not None and rec.state == "transferring":
-                self._end_transfer(rec, "the prefill rank does not read its control socket", 503)
+                self._end_transfer(rec, "the prefill rank does not read its control socket", 503, "unsent")
         for msg in ev["msgs"]:
             self._on_message(msg, now)
         self._admit(now)
@@ -199,7 +207,7 @@ class DecodeRooms:
 
     def _on_route(self, rec: DecodeRoom, ok: bool, value: Any, now: float) -> None:
         if not ok:
-            self._fail(rec, f"PD bootstrap failed: {value}", 503)
+            self._fail(rec, f"PD bootstrap failed: {value}", 503, "bootstrap")
             return
         rec.route = value
         if rec.aborted:
@@ -209,9 +217,10 @@ class DecodeRooms:
         mismatch = self._mismatch(rec.route)
         if mismatch:  # prefill's request learns it at once too
             self._send(rec.addr, {"kind": "cancel", "room": rec.room})
-            self._fail(rec, f"prefill and decode cannot pair: {mismatch}", 500)
+            self._fail(rec, f"prefill and decode cannot pair: {mismatch}", 500, "mismatch")
             return
         rec.state, rec.since = "waiting", now
+        self._send(rec.addr, {"kind": "wait", "room": rec.room, "hb": self.heartbeat.addr if self.heartbeat else None})
 
     def _mismatch(self, route: dict[str, Any]) -> str | None:
         theirs = route.get("identity", {})
@@ -227,11 +236,15 @@ class DecodeRooms:
         return None
 
     def _admit(self, now: float) -> None:
+        ahead = sum(r.pages for r in self.rooms.values() if r.state == "transferring" and not r.started)
         for rec in [r for r in self.rooms.values() if r.state == "waiting"]:  # arrival order
+            if ahead and self.ahead_pages is not None and ahead >= self.ahead_pages:
+                return  # prefill has not started what it has: reserve no more pages for its queue
             pages = self.host.pd_reserve(rec.req)
             if pages is None:
                 return  # the head waits; later ones do not overtake it
-            rec.reserved = True
+            ahead += len(pages)
+            rec.reserved, rec.pages = True, len(pages)
             rec.window = f"{self.group.token}-{rec.seq}"
             self.backend.open_window(rec.window, pages)
             peers = [{**ep, "window": rec.window} for ep in self.group.endpoints]
@@ -244,9 +257,14 @@ class DecodeRooms:
     def _on_message(self, msg: dict[str, Any], now: float) -> None:
         addr = msg.get("from")
         rec = self.rooms.get(msg.get("room")) if "room" in msg else None
-        if rec is None or rec.state not in ("transferring", "cancelling") or rec.addr != addr:
+        if rec is None or rec.state == "bootstrapping" or rec.addr != addr:
             return
-        if msg["kind"] == "done":
+        if msg["kind"] == "started" and rec.state == "transferring":
+            rec.started, rec.since = True, now
+        elif rec.state == "waiting":
+            if msg["kind"] == "failed":  # prefill gave up on the room before decode admitted it
+                self._fail(rec, f"the prefill server failed the request: {msg.get('reason')}", 503, "prefill_failed")
+        elif msg["kind"] == "done":
             self.stats.on_transfer(int(msg.get("bytes", 0)), now - rec.since)
             if rec.state == "cancelling":
                 self._end_transfer(rec, None, 0)
@@ -256,17 +274,22 @@ class DecodeRooms:
                 self._drop(rec)
                 self.host.pd_activate(rec.req, msg)
         elif msg["kind"] == "failed":
-            self._end_transfer(rec, f"the prefill server failed the KV transfer: {msg.get('reason')}", 503)
+            self._end_transfer(rec, f"the prefill server failed the KV transfer: {msg.get('reason')}", 503,
+                               "prefill_failed")
 
     def _expire(self, now: float) -> None:
         for rec in list(self.rooms.values()):
             age = now - rec.since
             if rec.state == "waiting" and age > self.waiting_timeout_s:
                 self._fail(rec, f"no KV cache space for the request within {self.waiting_timeout_s:g} s "
-                                "(--disaggregation-waiting-timeout)", 503)
-            elif rec.state == "transferring" and age > self.transfer_timeout_s:
-                self._cancel(rec, now, f"the KV transfer did not finish within {self.transfer_timeout_s:g} s "
-                                       "(--disaggregation-transfer-timeout)")
+                                "(--disaggregation-waiting-timeout); retry later", OVERLOADED, "waiting_timeout")
+            elif rec.state == "transferring" and not rec.started and age > self.waiting_timeout_s:
+                self._cancel(rec, now, f"the prefill server did not start the request within "
+                                       f"{self.waiting_timeout_s:g} s (--disaggregation-waiting-timeout); retry "
+                                       "later", "waiting_timeout", OVERLOADED)
+            elif rec.state == "transferring" and rec.started and age > self.transfer_timeout_s:
+                self._cancel(rec, now, f"the KV transfer did not finish within {self.transfer_timeout_s:g} s of its "
+                                       "start (--disaggregation-transfer-timeout)", "transfer_timeout")
             elif rec.state == "cancelling" and age > self._hold_s:
                 if self.leader:
                     logger.warning("room %d: the prefill rank did not acknowledge the cancellation within %g s; "
@@ -290,9 +313,9 @@ class DecodeRooms:
                 reason = (f"the prefill server ({rec.bootstrap[0]}:{rec.bootstrap[1]}) stopped answering "
                           "(no heartbeat within --disaggregation-heartbeat-timeout)")
                 if rec.state == "waiting":
-                    self._fail(rec, reason, 503)
+                    self._fail(rec, reason, 503, "peer_dead")
                 else:
-                    self._end_transfer(rec, reason, 503)
+                    self._end_transfer(rec, reason, 503, "peer_dead")
 
     # ------------------------------------------------------------------ endings
     def _send(self, addr: str | None, msg: dict[str, Any]) -> bool:
@@ -301,31 +324,38 @@ class DecodeRooms:
             return True
         return self.channel.send(addr, {**msg, "from": self.channel.addr})
 
-    def _cancel(self, rec: DecodeRoom, now: float, reason: str | None = None) -> None:
+    def _cancel(self, rec: DecodeRoom, now: float, reason: str | None = None, cause: str = "",
+                status: int = 503) -> None:
         """Ask prefill to stop; the pages stay reserved until it acknowledges (or the wait times out)."""
         self._send(rec.addr, {"kind": "cancel", "room": rec.room})
         if reason is not None and not rec.aborted:
-            self.host.pd_fail(rec.req, reason, 503)
+            self._ended(rec, cause, reason)
+            self.host.pd_fail(rec.req, reason, status)
         rec.aborted = True
         rec.state, rec.since = "cancelling", now
 
-    def _end_transfer(self, rec: DecodeRoom, reason: str | None, status: int) -> None:
+    def _end_transfer(self, rec: DecodeRoom, reason: str | None, status: int = 0, cause: str = "") -> None:
         """The writer is finished with the pages (acknowledged, failed, dead or given up on): free them."""
         self.backend.close_window(rec.window)
         self.host.pd_release(rec.req)
         rec.reserved = False
         if reason is not None:
-            self._fail(rec, reason, status)
+            self._fail(rec, reason, status, cause)
         else:
             self._drop(rec)
 
-    def _fail(self, rec: DecodeRoom, message: str, status: int) -> None:
+    def _fail(self, rec: DecodeRoom, message: str, status: int, cause: str) -> None:
         if not rec.aborted:
-            if self.leader:
-                logger.warning("room %d: %s", rec.room, message)
+            self._ended(rec, cause, message)
             self.host.pd_fail(rec.req, message, status)
-            self.stats.failed += 1
         self._drop(rec)
+
+    def _ended(self, rec: DecodeRoom, cause: str, message: str) -> None:
+        """A request that will not finish: logged once (by the leader) and counted by cause."""
+        if self.leader:
+            logger.log(logging.INFO if cause == "aborted" else logging.WARNING, "room %d failed (%s): %s",
+                       rec.room, cause, message)
+        self.stats.on_failure(cause)
 
     def _drop(self, rec: DecodeRoom) -> None:
         self.rooms.pop(rec.room, None)

@@ -2,10 +2,12 @@
 
 JSON, not pickle: these sockets listen on the network, and unpickling a stranger's bytes runs their code. With
 --api-key every message carries an HMAC-SHA256 of its body under the key, so a stranger can neither tell a prefill
-rank where to write KV pages nor tell a decode rank that a transfer is done.
+rank where to write KV pages nor tell a decode rank that a transfer is done. The signed body holds a send time and
+a nonce: a receiver drops a message older than MAX_AGE_S or one it has seen (ReplayGuard), so a captured message
+cannot be replayed.
 
-decode -> prefill: `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge).
-prefill -> decode: `done` (every page written; the first token, its logprobs, cached_tokens), `failed` (the
+decode -> prefill: `wait` (the room waits in decode's queue: time it by decode's heartbeat), `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge).
+prefill -> decode: `started` (the first write is under way: decode's transfer deadline runs from here), `done` (every page written; the first token, its logprobs, cached_tokens), `failed` (the
 transfer stopped: an error, a cancellation or an abort; every write this rank started for the room has returned).
 Both ways, between the ranks' heartbeat threads (liveness.py): `ping`, answered by `pong`.
 """
@@ -15,9 +17,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
+import time
 from typing import Any
 
-KINDS = ("dest", "cancel", "ping", "done", "failed", "pong")
+KINDS = ("wait", "dest", "cancel", "ping", "started", "done", "failed", "pong")
+MAX_AGE_S = 60.0  # a signed message older than this (or this far ahead: clock skew) is dropped
 
 
 class BadMessage(ValueError):
@@ -27,6 +32,7 @@ class BadMessage(ValueError):
 def encode(msg: dict[str, Any], key: str | None) -> list[bytes]:
     """[mac, body] frames of one message; mac is empty without a key."""
     assert msg.get("kind") in KINDS, msg
+    msg = {**msg, "ts": time.time(), "nonce": secrets.token_hex(8)}
     body = json.dumps(msg, separators=(",", ":")).encode()
     return [sign(body, key), body]
 
@@ -51,3 +57,21 @@ def sign(body: bytes, key: str | None) -> bytes:
     if key is None:
         return b""
     return hmac.new(key.encode(), body, hashlib.sha256).hexdigest().encode()
+
+
+class ReplayGuard:
+    """A receiver's memory of the nonces of the last MAX_AGE_S: a repeated or stale signed message is refused."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}  # nonce -> send time
+
+    def check(self, msg: dict[str, Any]) -> None:
+        now = time.time()
+        ts, nonce = msg.get("ts"), msg.get("nonce")
+        if not isinstance(ts, (int, float)) or not isinstance(nonce, str) or abs(now - ts) > MAX_AGE_S:
+            raise BadMessage(f"stale or undated message (sent at {ts}; the clocks must agree within {MAX_AGE_S:g} s)")
+        if nonce in self.seen:
+            raise BadMessage("a replayed message (its nonce was seen already)")
+        if len(self.seen) > 1000:  # forget the nonces that have aged out
+            self.seen = {n: t for n, t in self.seen.items() if now - t <= MAX_AGE_S}
+        self.seen[nonce] = ts

@@ -4,9 +4,10 @@
          |                                    |                                  |
          +--- timeout / cancel / abort -------+------ write failed, `cancel`, abort, dead decode ----> failed
 
-bootstrapping: the request waits (outside the scheduler's queue, holding no KV) for decode to say where to write;
-at most --disaggregation-bootstrap-timeout. prefilling: the scheduler runs the prompt (chunked prefill, the radix
-cache's prefix); after each chunk the pages that are complete are written to decode (page-aligned; the partial
+bootstrapping: the request waits (outside the scheduler's queue, holding no KV) for decode to say where to write:
+at most --disaggregation-bootstrap-timeout for decode to ask for the room (`wait`), then while decode's heartbeat
+is heard, at most --disaggregation-waiting-timeout (decode's queue is not timed by this clock). prefilling: the scheduler runs the prompt (chunked prefill, the radix
+cache's prefix); `started` tells decode when the first chunk is done; after each chunk the pages that are complete are written to decode (page-aligned; the partial
 last page goes with the last chunk). transferring: the first token is sampled, the last writes are in flight.
 The request keeps its KV until every write it started has returned, then it goes to the radix cache (done) or
 back to the pool (failed); only then does decode hear `done` (with the first token, its logprobs and
@@ -59,6 +60,7 @@ class PrefillRoom:
     since: float
     state: str = "bootstrapping"
     dest: dict[str, Any] | None = None
+    waited: dict[str, Any] | None = None  # decode's `wait`: the room is queued there
     pages_sent: int = 0
     inflight: int = 0  # writes started by the group's ranks and not returned yet
     bytes: int = 0
@@ -70,11 +72,12 @@ class PrefillRoom:
 
     @property
     def decode_addr(self) -> str | None:
-        return self.dest["from"] if self.dest else None
+        peer = self.dest or self.waited
+        return peer["from"] if peer else None
 
     @property
     def decode_hb(self) -> str | None:
-        return self.dest.get("hb") if self.dest else None
+        return (self.dest or self.waited or {}).get("hb")
 
 
 class PrefillRooms:
@@ -85,7 +88,7 @@ class PrefillRooms:
     def __init__(self, host: PrefillHost, backend: TransferBackend, channel: ControlChannel | None,
                  heartbeat: Heartbeat | None, identity: dict[str, Any], page_size: int, bootstrap_timeout_s: float,
                  transfer_timeout_s: float, debug_failure_prob: float = 0.0, seed: int = 0,
-                 group: RankGroup | None = None, kv_replicated: bool = True):
+                 group: RankGroup | None = None, kv_replicated: bool = True, waiting_timeout_s: float = 60.0):
         self.host = host
         self.backend = backend
         self.channel = channel
@@ -93,6 +96,7 @@ class PrefillRooms:
         self.page_size = page_size
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.waiting_timeout_s = waiting_timeout_s
         self.heartbeat = heartbeat
         self.debug_failure_prob = debug_failure_prob
         self.group = group or RankGroup()
@@ -151,7 +155,7 @@ class PrefillRooms:
         if rec is None:
             return
         rec.answered = True
-        self._stop(rec, "the request was aborted on the prefill server")
+        self._stop(rec, "the request was aborted on the prefill server", "aborted")
 
     def after_extend(self, req: Any, kv_len: int, first: dict[str, Any] | None) -> None:
         """A step computed KV up to kv_len tokens of req; `first` when it sampled the first token (the end)."""
@@ -160,6 +164,8 @@ class PrefillRooms:
             return
         ps = self.page_size
         ready = (kv_len + ps - 1) // ps if first is not None else kv_len // ps
+        if rec.state == "prefilling" and rec.pages_sent == 0 < ready:
+            self._send(rec.decode_addr, {"kind": "started", "room": rec.room})
         if ready > rec.pages_sent:
             src = self.host.pd_src_pages(req, ready)[rec.pages_sent:]
             dst = rec.dest["pages"][rec.pages_sent:ready]
@@ -203,7 +209,7 @@ class PrefillRooms:
                 rec.inflight -= 1
                 rec.bytes += nbytes
                 if error is not None:
-                    self._stop(rec, f"KV transfer to decode failed: {error}")
+                    self._stop(rec, f"KV transfer to decode failed: {error}", "write_failed")
                 else:
                     self._maybe_finish(rec)
         for msg in ev["msgs"]:
@@ -227,15 +233,17 @@ class PrefillRooms:
         if rec is None:
             if kind == "cancel" and room not in self.early:  # nothing here (any more): acknowledge at once
                 self._send(addr, {"kind": "failed", "room": room, "reason": "cancelled"})
-            if kind in ("dest", "cancel") and isinstance(room, int):
+            if kind in ("wait", "dest", "cancel") and isinstance(room, int):
                 self.early[room] = (now, msg)  # the request may still come: it learns its fate then
             return
-        if kind == "dest" and rec.state == "bootstrapping" and rec.dest is None:
+        if kind == "wait" and rec.state == "bootstrapping" and rec.dest is None and rec.waited is None:
+            rec.waited, rec.since = msg, now
+        elif kind == "dest" and rec.state == "bootstrapping" and rec.dest is None:
             self._on_dest(rec, msg, now)
-        elif kind == "cancel" and (rec.dest is None or rec.decode_addr == addr):
+        elif kind == "cancel" and (rec.decode_addr is None or rec.decode_addr == addr):
             if rec.dest is None:
                 rec.dest = {"from": addr}
-            self._stop(rec, "cancelled by the decode server")
+            self._stop(rec, "cancelled by the decode server", "cancelled")
 
     def _on_dest(self, rec: PrefillRoom, msg: dict[str, Any], now: float) -> None:
         rec.dest, rec.t_dest = msg, now
@@ -258,7 +266,7 @@ class PrefillRooms:
             except (ValueError, KeyError, TypeError) as e:
                 problem = str(e)
         if problem:
-            self._stop(rec, problem)
+            self._stop(rec, problem, "bad_dest")
             return
         rec.state, rec.since = "prefilling", now
         self.host.pd_enqueue(rec.req)
@@ -269,9 +277,14 @@ class PrefillRooms:
                 if now - t > self.bootstrap_timeout_s:
                     del table[room]
         for rec in list(self.rooms.values()):
-            if rec.state == "bootstrapping" and rec.error is None and now - rec.since > self.bootstrap_timeout_s:
+            if rec.state != "bootstrapping" or rec.error is not None:
+                continue
+            if rec.waited is None and now - rec.since > self.bootstrap_timeout_s:
                 self._stop(rec, f"no decode server asked for room {rec.room} within {self.bootstrap_timeout_s:g} s "
-                                "(--disaggregation-bootstrap-timeout)")
+                                "(--disaggregation-bootstrap-timeout)", "bootstrap_timeout")
+            elif rec.waited is not None and now - rec.since > self.waiting_timeout_s:
+                self._stop(rec, f"decode queued room {rec.room} for over {self.waiting_timeout_s:g} s "
+                                "(--disaggregation-waiting-timeout)", "waiting_timeout")
 
     def _on_dead(self, dead: list[str]) -> None:
         for hb in dead:
@@ -287,7 +300,7 @@ class PrefillRooms:
                 # side's pages, so freeing those now can at worst send stale bytes to the dead peer.
                 rec.inflight = 0
                 self._stop(rec, "the decode server stopped answering (no heartbeat within "
-                                "--disaggregation-heartbeat-timeout)", notify=False)
+                                "--disaggregation-heartbeat-timeout)", "peer_dead", notify=False)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, rec: PrefillRoom, runs: list[PageRun]) -> None:
@@ -330,10 +343,15 @@ class PrefillRooms:
         if self.channel is not None:
             self.channel.send(addr, {**msg, "from": self.channel.addr})
 
-    def _stop(self, rec: PrefillRoom, reason: str, notify: bool = True) -> None:
-        """The transfer cannot succeed: stop prefilling; finish once the writes in flight have returned."""
+    def _stop(self, rec: PrefillRoom, reason: str, cause: str, notify: bool = True) -> None:
+        """The transfer cannot succeed: stop prefilling; finish once the writes in flight have returned. Logged
+        once (by the leader) and counted by cause."""
         if rec.error is None:
             rec.error = reason
+            if self.leader:
+                logger.log(logging.INFO if cause in ("aborted", "cancelled") else logging.WARNING,
+                           "room %d failed (%s): %s", rec.room, cause, reason)
+            self.stats.on_failure(cause)
         rec.notify = notify
         if rec.state == "prefilling":
             self.host.pd_detach(rec.req)
@@ -353,15 +371,12 @@ class PrefillRooms:
             self.stats.on_transfer(rec.bytes, time.monotonic() - rec.t_dest)
             msg.update(kind="done", **rec.first)
         else:
-            self.stats.failed += 1
             msg.update(kind="failed", reason=rec.error)
         if rec.decode_addr and rec.notify:
             self._send(rec.decode_addr, msg)
         elif not ok and rec.decode_addr is None:
             self.ended[rec.room] = (self.now, rec.error)
         if not rec.answered:
-            if not ok and self.leader:
-                logger.warning("room %d: %s", rec.room, rec.error)
             self.host.pd_finish(rec.req, rec.error)
 
     def close(self) -> None:

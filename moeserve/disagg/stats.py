@@ -20,6 +20,11 @@ class TransferStats:
     transfer_seconds: float = 0.0
     write_seconds: float = 0.0
     failed: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # cause -> requests failed or cancelled
+
+    def on_failure(self, cause: str) -> None:
+        self.failed += 1
+        self.failures[cause] = self.failures.get(cause, 0) + 1
 
     def on_transfer(self, nbytes: int, seconds: float) -> None:
         self.transfers += 1
@@ -30,4 +35,4 @@ class TransferStats:
         return {"mode": self.mode, "states": {s: self.states.get(s, 0) for s in self.state_names},
                 "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
                 "transfer_seconds": round(self.transfer_seconds, 6), "write_seconds": round(self.write_seconds, 6),
-                "failed": self.failed}
+                "failed": self.failed, "failures": dict(self.failures)}

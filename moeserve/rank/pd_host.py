@@ -138,13 +138,14 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
     if decode:
         rooms: DecodeRooms | PrefillRooms = DecodeRooms(
             scheduler, backend, channel, heartbeat, identity, args.api_key, args.disagg.bootstrap_timeout,
-            args.disagg.waiting_timeout, args.disagg.transfer_timeout, group=group)
+            args.disagg.waiting_timeout, args.disagg.transfer_timeout, group=group,
+            ahead_pages=-(-args.max_prefill_tokens // args.page_size))  # what one prefill batch can start
     else:
         rooms = PrefillRooms(scheduler, backend, channel, heartbeat, identity, args.page_size,
                              args.disagg.bootstrap_timeout, args.disagg.transfer_timeout,
                              debug_failure_prob=args.disagg.debug_failure_prob,
                              seed=args.random_seed + dp_rank * group.size + group.rank, group=group,
-                             kv_replicated=replicated)
+                             kv_replicated=replicated, waiting_timeout_s=args.disagg.waiting_timeout)
         if group.leader:
             node0 = peer_host if args.node_rank > 0 else ("127.0.0.1" if args.host in ("0.0.0.0", "::", "")
                                                           else args.host)

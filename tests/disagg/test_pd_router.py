@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 
 def _start_router(prefill, decode, tmp_path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = tmp_path / "router.log"
+    log = tmp_path / f"router-{port}.log"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
            "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
-           "--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60"]
+           "--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60",
+           "--prometheus-port", str(free_port())]  # not its default 29000: routers started side by side
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -192,13 +192,13 @@ class FakeClient:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, server_cls: type = uvicorn.Server, holder: dict | None = None) -> Iterator[str]:
+def serve_in_thread(app, server_cls: type = uvicorn.Server, holder: dict | None = None, **config_kw) -> Iterator[str]:
     """Serve `app` with uvicorn in a background thread; yields its base URL (the server goes in `holder`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1, **config_kw)
     server = server_cls(config)
     if holder is not None:
         holder["server"] = server

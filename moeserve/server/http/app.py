@@ -13,30 +13,45 @@ server.py serves the app with uvicorn (`run_server`).
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI, Request
+import hmac
+from typing import Any
+
+from fastapi import FastAPI
 
 from moeserve.server.http import control, info, native_serving, openai_serving
-from moeserve.server.http.context import Ctx, ServerContext
-from moeserve.server.http.errors import APIError, install_error_handlers
+from moeserve.server.http.context import ServerContext
+from moeserve.server.http.errors import APIError, error_response, install_error_handlers
 from moeserve.server.http.metrics import Metrics
 from moeserve.server.http.openapi import OPEN_PATHS, openapi_document
 from moeserve.server.http.serving_client import ServingClient
 
 
-async def check_api_key(request: Request, ctx: Ctx) -> None:
-    """With --api-key, every endpoint but the open ones asks for 'Authorization: Bearer KEY'."""
-    if ctx.api_key is None or request.url.path in OPEN_PATHS:
-        return
-    auth = request.headers.get("authorization", "")
-    if auth != f"Bearer {ctx.api_key}":
-        raise APIError("missing or wrong API key: send 'Authorization: Bearer KEY'", 401,
-                       code="invalid_api_key")
+class APIKeyGuard:
+    """ASGI middleware: with --api-key, every path (FastAPI's /docs, /redoc and /openapi.json included) but
+    `open_paths` asks for 'Authorization: Bearer KEY'."""
+
+    def __init__(self, app: Any, key: str, open_paths: frozenset[str]):
+        self.app, self.expected, self.open_paths = app, f"Bearer {key}".encode(), open_paths
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError("missing or wrong API key: send 'Authorization: Bearer KEY'", 401,
+                               code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(client: ServingClient) -> FastAPI:
     """The FastAPI app serving `client` (a TokenizerManager, or anything of its shape)."""
-    app = FastAPI(title="moeserve", version=info.server_version(), dependencies=[Depends(check_api_key)])
+    app = FastAPI(title="moeserve", version=info.server_version())
     app.state.ctx = ServerContext(client, Metrics(client.model_name))
+    args = client.server_args
+    if args.api_key is not None:
+        app.add_middleware(APIKeyGuard, key=args.api_key,
+                           open_paths=frozenset() if args.api_key_all_routes else OPEN_PATHS)
     install_error_handlers(app)
     for module in (native_serving, openai_serving, info, control):
         app.include_router(module.router)

@@ -117,8 +117,9 @@ class ServerContext:
             raise APIError("the server is shutting down and takes no new requests; retry on another replica", 503,
                            code="shutting_down")
         if self.max_concurrent_requests and self.num_http_requests >= self.max_concurrent_requests:
+            pd = self.client.server_args.disagg.enabled  # behind sglang-router: 429 is "try later"
             raise APIError(f"the server is serving {self.num_http_requests} requests, its limit "
-                           "(--max-concurrent-requests); retry later", 503, code="overloaded")
+                           "(--max-concurrent-requests); retry later", 429 if pd else 503, code="overloaded")
         if not self.client.healthy:
             raise engine_error(EngineDeadError(self.client.dead_reason or "the engine is not running"))
         self.num_http_requests += 1

@@ -21,6 +21,7 @@ from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.tokenizer_manager import InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER = {"Retry-After": "1"}  # seconds
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -49,7 +50,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    # 429: full, try later (sglang-router retries it and, a 4xx, does not count it against the server)
+    return JSONResponse(err.body(), status_code=err.status, headers=RETRY_AFTER if err.status == 429 else None)
 
 
 def validation_message(exc: ValidationError | RequestValidationError, what: str = "request") -> APIError:

@@ -29,7 +29,7 @@ from typing import Any
 
 import ijson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from moeserve.server.http.errors import APIError, validation_message
 
@@ -46,10 +46,14 @@ async def receive_body(request: Request) -> bytearray:
     """The request's body, refused (413) as soon as it passes MAX_BODY_BYTES. Appended chunk by chunk, so that
     the memory of a large body is touched a little at a time (one join of 64 MiB holds the loop for 60 ms)."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise _too_large(len(body))
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise _too_large(len(body))
+    except ClientDisconnect:  # nobody reads the answer: a 400 closes quietly, not a 500 with a traceback
+        raise APIError(f"the client disconnected after {len(body)} bytes of its body", 400,
+                       code="client_disconnected") from None
     return body
 
 

@@ -69,13 +69,14 @@ class Metrics:
                                          registry=r).labels(**self.labels)
         self.pd_transfer_seconds = Counter(
             "moeserve:pd_transfer_seconds", "Sum of KV transfer latencies (prefill: from decode's destination to the "
-            "last write; decode: from reserving pages to the prefill's report).", names, registry=r).labels(**self.labels)
+            "last write; decode: from the prefill's first write to its report).", names, registry=r).labels(**self.labels)
         self.pd_transfer_write_seconds = Counter(
             "moeserve:pd_transfer_write_seconds", "Sum of the time spent inside KV writes (prefill; writes may "
             "overlap: bytes over this is one write's rate).", names, registry=r).labels(**self.labels)
-        self.pd_transfer_failures = Counter("moeserve:pd_transfer_failures", "PD requests that failed.", names,
-                                            registry=r).labels(**self.labels)
-        self._pd_seen = (0, 0, 0.0, 0.0, 0)
+        self.pd_failures = Counter("moeserve:pd_failures", "PD requests failed or cancelled, by cause "
+                                   "(docs/disaggregation.md).", [*names, "side", "cause"], registry=r)
+        self._pd_seen = (0, 0, 0.0, 0.0)
+        self._pd_failures_seen: dict[str, int] = {}
         self._prompt_total = 0
         self._cached_total = 0
         self._eplb_seen = (0, 0)  # (rebalances, stalls) already counted
@@ -125,14 +126,18 @@ class Metrics:
             self.pd_requests.labels(**self.labels, side=side, state=state).set(
                 sum(g["states"][state] for g in groups))
         now = (sum(g["transfers"] for g in groups), sum(g["transfer_bytes"] for g in groups),
-               sum(g["transfer_seconds"] for g in groups), sum(g["write_seconds"] for g in groups),
-               sum(g["failed"] for g in groups))
+               sum(g["transfer_seconds"] for g in groups), sum(g["write_seconds"] for g in groups))
         for counter, new, old in zip((self.pd_transfers, self.pd_transfer_bytes, self.pd_transfer_seconds,
-                                      self.pd_transfer_write_seconds, self.pd_transfer_failures), now,
-                                     self._pd_seen, strict=True):
+                                      self.pd_transfer_write_seconds), now, self._pd_seen, strict=True):
             if new > old:
                 counter.inc(new - old)
         self._pd_seen = now
+        for cause in {c for g in groups for c in g["failures"]}:
+            new = sum(g["failures"].get(cause, 0) for g in groups)
+            if new > self._pd_failures_seen.get(cause, 0):
+                self.pd_failures.labels(**self.labels, side=side, cause=cause).inc(
+                    new - self._pd_failures_seen.get(cause, 0))
+                self._pd_failures_seen[cause] = new
 
     def _update_eplb(self, report: Any) -> None:
         """From rank 0's cumulative rebalancer report: what happened since the last scrape."""

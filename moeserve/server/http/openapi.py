@@ -46,7 +46,8 @@ BODIES: dict[str, tuple[type[BaseModel], bool]] = {
     "/dump_expert_distribution_record": (DumpExpertDistributionRequest, False),
 }
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # reachable without the API key
+# reachable without the API key, as SGLang's (load balancers and Prometheus); --api-key-all-routes closes them too
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 _ERRORS = {
     400: "The request is malformed or cannot be served (the message names the field).",

@@ -25,6 +25,7 @@ import uvicorn
 from moeserve.args import ServerArgs
 from moeserve.server.http.app import build_app
 from moeserve.server.http.context import ServerContext
+from moeserve.server.http.read_guard import guarded_protocol
 from moeserve.server.startup import start_engine
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def run_server(server_args: ServerArgs) -> int:
         app = build_app(client)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level, access_log=False, timeout_keep_alive=30,
+                                http=guarded_protocol(server_args.http_header_timeout, server_args.http_read_timeout),
                                 timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="off")
         server = _Server(config)
         server.moeserve_ctx = app.state.ctx
