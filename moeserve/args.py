@@ -360,7 +360,8 @@ class ServerArgs:
 
     @property
     def disagg(self) -> PDOptions:
-        """--disaggregation-mode and its settings, typed; built on each read, so that vars() holds the flags only."""
+        """--disaggregation-mode and its settings, typed. A new object each read (vars() holds the flags only):
+        a reader on a hot path keeps what it needs once."""
         return PDOptions(PDRole(self.disaggregation_mode),
                          **{k.removeprefix("disaggregation_"): getattr(self, k) for k in PD_ONLY_DEFAULTS})
 

@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from moeserve.args import ServerArgs
+from moeserve.args import PDRole, ServerArgs
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache import PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
@@ -50,9 +50,10 @@ class Scheduler(PDHost, StepResults):
         self.context_length = context_length
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer  # for stop strings only
+        self.pd_role = server_args.disagg.role  # read once: requests and steps ask it
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
-        no_cache = server_args.disable_radix_cache or server_args.disagg.is_decode
+        no_cache = server_args.disable_radix_cache or self.pd_role is PDRole.DECODE
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
@@ -98,11 +99,11 @@ class Scheduler(PDHost, StepResults):
     def _add_pd_request(self, req: Req) -> None:
         r = req.asked
         if r.bootstrap_room is None or r.bootstrap_host is None or r.bootstrap_port is None:
-            self._reject(req, f"this server runs --disaggregation-mode {self.args.disaggregation_mode}: a request "
+            self._reject(req, f"this server runs --disaggregation-mode {self.pd_role.value}: a request "
                               "needs bootstrap_host, bootstrap_port and bootstrap_room (send it through "
                               "sglang-router --pd-disaggregation)")
             return
-        if self.args.disagg.is_prefill:  # prefill samples the first token only
+        if self.pd_role is PDRole.PREFILL:  # prefill samples the first token only
             one = dataclasses.replace(r, sampling_params=dataclasses.replace(r.sampling_params, max_new_tokens=1))
             req = Req.from_generate(one, self.eos_token_ids)  # (it scores the prompt if asked)
             error = self.pd.add(req, r.bootstrap_room)

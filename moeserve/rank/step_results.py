@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from moeserve.args import PDRole
 from moeserve.rank.io_struct import FinishReason, TokenOut
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import NO_TOKEN
@@ -84,7 +85,7 @@ class StepResults:
         if batch.mode.is_extend:
             self.stats.prefilled += batch.num_prefill_tokens
             self.stats.mixed_steps += batch.mode.is_mixed
-            if self.pd is not None and self.args.disagg.is_prefill:
+            if self.pd is not None and self.pd_role is PDRole.PREFILL:
                 for req, done in zip(batch.reqs, batch.finishes_prefill, strict=True):
                     if not done:  # a chunk: its complete pages can go
                         self.pd.after_extend(req, req.kv_len, None)

@@ -99,6 +99,7 @@ class TokenizerManager:
         self.tokenizer, self.dp, self.ranks = tokenizer, dp, ranks
         self.validator, self.bootstrap = validator, bootstrap
         self.num_dp = server_args.num_dp_groups
+        self.pd_role = server_args.disagg.role  # read once: every request asks it
         self._states: dict[str, _ReqState] = {}  # wire id -> live request
         self._rids: dict[str, _ReqState] = {}  # rid -> live request
         self._seq = 0
@@ -152,7 +153,7 @@ class TokenizerManager:
             st = _ReqState(rid, f"{rid}#{self._seq}", asyncio.get_running_loop(), asyncio.Queue(),
                            self.dp.assign(num_tokens, self._pinned_dp_rank(obj)), num_tokens, detok, params)
             # a decode server's input logprobs are empty: prefill's come first (sglang-router prepends them)
-            decode = self.server_args.disagg.is_decode
+            decode = self.pd_role is PDRole.DECODE
             st.scored_prompt_ids = ids[start:] if start >= 0 and not decode else []
             self._rids[rid] = st
             self._states[st.wire_id] = st
@@ -187,7 +188,7 @@ class TokenizerManager:
     def _pinned_dp_rank(self, obj: GenerateInput) -> int | None:
         """The DP group a request names, if any. A decode server picks its own group by load: the router sends both
         sides the same body, and there data_parallel_rank names the prefill side's group (as in SGLang)."""
-        return None if self.server_args.disagg.is_decode else obj.data_parallel_rank
+        return None if self.pd_role is PDRole.DECODE else obj.data_parallel_rank
 
     def _check_pd_fields(self, obj: GenerateInput) -> None:
         """data_parallel_rank in range; in PD mode the three bootstrap fields (sglang-router adds them)."""
@@ -195,7 +196,7 @@ class TokenizerManager:
         if pinned is not None and not 0 <= pinned < self.num_dp:
             raise InvalidRequestError(f"data_parallel_rank {obj.data_parallel_rank} is out of range: this server has "
                                       f"{self.num_dp} DP group(s)", param="data_parallel_rank")
-        role = self.server_args.disagg.role
+        role = self.pd_role
         if role is PDRole.NULL or obj.local:
             return
         if obj.bootstrap_room is None or obj.bootstrap_host is None or obj.bootstrap_port is None:
