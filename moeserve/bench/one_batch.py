@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from moeserve.args import ServerArgs
 from moeserve.bench.results import append_results
@@ -251,6 +253,20 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _init_one_rank_group(args: ServerArgs) -> None:
+    """The EP dispatchers talk through torch.distributed even on one rank, as the server's worker sets up."""
+    from moeserve.models.options import dispatch_options
+    from moeserve.rank.model_runner import resolve_device
+
+    if args.tp_size > 1:
+        raise SystemExit("bench one-batch runs one rank; for several ranks use `moeserve bench serving`")
+    if not dispatch_options(args).needs_process_group or dist.is_initialized():
+        return
+    backend = "nccl" if resolve_device(args.device).type == "cuda" else "gloo"
+    store = os.path.join(tempfile.mkdtemp(prefix="moeserve-one-batch-"), "rendezvous")
+    dist.init_process_group(backend, init_method=f"file://{store}", world_size=1, rank=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moeserve bench one-batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if resolve_device(args.device).type != "cuda":
             raise SystemExit("--profile needs a CUDA device (the table is made of device kernels)")
     resolve_model_path(args)
+    _init_one_rank_group(args)
     rows = []
     shared_runner = None
     if not ns.compare_transformers:  # one model for every batch size (transformers' needs the memory back)

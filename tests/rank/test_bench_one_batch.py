@@ -78,3 +78,20 @@ def test_profile_is_refused_without_cuda(capsys):
         pytest.skip("checks the refusal on a CPU-only host")
     with pytest.raises(SystemExit, match="--profile needs a CUDA device"):
         main(["--batch-size", "1", "--input-len", "4", "--output-len", "2", "--profile"])
+
+
+def test_all2all_dispatch_on_one_rank(tmp_path):
+    """The EP dispatchers talk through torch.distributed even on one rank: the benchmark sets up the one-rank group
+    the server's worker would (in a child process, so this process keeps no group), and its tokens are
+    transformers'."""
+    import subprocess
+    import sys
+
+    result = tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "moeserve.cli", "bench", "one-batch", "--moe-a2a-backend", "all2all",
+           "--deepep-mode", "auto", "--dtype", "float32", "--batch-size", "2", "--input-len", "7",
+           "--output-len", "4", "--compare-transformers", "--result-file", str(result)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    t = json.loads(result.read_text())["transformers"]["tokens"]
+    assert t["requests"] == 2 and (t["equal"] == 2 or t["near_ties_only"])
