@@ -60,6 +60,10 @@ class All2AllDispatcher(Dispatcher):
     def graph_safe(self) -> bool:  # decode steps resolve to low-latency unless the mode is normal
         return self.deepep_mode != "normal"
 
+    @property
+    def extend_graph_safe(self) -> bool:  # extend steps resolve to normal (split counts read back) unless low_latency
+        return self.deepep_mode == "low_latency"
+
     def buffer_bytes(self) -> int:
         """Bytes of fixed communication buffers (the low-latency ones; normal mode allocates per step)."""
         return self.low_latency.buffer_bytes() if self.low_latency is not None else 0

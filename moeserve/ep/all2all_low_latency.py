@@ -59,7 +59,7 @@ class LowLatencyDispatcher(Dispatcher):
     so two-batch overlap needs one per micro-batch."""
 
     name = "all2all"
-    graph_safe = True
+    graph_safe = extend_graph_safe = True
 
     def __init__(self, *, topk: int, max_tokens_per_rank: int, fp8_quantize: FP8Quantize | None = None,
                  **common) -> None:

@@ -33,6 +33,7 @@ class Dispatcher(ABC):
 
     name: ClassVar[str]  # the --moe-a2a-backend value that selects this backend
     graph_safe: ClassVar[bool] = False  # its decode steps read nothing back to the host: CUDA-graph capturable
+    extend_graph_safe: ClassVar[bool] = False  # its extend steps too (piecewise CUDA graphs)
     # Bytes the last step sent to other ranks (benchmarks); a step replaces the dict, never mutates it.
     comm_bytes: dict[str, int] = {"dispatch": 0, "combine": 0}
 

@@ -24,7 +24,7 @@ class LocalDispatcher(Dispatcher):
     """Dispatcher for ep_size == 1: every expert is on this rank, nothing moves between ranks."""
 
     name = "none"
-    graph_safe = True
+    graph_safe = extend_graph_safe = True
 
     def __init__(self, num_experts: int, align: int = 1, **common) -> None:
         super().__init__(num_experts=num_experts, align=align, **common)

@@ -60,6 +60,7 @@ class _EPInfo:
     backend_desc: str
     dispatch_buffer_bytes: int  # fixed buffers of the dispatchers (all2all low-latency); 0 for the others
     graph_safe: bool  # every dispatcher's decode steps can be captured in a CUDA graph
+    extend_graph_safe: bool  # and their extend steps (piecewise graphs)
 
     @classmethod
     def collect(cls, model: CausalLM) -> _EPInfo:
@@ -79,7 +80,8 @@ class _EPInfo:
                    expert_bytes=sum(p.nbytes for m in moes for p in m.experts.parameters()),
                    backend=dispatchers[0].name if dispatchers else None, backend_desc=desc,
                    dispatch_buffer_bytes=sum(d.buffer_bytes() for d in dispatchers),
-                   graph_safe=all(d.graph_safe for d in dispatchers))
+                   graph_safe=all(d.graph_safe for d in dispatchers),
+                   extend_graph_safe=all(d.extend_graph_safe for d in dispatchers))
 
 
 class GraphRunner(Protocol):
@@ -150,6 +152,9 @@ class ModelRunner:
             if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
                 logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
                             "would include the padding tokens): extend steps run eagerly")
+            elif not a.disable_piecewise_cuda_graph and not self.ep.extend_graph_safe:
+                logger.info("piecewise CUDA graphs are off with %s: its extend steps read the split counts back to "
+                            "the host; extend steps run eagerly", self.ep.backend_desc)
             elif not a.disable_piecewise_cuda_graph:
                 from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
 

@@ -23,6 +23,7 @@ go through the MoE like any token (a few padded rows of work) and never reach at
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -127,9 +128,12 @@ class PiecewiseGraphRunner:
                 self.hidden = torch.zeros(self.max_tokens, h.shape[-1], dtype=h.dtype, device=self.device)
             del h
             cap = _Capture(self, n)
-            cap.begin()
-            self.hidden[:n].copy_(self.model.hidden_states(fb, pieces=cap))
-            cap.end()
+            try:
+                cap.begin()
+                self.hidden[:n].copy_(self.model.hidden_states(fb, pieces=cap))
+                cap.end()
+            finally:
+                cap.abandon()  # a piece that failed midway ends its capture: the stream captures no more
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         logger.debug("captured %d graph pieces for %d tokens", len(cap.bucket.graphs), n)
         return cap.bucket
@@ -188,6 +192,13 @@ class _Capture:
         self.graph.capture_end()
         self.bucket.graphs.append(self.graph)
         self.graph = None
+
+    def abandon(self) -> None:
+        """End a capture left open by an error (CUDA refuses every later sync until it ends); a no-op after end."""
+        if self.graph is not None:
+            with contextlib.suppress(RuntimeError):  # an invalidated capture ends with an error of its own
+                self.graph.capture_end()
+            self.graph = None
 
     def split(self, meta: AttentionMetadata, attend: Callable[..., torch.Tensor],
               rows: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -9,13 +9,14 @@ chunked prefill and mixed steps, on the MLA and the GQA models; and the graphs r
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.layers.attention.ops import attend_parts
-from moeserve.rank.piecewise_graph_runner import token_buckets
+from moeserve.rank.piecewise_graph_runner import _Capture, token_buckets
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
 from tests.rank.inprocess import InProcessEngine
@@ -104,3 +105,20 @@ def test_piecewise_mixed_steps(tmp_path):
     for a, b in zip(got["graphed"], got["eager"], strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
     assert graphed.runner.piecewise.replays > 0
+
+
+@cuda
+def test_a_capture_that_fails_midway_ends():
+    """A piece that syncs with the host fails its capture; `abandon` ends it, so the stream syncs again (before, the
+    next sync failed with 'operation not permitted when stream is capturing' and start-up died)."""
+    runner = SimpleNamespace(stream=torch.cuda.Stream(), pool=torch.cuda.graph_pool_handle())
+    cap = _Capture(runner, 8)
+    x = torch.randn(8, device="cuda")
+    with torch.cuda.stream(runner.stream):
+        cap.begin()
+        with pytest.raises(RuntimeError):
+            (x * 2).sum().item()
+        cap.abandon()
+        assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.synchronize()
+    assert torch.equal(x * 2, x + x) and cap.graph is None and not cap.bucket.graphs
