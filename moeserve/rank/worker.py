@@ -107,7 +107,8 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
         if on_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if on_cuda else "gloo", init_method=ports.dist_init_method,
-                                world_size=world, rank=rank, timeout=datetime.timedelta(minutes=30))
+                                world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=server_args.dist_timeout or 1800))
     dp_size = server_args.num_dp_groups
     state = init_parallel_state(world, rank, dp_size, server_args.ep_size)
     sync = RankSync(state)
