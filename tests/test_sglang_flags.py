@@ -4,6 +4,7 @@ use instead. The commands themselves start and serve in tests/disagg/test_sglang
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 
 import pytest
@@ -57,6 +58,9 @@ def test_accepted_flags_take_sglang_values():
                   "--enable-dp-attention", "--enable-dp-lm-head", "--decode-log-interval", "1",
                   "--watchdog-timeout", "1000000", "--dist-timeout", "3600", "--cuda-graph-bs", *map(str, sizes)])
     assert args.trust_remote_code and args.moe_dense_tp_size == 1 and args.enable_dp_lm_head
+    help_text = dataclasses.fields(ServerArgs)[[f.name for f in dataclasses.fields(ServerArgs)].index(
+        "trust_remote_code")].metadata["help"]
+    assert "moeserve runs no code from a checkpoint" in help_text
     assert (args.decode_log_interval, args.watchdog_timeout, args.dist_timeout) == (1, 1e6, 3600)
     assert args.cuda_graph_bs == sorted(sizes) and args.cuda_graph_max_bs == max(sizes)
 

@@ -3,8 +3,8 @@ MLPs on its own DP group's tokens, no all-reduce) and --enable-dp-lm-head (the L
 attention-TP group, the logits gathered there).
 
 Greedy tokens of random prompts on 2 CPU ranks in 2 DP groups, and on 4 ranks in 2 DP groups of 2 (where the LM head
-is really split: half of the vocabulary per rank), must equal the single-rank in-process run (which test_generation
-ties to transformers).
+is really split: half of the vocabulary per rank; also with the LM head tied to the embeddings), must equal the
+single-rank in-process run (which test_generation ties to transformers).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
-from tests.checkpoints import VOCAB
+from tests.checkpoints import VOCAB, build_checkpoint
 from tests.rank.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.slow
@@ -25,6 +25,7 @@ CASES = {
     "dp2-dense_tp1": dict(DP2, moe_dense_tp_size=1),
     "dp2-dp_lm_head": dict(DP2, enable_dp_lm_head=True, moe_dense_tp_size=1),
     "tp4-dp2-dp_lm_head": dict(DP2, tp_size=4, enable_dp_lm_head=True),
+    "tp4-dp2-dp_lm_head-tied": dict(DP2, tp_size=4, enable_dp_lm_head=True),
 }
 _REF: dict[str, list[list[int]]] = {}
 
@@ -42,10 +43,13 @@ def _single_rank(path: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_dp_dense_layers_and_lm_head_give_the_single_rank_tokens(tiny_checkpoint, case):
+def test_dp_dense_layers_and_lm_head_give_the_single_rank_tokens(tiny_checkpoint, tmp_path_factory, case):
     from moeserve.server.engine import Engine
 
-    path = tiny_checkpoint("v3_groups")  # one dense layer (first_k_dense_replace 1), then MoE layers
+    if case.endswith("tied"):  # the LM head is the embeddings: each rank multiplies by its rows of them
+        path = str(build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tied"), tie_word_embeddings=True))
+    else:
+        path = tiny_checkpoint("v3_groups")  # one dense layer (first_k_dense_replace 1), then MoE layers
     ref = _single_rank(path)
     eng = Engine(model_path=path, skip_tokenizer_init=True, dtype="float32", log_level="warning", **CASES[case])
     try:
