@@ -16,6 +16,7 @@ from typing import Any, get_args
 # A flag's choices come from the registry that maps each name to its implementation (tests/test_flag_registries.py).
 from moeserve.ep.all2all import DEEPEP_MODES
 from moeserve.ep.registry import BACKENDS as DISPATCH_BACKENDS
+from moeserve.ep.registry import REFUSED_BACKENDS
 from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
@@ -97,6 +98,9 @@ class ServerArgs:
         "without it.", (None, "fp8"))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
+    trust_remote_code: bool = _flag(
+        False, "Accepted so that SGLang's commands run: moeserve runs no code from a checkpoint (only its own model "
+        "classes), with or without it.")
 
     # --- HTTP ---
     host: str = _flag("127.0.0.1", "HTTP host to bind.")
@@ -109,6 +113,11 @@ class ServerArgs:
                                      "closed.")
     log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
     log_interval_s: float = _flag(5.0, "Seconds between the scheduler's throughput log lines.")
+    decode_log_interval: int = _flag(40, "Log one line every this many decode steps (running requests, decode "
+                                     "tok/s since the last such line), besides the periodic lines.")
+    watchdog_timeout: float = _flag(
+        300.0, "Seconds one step may run: a rank whose step runs longer logs where it is stuck and exits (the server "
+        "then names the dead rank and stops), as SGLang's watchdog.")
     stream_interval: int = _flag(1, "Send a streaming chunk every this many tokens.")
     max_concurrent_requests: int = _flag(4096, "HTTP requests in flight above this are refused with 503 (429 with "
                                          "--disaggregation-mode: sglang-router retries it), with Retry-After.")
@@ -154,6 +163,16 @@ class ServerArgs:
     node_rank: int = _flag(0, "This node's rank.")
     dist_init_addr: str | None = _flag(None, "host:port of node 0 for torch.distributed (multi-node).")
     dist_port: int | None = _flag(None, "Port for torch.distributed on one node (default: a free port).")
+    dist_timeout: int | None = _flag(None, "Seconds torch.distributed's rendezvous and collectives wait for the "
+                                     "other ranks (default: 1800).")
+    moe_dense_tp_size: int | None = _flag(
+        None, "Tensor-parallel size of the dense MLPs. moeserve replicates them on every rank, each rank computing "
+        "its own DP group's tokens with no all-reduce: 1 (as SGLang's large-EP commands pass) says so; other values "
+        "are refused.")
+    enable_dp_lm_head: bool = _flag(
+        False, "With --enable-dp-attention: the LM head vocabulary-parallel over each attention-TP group (each rank "
+        "its share of the vocabulary, the logits gathered in the group), so no DP group waits on another (as SGLang). "
+        "Without it every rank holds the whole LM head, which is the same with one rank per DP group.")
 
     # --- MoE / EP ---
     moe_a2a_backend: str = _flag(
@@ -162,6 +181,8 @@ class ServerArgs:
         "--deepep-mode).", tuple(DISPATCH_BACKENDS)
     )
     deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
+    enable_deepep_moe: bool = _flag(False, "SGLang's old spelling of --moe-a2a-backend deepep.")
+    deepep_config: str | None = _flag(None, "DeepEP's tuning file (with --moe-a2a-backend deepep only).")
     moe_runner_backend: str = _flag(
         "auto", "Routed experts' kernels: grouped_gemm (torch's grouped GEMM), cpu_kernel (moeserve's CPU kernel, "
         "compiled on first use; few rows per expert), triton (moeserve's Triton kernels, CUDA), auto (cpu_kernel on "
@@ -215,6 +236,9 @@ class ServerArgs:
     # --- CUDA graphs, torch.compile ---
     disable_cuda_graph: bool = _flag(False, "Run without CUDA graphs: decode and (piecewise) extend steps eagerly.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+    cuda_graph_bs: list[int] | None = _flag(
+        None, "The decode batch sizes captured in CUDA graphs, as SGLang's list (--cuda-graph-bs 1 2 4 8 256); the "
+        "largest becomes --cuda-graph-max-bs. Default: buckets up to --cuda-graph-max-bs.", nargs="+")
     disable_piecewise_cuda_graph: bool = _flag(
         False, "Run prefill (extend) and mixed steps eagerly instead of from piecewise CUDA graphs (each layer's "
         "work but attention, captured per token count and padded to it).")
@@ -257,10 +281,23 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.ep_size is None:
             self.ep_size = self.tp_size
+        if self.enable_deepep_moe:  # SGLang's old spelling
+            if self.moe_a2a_backend not in ("none", "deepep"):
+                raise ValueError(f"--enable-deepep-moe asks for --moe-a2a-backend deepep, but --moe-a2a-backend is "
+                                 f"{self.moe_a2a_backend}: pass one of them")
+            self.moe_a2a_backend = "deepep"
+        if self.cuda_graph_bs:
+            self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
+            if self.cuda_graph_bs[0] < 1:
+                raise ValueError(f"--cuda-graph-bs sizes must be >= 1, got {self.cuda_graph_bs[0]}")
+            self.cuda_graph_max_bs = self.cuda_graph_bs[-1]
         self.check()
 
     def check(self) -> None:
         """Raise ValueError naming the flag when a value is out of range or inconsistent."""
+        if self.moe_a2a_backend in REFUSED_BACKENDS:
+            flag = "--enable-deepep-moe" if self.enable_deepep_moe else f"--moe-a2a-backend {self.moe_a2a_backend}"
+            raise ValueError(f"{flag}: {REFUSED_BACKENDS[self.moe_a2a_backend]}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -268,12 +305,14 @@ class ServerArgs:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
                     "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs",
-                    "piecewise_cuda_graph_max_tokens"]
+                    "piecewise_cuda_graph_max_tokens", "decode_log_interval"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
         if min(self.http_header_timeout, self.http_read_timeout) <= 0:
             raise ValueError("--http-header-timeout and --http-read-timeout must be > 0 seconds")
+        if self.watchdog_timeout <= 0 or (self.dist_timeout is not None and self.dist_timeout <= 0):
+            raise ValueError("--watchdog-timeout and --dist-timeout must be > 0 seconds")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -287,6 +326,16 @@ class ServerArgs:
                 raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --dp-size {self.dp_size}")
         elif self.dp_size != 1:
             raise ValueError("--dp-size > 1 needs --enable-dp-attention")
+        if self.moe_dense_tp_size not in (None, 1):
+            raise ValueError(f"--moe-dense-tp-size {self.moe_dense_tp_size}: moeserve's dense MLPs run replicated, "
+                             "each rank on its own DP group's tokens (--moe-dense-tp-size 1); a tensor-parallel dense "
+                             "MLP is not written: leave the flag out or pass 1")
+        if self.enable_dp_lm_head and not self.enable_dp_attention:
+            raise ValueError("--enable-dp-lm-head splits the LM head over each attention-TP group of DP attention: "
+                             "it needs --enable-dp-attention")
+        if self.deepep_config is not None and self.moe_a2a_backend != "deepep":
+            raise ValueError("--deepep-config tunes DeepEP's buffers (--moe-a2a-backend deepep); all2all has no such "
+                             "file: its low-latency buffers are sized by --ep-max-tokens-per-rank")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must equal --tp-size ({self.tp_size}) or be 1, got {self.ep_size}")
         if self.tp_size % self.nnodes:
@@ -380,6 +429,7 @@ class ServerArgs:
             names = ["--" + _dash(f.name), *FLAG_ALIASES.get(f.name, ())]
             help_text = f.metadata.get("help", "")
             choices = f.metadata.get("choices")
+            nargs = f.metadata.get("nargs")
             default = f.default
             if f.type in ("bool", bool):
                 parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
@@ -388,8 +438,12 @@ class ServerArgs:
             if default is not None and "default" not in help_text.lower():
                 help_text = f"{help_text} (default: {default})"
             kwargs: dict[str, Any] = {"default": default, "help": help_text, "dest": f.name}
-            if kind is not str or default is not None:
+            if kind is not str or default is not None or nargs:
                 kwargs["type"] = kind
+            if nargs:
+                kwargs["nargs"] = nargs
+            if f.name == "moe_a2a_backend":  # refused by name before argparse's "invalid choice"
+                kwargs["type"] = _refuse_backend
             if choices:
                 kwargs["choices"] = [c for c in choices if c is not None] if None in choices else list(choices)
                 if None in choices:
@@ -422,6 +476,12 @@ PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
                     "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "api_key_all_routes",
                     "http_header_timeout", "http_read_timeout", *PD_ONLY_DEFAULTS)
+
+
+def _refuse_backend(value: str) -> str:
+    if value in REFUSED_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{value}: {REFUSED_BACKENDS[value]}")
+    return value
 
 
 def _dash(name: str) -> str:

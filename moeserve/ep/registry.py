@@ -11,6 +11,7 @@ arguments as the others.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,14 @@ BACKENDS: dict[str, type[Dispatcher]] = {
     AllGatherDispatcher.name: AllGatherDispatcher,
     All2AllDispatcher.name: All2AllDispatcher,
 }
+# SGLang's backend names that this install does not run -> why, and what runs instead. --moe-a2a-backend refuses
+# them by name; a name leaves this table when its dispatcher joins BACKENDS.
+_DEEPEP_WHY = ("DeepEP (`deep_ep`) does not import here" if importlib.util.find_spec("deep_ep") is None
+               else "moeserve has no DeepEP dispatcher yet")
+REFUSED_BACKENDS: dict[str, str] = {
+    name: f"{why}: use --moe-a2a-backend all2all (the same normal / low_latency / auto modes over "
+          "torch.distributed's all-to-all)"
+    for name, why in {"deepep": _DEEPEP_WHY}.items() if name not in BACKENDS}
 
 
 def resolve_backend(kind: str, ep_size: int) -> str:

@@ -4,6 +4,9 @@
     for each layer:  h = h + attn(norm1(h));  h = h + ffn(norm2(h))      (ffn: dense MLP or MoE)
     logits = lm_head(norm(h))[rows that need logits]
 
+With --enable-dp-lm-head and several ranks per attention group, each rank holds 1/n of the LM head's vocabulary rows
+and the group gathers the logits: no DP group waits on another (SGLang's DP LM head).
+
 Each residual add is left to the norm after it, which fuses it into its pass (the Triton RMSNorm on CUDA): a layer
 returns its FFN output and the residual apart, and the last one's are added once.
 
@@ -27,13 +30,15 @@ from moeserve.core.tbo_split import should_use_tbo
 from moeserve.ep.base import Dispatcher
 from moeserve.kernels.skinny_gemm import skinny_gemm
 from moeserve.layers.attention.ops import AttentionMetadata, PieceSplitter
-from moeserve.layers.linear import Embedding, Linear
+from moeserve.layers.linear import ColumnParallelLinear, Embedding, Linear
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.layer import ExpertRecorder, MoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.layers.weights import shard
 from moeserve.models.options import ModelOptions
 from moeserve.models.tbo import MicroBatchState, run_two_batch_overlap
+from moeserve.parallel.comm import all_gather
 from moeserve.parallel.state import get_parallel_state
 
 
@@ -129,7 +134,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(self.rotary_dim(config), config.rope)
         self.model = DecoderModel(type(self), config, self.rotary, options)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self._make_lm_head(config, options.dp_lm_head)
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
 
@@ -154,14 +159,38 @@ class CausalLM(nn.Module):
             h, residual = layer(h, meta, batch, residual)
         return h + residual
 
+    def _make_lm_head(self, config: ModelConfig, vocab_parallel: bool) -> None:
+        """lm_head [V, H] (None: tied to the embeddings). vocab_parallel: this rank's rows `vocab_rows` of it, the
+        logits gathered over `vocab_group` (the attention-TP group), where that group has several ranks."""
+        ps = get_parallel_state()
+        self.vocab_group = self.vocab_rows = None
+        if vocab_parallel and ps.attn_tp_size > 1:
+            if config.vocab_size % ps.attn_tp_size:
+                raise ValueError(f"--enable-dp-lm-head splits the vocabulary ({config.vocab_size}) over the "
+                                 f"{ps.attn_tp_size} ranks of an attention group: it must be a multiple of them")
+            self.vocab_group = ps.attn_tp_group
+            self.vocab_rows = shard(config.vocab_size, ps.attn_tp_size, ps.attn_tp_rank)
+        H, V = config.hidden_size, config.vocab_size
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        elif self.vocab_group is not None:
+            self.lm_head = ColumnParallelLinear(H, V, tp_size=ps.attn_tp_size, tp_rank=ps.attn_tp_rank)
+        else:
+            self.lm_head = Linear(H, V)
+
     def compute_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows of h [T, H] that need them: the final norm, then the LM head."""
         if not batch.return_all_logits:
             rows = batch.logits_indices if batch.logits_indices is not None else batch.qo_indptr[1:] - 1
             h = h[rows]
         h = self.model.norm(h)
-        w = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return skinny_gemm(h, w).float()
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+        else:  # tied: this rank's rows of the embeddings
+            w = self.model.embed_tokens.weight
+            w = w[self.vocab_rows] if self.vocab_rows is not None else w
+        logits = skinny_gemm(h, w)
+        return (all_gather(logits, self.vocab_group, dim=-1) if self.vocab_group is not None else logits).float()
 
     # ------------------------------------------------------------------ what the model runner asks
     def moe_layers(self) -> list[MoE]:

@@ -30,6 +30,7 @@ class ModelOptions:
     moe: MoEOptions = field(default_factory=MoEOptions)
     two_batch_overlap: bool = False  # --enable-two-batch-overlap
     tbo_token_threshold: int = 64  # --tbo-token-threshold: steps with fewer tokens (on every rank) do not overlap
+    dp_lm_head: bool = False  # --enable-dp-lm-head: the LM head split by vocabulary over the attention-TP group
 
 
 def rebalance_options(args: ServerArgs, config: ModelConfig) -> RebalanceOptions:
@@ -90,7 +91,7 @@ def model_options(args: ServerArgs, config: ModelConfig, device: torch.device | 
                      dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb,
                      fuse_shared_experts=fuse_shared_experts(args, config, device))
     return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
-                        tbo_token_threshold=args.tbo_token_threshold)
+                        tbo_token_threshold=args.tbo_token_threshold, dp_lm_head=args.enable_dp_lm_head)
 
 
 def expert_location(config: ModelConfig, args: ServerArgs, ep_size: int) -> ExpertLocation | None:

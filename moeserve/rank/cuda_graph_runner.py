@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 K, V = TypeVar("K"), TypeVar("V")
 
 
-def batch_buckets(max_bs: int) -> list[int]:
+def batch_buckets(max_bs: int, sizes: list[int] | None = None) -> list[int]:
+    """The decode batch sizes captured: `sizes` (--cuda-graph-bs) up to max_bs, or moeserve's buckets."""
+    if sizes:
+        return [s for s in sizes if s <= max_bs] or [max_bs]
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     out = [s for s in sizes if s < max_bs] + [max_bs]
     return sorted(set(out))
@@ -66,11 +69,11 @@ class CudaGraphRunner:
     """Captures and replays the model's decode forward for one rank."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], kv_pool, max_bs: int, max_len: int,
-                 device: torch.device):
+                 device: torch.device, sizes: list[int] | None = None):
         self.forward = forward  # the model's forward (or its compiled form): what is captured
         self.kv_pool = kv_pool
         self.device = device
-        self.bs_buckets = batch_buckets(max_bs)
+        self.bs_buckets = batch_buckets(max_bs, sizes)
         self.len_buckets = length_buckets(max_len)
         self.max_bs, self.max_len = self.bs_buckets[-1], self.len_buckets[-1]
         i64 = dict(dtype=torch.int64, device=device)

@@ -148,7 +148,7 @@ class ModelRunner:
             uncaptured = [self.compiled] if self.compiled is not None else []
             self.graph_runner = CudaGraphRunner(
                 lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
-                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device)
+                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device, a.cuda_graph_bs)
             if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
                 logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
                             "would include the padding tokens): extend steps run eagerly")

@@ -32,6 +32,7 @@ from moeserve.rank.io_struct import (
 )
 from moeserve.rank.rank_sync import RankSync
 from moeserve.rank.steps import StepPipeline
+from moeserve.rank.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from moeserve.rank.model_runner import ModelRunner
@@ -107,7 +108,8 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
         if on_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if on_cuda else "gloo", init_method=ports.dist_init_method,
-                                world_size=world, rank=rank, timeout=datetime.timedelta(minutes=30))
+                                world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=server_args.dist_timeout or 1800))
     dp_size = server_args.num_dp_groups
     state = init_parallel_state(world, rank, dp_size, server_args.ep_size)
     sync = RankSync(state)
@@ -162,6 +164,9 @@ class WorkerLoop:
         self.server_pid = os.getppid()
         self.last_log = time.monotonic()
         self.last_counts = (0, 0)
+        self.watchdog = StepWatchdog(args.watchdog_timeout)
+        self.decode_steps = 0  # --decode-log-interval
+        self.decode_log = (time.monotonic(), 0)  # (time, tokens generated) at the last decode line
 
     def run(self) -> None:
         try:
@@ -190,9 +195,12 @@ class WorkerLoop:
             stats = self.scheduler.stats
             stats.launched = None
             start = time.perf_counter()
-            outs = self.steps.step(stop=not self.running)
+            with self.watchdog.step():
+                outs = self.steps.step(stop=not self.running)
             if stats.launched is not None:  # the call's wall time goes to the mode it launched
                 stats.add_step_time(stats.launched, time.perf_counter() - start)
+                if stats.launched.is_decode:
+                    self._maybe_log_decode()
             if outs is None:
                 break
             outs += self.scheduler.drain_pending()
@@ -266,6 +274,19 @@ class WorkerLoop:
         else:
             out.error = f"unknown expert distribution action {action!r}"
         return out
+
+    def _maybe_log_decode(self) -> None:
+        """One line every --decode-log-interval decode steps (SGLang's 'Decode batch' line)."""
+        self.decode_steps += 1
+        if self.decode_steps % self.args.decode_log_interval:
+            return
+        now, generated = time.monotonic(), self.scheduler.stats.generated
+        dt = max(now - self.decode_log[0], 1e-9)
+        load = self.scheduler.get_load()
+        logger.info("decode step %d: running %d, queued %d, KV %d/%d tokens, %.1f tok/s over the last %d steps",
+                    self.decode_steps, load.num_running, load.num_waiting, load.kv_used_tokens,
+                    load.kv_total_tokens, (generated - self.decode_log[1]) / dt, self.args.decode_log_interval)
+        self.decode_log = (now, generated)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
