@@ -41,16 +41,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rebalance_experts(
-    weight: torch.Tensor | np.ndarray,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_gpus: int,
-    *,
-    max_slots_per_gpu: int | None = None,
-    avoid_duplicates: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rebalance_experts(weight: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int, *, max_slots_per_gpu: int | None = None,
+                      avoid_duplicates: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place num_replicas expert replicas on num_gpus GPUs so that the most loaded GPU is as light as possible.
 
     weight: [L, E] load per logical expert (token counts), any dtype, any device, or a numpy array.
@@ -277,9 +270,7 @@ class _Candidate:
         w_sub = _node_loads(w_lte if layers is None else w_lte[layers], nodes)  # [B', E', T]
         labels = self.labels[rows]
         v = np.take_along_axis(w_sub / self.cnt[rows][..., None], labels[..., None], 1)  # [B', R', T]
-        slot_item = local_search(
-            self.slot_item[rows], v, tw, labels, self.p.experts_per_node, allow_new_dups
-        )
+        slot_item = local_search(self.slot_item[rows], v, tw, labels, self.p.experts_per_node, allow_new_dups)
         return self.to_phy2log(layers, slot_item)
 
     def _rows(self, layers: np.ndarray | None) -> np.ndarray:
@@ -297,20 +288,17 @@ def _validate(w_tle: np.ndarray, R: int, G: int, N: int, P: int, max_slots_per_g
         raise ValueError("weight must be finite and non-negative (it counts tokens per expert)")
     if min(R, G, N, P) <= 0:
         raise ValueError(
-            f"num_replicas={R}, num_groups={G}, num_nodes={N}, num_gpus={P} must all be positive"
-        )
+            f"num_replicas={R}, num_groups={G}, num_nodes={N}, num_gpus={P} must all be positive")
     if R % P:
         raise ValueError(f"num_replicas={R} must be a multiple of num_gpus={P} (equal slots per GPU)")
     if R < num_experts:
         raise ValueError(
-            f"num_replicas={R} is fewer than the {num_experts} logical experts: each needs a slot"
-        )
+            f"num_replicas={R} is fewer than the {num_experts} logical experts: each needs a slot")
     if is_hierarchical(G, N) and P % N:
         raise ValueError(f"num_gpus={P} must be a multiple of num_nodes={N} (hierarchical policy)")
     if max_slots_per_gpu is not None and R // P > max_slots_per_gpu:
         raise ValueError(
-            f"{R // P} slots per GPU (num_replicas / num_gpus) exceed max_slots_per_gpu={max_slots_per_gpu}"
-        )
+            f"{R // P} slots per GPU (num_replicas / num_gpus) exceed max_slots_per_gpu={max_slots_per_gpu}")
     if is_hierarchical(G, N) and num_experts % G:
         raise ValueError(f"{num_experts} experts do not split into num_groups={G} equal groups")
 

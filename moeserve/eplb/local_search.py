@@ -46,15 +46,8 @@ def local_search(
 class SwapState:
     """Packs, their loads and label counts for the local search; step() applies one best swap per row."""
 
-    def __init__(
-        self,
-        slot_item: np.ndarray,
-        v: np.ndarray,
-        tw: np.ndarray,
-        labels: np.ndarray,
-        num_labels: int,
-        allow_new_dups: bool,
-    ):
+    def __init__(self, slot_item: np.ndarray, v: np.ndarray, tw: np.ndarray, labels: np.ndarray,
+                 num_labels: int, allow_new_dups: bool):
         num_rows, num_packs, per_pack = slot_item.shape
         self.slot_item, self.v, self.tw, self.labels = slot_item, v, tw, labels
         self.allow_new_dups = allow_new_dups

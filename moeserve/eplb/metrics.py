@@ -41,8 +41,7 @@ def gpu_loads(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, n
     p2l = _i64(phy2log)
     if p2l.ndim != 2 or w.ndim < 2 or w.shape[-2] != p2l.shape[0]:
         raise ValueError(
-            f"weight [..., L, E] {tuple(w.shape)} and phy2log [L, R] {tuple(p2l.shape)} do not match"
-        )
+            f"weight [..., L, E] {tuple(w.shape)} and phy2log [L, R] {tuple(p2l.shape)} do not match")
     num_layers, num_slots = p2l.shape
     num_experts = w.shape[-1]
     if num_gpus <= 0 or num_slots % num_gpus:
@@ -106,13 +105,8 @@ def group_node_span(
     return present.view(num_layers, num_groups, num_nodes).sum(-1)
 
 
-def windowed_balancedness(
-    logical_count: ArrayLike,
-    window: int,
-    phy2log: ArrayLike,
-    num_gpus: int,
-    logcnt: ArrayLike | None = None,
-) -> torch.Tensor:
+def windowed_balancedness(logical_count: ArrayLike, window: int, phy2log: ArrayLike, num_gpus: int,
+                          logcnt: ArrayLike | None = None) -> torch.Tensor:
     """Balancedness of a fixed placement over time: logical_count [T, L, E] summed over consecutive windows
     of `window` steps (a last partial window is dropped) -> [T // window, L] float64.
 
@@ -123,15 +117,9 @@ def windowed_balancedness(
     return balancedness(windows, phy2log, logcnt, num_gpus)
 
 
-def held_out_balancedness(
-    logical_count: ArrayLike,
-    window: int,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_gpus: int,
-    planner: Planner = rebalance_experts,
-) -> torch.Tensor:
+def held_out_balancedness(logical_count: ArrayLike, window: int, num_replicas: int, num_groups: int,
+                          num_nodes: int, num_gpus: int,
+                          planner: Planner = rebalance_experts) -> torch.Tensor:
     """Balancedness of a placement planned on window t and scored on window t + 1 -> [W - 1, L] float64.
 
     logical_count [T, L, E] is cut into W = T // window windows. This is what a server that rebalances
@@ -141,8 +129,7 @@ def held_out_balancedness(
     windows = _windows(logical_count, window)  # [W, L, E]
     if windows.shape[0] < 2:
         raise ValueError(
-            f"need at least two windows of {window} steps, got {_f64(logical_count).shape[0]} steps"
-        )
+            f"need at least two windows of {window} steps, got {_f64(logical_count).shape[0]} steps")
     scores = []
     for t in range(windows.shape[0] - 1):
         phy2log, _, logcnt = planner(windows[t], num_replicas, num_groups, num_nodes, num_gpus)

@@ -73,8 +73,7 @@ def balancedness_over_time(logical_count: np.ndarray, s: AnalyzeSettings) -> dic
     curves = {
         "no_eplb": step_balancedness(PlainLayout(num_experts, num_gpus).loads(logical_count)),
         "eplb_in_sample": step_balancedness(
-            cache.get(s.nodes, s.gpus_per_node, s.redundant, None).loads(logical_count)
-        ),
+            cache.get(s.nodes, s.gpus_per_node, s.redundant, None).loads(logical_count)),
     }
     held = np.full(num_steps, math.nan)
     for k in range(1, len(cache.spans)):
@@ -113,8 +112,7 @@ def drift_tv(logical_count: np.ndarray, spans: int = 8) -> float:
         return 0.0
     shares = [p.sum(0) / np.maximum(p.sum(0).sum(-1, keepdims=True), 1) for p in parts]
     return float(
-        np.mean([0.5 * np.abs(a - b).sum(-1).mean() for a, b in zip(shares, shares[1:], strict=False)])
-    )
+        np.mean([0.5 * np.abs(a - b).sum(-1).mean() for a, b in zip(shares, shares[1:], strict=False)]))
 
 
 def summarize(
@@ -139,8 +137,7 @@ def summarize(
         f"drift: mean total-variation distance between consecutive eighths of the dump {drift_tv(logical_count):.3f}",
         "most skewed layers (hottest expert): "
         + ", ".join(
-            f"layer {i} e{int(hottest[i])} {rel[i, hottest[i]]:.1f}x" for i in np.argsort(-rel.max(-1))[:8]
-        )
+            f"layer {i} e{int(hottest[i])} {rel[i, hottest[i]]:.1f}x" for i in np.argsort(-rel.max(-1))[:8])
         + " (every layer in hot_cold.csv)",
         "",
         f"balancedness (mean / max GPU load) at {s.nodes} nodes x {s.gpus_per_node} GPUs = "

@@ -313,15 +313,11 @@ def step_time(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, 
     moe_layer = moe_layer_s(moe, dep, gpu, eff, micro)
     layer_overhead_us, step_overhead_ms = fixed_overheads(dep, eff)
     return StepTime(
-        micro_batches=micro,
-        dense=dense,
-        moe=moe,
+        micro_batches=micro, dense=dense, moe=moe,
         layers=model.num_dense_layers * dense.compute + model.num_moe_layers * moe_layer,
         head=lm_head_s(model, gpu, eff, s.head_rows),
         layer_overheads=(model.num_dense_layers + model.num_moe_layers * micro) * layer_overhead_us * 1e-6,
-        step_overhead=step_overhead_ms * 1e-3,
-        mtp=mtp_s(model, gpu, dep, eff, s, bal, layer_overhead_us),
-    )
+        step_overhead=step_overhead_ms * 1e-3, mtp=mtp_s(model, gpu, dep, eff, s, bal, layer_overhead_us))
 
 
 def breakdown_ms(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency,
@@ -341,8 +337,7 @@ def breakdown_ms(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficienc
     slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
     if slow_compute > 1.0:
         compute_parts["TBO slowdown (SMs lent, contention)"] = n_moe * (
-            (slow_compute - 1.0) * moe.compute + (slow_comm - 1.0) * moe.comm
-        )
+            (slow_compute - 1.0) * moe.compute + (slow_comm - 1.0) * moe.comm)
     comm_total = n_moe * moe.comm
     breakdown = {k: v * 1e3 for k, v in compute_parts.items()}
     breakdown["dispatch + combine (total)"] = comm_total * 1e3
