@@ -74,7 +74,6 @@ def init_parallel_state(world_size: int, rank: int, dp_size: int, ep_size: int) 
     state = ParallelState(
         world_size=world_size, rank=rank, dp_size=dp_size, attn_tp_size=attn_tp, ep_size=ep_size,
         world_group=world, attn_tp_group=attn_group, ep_group=world if ep_size > 1 else None,
-        world_cpu_group=world_cpu, attn_tp_cpu_group=attn_cpu,
-    )
+        world_cpu_group=world_cpu, attn_tp_cpu_group=attn_cpu)
     set_parallel_state(state)
     return state
