@@ -62,8 +62,7 @@ def rebalance_experts(weight: torch.Tensor | np.ndarray, num_replicas: int, num_
     if w.ndim != 2:
         raise ValueError(
             f"weight must be [layers, experts], got shape {tuple(w.shape)}; for a time axis [steps, layers, "
-            "experts] call rebalance_experts_over_window, or sum over steps first"
-        )
+            "experts] call rebalance_experts_over_window, or sum over steps first")
     w32 = _as_float32(weight)
     args = (num_replicas, num_groups, num_nodes, num_gpus, max_slots_per_gpu, avoid_duplicates)
     return _rebalance(w[None], np.ones(1), w32, *args)

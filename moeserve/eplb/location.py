@@ -81,8 +81,7 @@ class ExpertLocation:
         if p2l.ndim != 2 or p2l.dtype.is_floating_point or p2l.dtype == torch.bool:
             raise ValueError(
                 f"physical_to_logical_map must be an integer [layers, slots] array, got {p2l.dtype} "
-                f"{tuple(p2l.shape)}"
-            )
+                f"{tuple(p2l.shape)}")
         if p2l.numel() == 0:
             raise ValueError(f"physical_to_logical_map is empty (shape {tuple(p2l.shape)})")
         p2l = p2l.to("cpu", torch.int64).contiguous()
@@ -126,8 +125,7 @@ class ExpertLocation:
         if counts.ndim not in (2, 3):
             raise ValueError(
                 f"logical_count must be [steps, layers, experts] or [layers, experts], "
-                f"got shape {tuple(counts.shape)}"
-            )
+                f"got shape {tuple(counts.shape)}")
         if num_nodes <= 0 or ep_size % num_nodes:
             raise ValueError(f"ep_size={ep_size} must be a multiple of num_nodes={num_nodes}")
         args = (num_physical_experts, num_groups, num_nodes, ep_size)
@@ -189,14 +187,12 @@ class ExpertLocation:
             if num_physical_experts is not None and loc.num_physical_experts != num_physical_experts:
                 raise ValueError(
                     f"{path} places {loc.num_physical_experts} physical experts per layer, the "
-                    f"server has {num_physical_experts}"
-                )
+                    f"server has {num_physical_experts}")
         elif "logical_count" in record:
             if num_physical_experts is None:
                 raise ValueError(
                     f"{path} is a recorder dump (logical_count): pass num_physical_experts to plan "
-                    "a placement from it"
-                )
+                    "a placement from it")
             gpn = ep_size if num_gpus_per_node is None else num_gpus_per_node
             if gpn <= 0 or ep_size % gpn:
                 raise ValueError(f"ep_size={ep_size} must be a multiple of num_gpus_per_node={gpn}")
@@ -220,15 +216,13 @@ class ExpertLocation:
         if (other.ep_size, other.num_gpus_per_node) != (self.ep_size, self.num_gpus_per_node):
             raise ValueError(
                 f"cannot update a location for ep_size={self.ep_size}, {self.num_gpus_per_node} "
-                f"GPUs per node from one for {other.ep_size}, {other.num_gpus_per_node}"
-            )
+                f"GPUs per node from one for {other.ep_size}, {other.num_gpus_per_node}")
         for name in _TENSOR_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape:
                 raise ValueError(
                     f"{name}: shape {tuple(theirs.shape)} differs from {tuple(mine.shape)}; "
-                    "in-place update needs the same layers, experts and slots"
-                )
+                    "in-place update needs the same layers, experts and slots")
         for name in _TENSOR_FIELDS:
             getattr(self, name).copy_(getattr(other, name))
 
@@ -393,8 +387,7 @@ def _check_sizes(num_layers: int, num_experts: int, num_slots: int, ep_size: int
     if ep_size <= 0 or num_slots % ep_size:
         raise ValueError(
             f"num_physical_experts={num_slots} must be a multiple of ep_size={ep_size} "
-            "(every GPU holds the same number of expert slots)"
-        )
+            "(every GPU holds the same number of expert slots)")
     if num_slots < num_experts:
         raise ValueError(f"num_physical_experts={num_slots} is fewer than the {num_experts} logical experts")
     if gpus_per_node <= 0 or ep_size % gpus_per_node:

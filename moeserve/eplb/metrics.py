@@ -95,8 +95,7 @@ def group_node_span(
     if num_logical_experts % num_groups or num_gpus % num_nodes or num_slots % num_gpus:
         raise ValueError(
             f"need E={num_logical_experts} divisible by num_groups={num_groups}, num_gpus={num_gpus} by "
-            f"num_nodes={num_nodes} and R={num_slots} by num_gpus"
-        )
+            f"num_nodes={num_nodes} and R={num_slots} by num_gpus")
     slots_per_node = num_slots // num_nodes
     node_of_slot = torch.arange(num_slots) // slots_per_node  # [R]
     group_of_slot = p2l // (num_logical_experts // num_groups)  # [L, R]

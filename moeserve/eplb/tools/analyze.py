@@ -93,15 +93,8 @@ def hot_cold(logical_count: np.ndarray, top: int) -> list[dict]:
         order = np.argsort(-layer_shares, kind="stable")
         for kind, picks in (("hot", order[:top]), ("cold", order[::-1][:top])):
             for rank, expert in enumerate(picks):
-                rows.append(
-                    {
-                        "layer": layer,
-                        "kind": kind,
-                        "rank": rank,
-                        "expert": int(expert),
-                        "share": float(layer_shares[expert]),
-                    }
-                )
+                rows.append({"layer": layer, "kind": kind, "rank": rank, "expert": int(expert),
+                             "share": float(layer_shares[expert])})
     return rows
 
 

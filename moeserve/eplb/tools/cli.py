@@ -65,8 +65,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     path = save_dump(args.out, counts, spec_meta(spec))
     print(
         f"wrote {path}: logical_count {list(counts.shape)} ({spec.dist}, drift {spec.drift}, seed {spec.seed}) "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
+        f"in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -150,8 +150,7 @@ def format_calibration(rows: list[CalibrationRow], eff: Efficiency = DEFAULT_EFF
         lines.append(
             f"{r.case.name:42s} {'yes' if r.case.fitted else 'no':>4s} {r.balancedness:6.3f} "
             f"{r.case.measured_per_node:10,.0f} {r.predicted_per_node:10,.0f} {r.error * 100:+7.1f}% "
-            f"{r.case.tolerance * 100:5.0f}%"
-        )
+            f"{r.case.tolerance * 100:5.0f}%")
     fitted = [abs(r.error) for r in rows if r.case.fitted]
     mean = sum(fitted) / len(fitted)
     lines += ["", f"fitted cases: mean |error| {mean * 100:.1f}%, max {max(fitted) * 100:.1f}%", "sources:"]

@@ -192,6 +192,5 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.exists():
         raise ValueError(
             f"unknown model {name_or_path!r}: give a preset ({', '.join(MODEL_PRESETS)}) "
-            "or a path to a Hugging Face config.json"
-        )
+            "or a path to a Hugging Face config.json")
     return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
