@@ -119,9 +119,8 @@ def is_hierarchical(num_groups: int, num_nodes: int) -> bool:
     return num_groups > 0 and num_groups % num_nodes == 0
 
 
-def logical_to_physical_map(
-    phy2log: torch.Tensor, num_logical_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logical_to_physical_map(phy2log: torch.Tensor,
+                            num_logical_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse maps of a placement: phy2log [L, R] int -> (log2phy [L, E, X] int64 padded -1, logcnt [L, E]).
 
     log2phy lists each expert's slots in ascending order; X is the largest replica count (at least 1).
@@ -242,9 +241,8 @@ class _Best:
 class _Candidate:
     """One candidate placement as sub-problems (one per layer and node) before and after local search."""
 
-    def __init__(
-        self, p: _Problem, nodes: np.ndarray, cnt: np.ndarray, labels: np.ndarray, slot_item: np.ndarray
-    ):
+    def __init__(self, p: _Problem, nodes: np.ndarray, cnt: np.ndarray, labels: np.ndarray,
+                 slot_item: np.ndarray):
         self.p = p
         self.nodes = nodes  # [L, N, E'] logical ids held by each node
         self.cnt = cnt  # [B, E'] replicas per node-local expert, B = L * N (row l * N + n)
@@ -260,9 +258,8 @@ class _Candidate:
         phy2log = np.take_along_axis(nodes, local.reshape(len(nodes), self.p.N, -1), 2)  # [L', N, R']
         return phy2log.reshape(len(nodes), self.p.R)
 
-    def polish(
-        self, w_lte: np.ndarray, tw: np.ndarray, layers: np.ndarray | None = None, allow_new_dups: bool = True
-    ) -> np.ndarray:
+    def polish(self, w_lte: np.ndarray, tw: np.ndarray, layers: np.ndarray | None = None,
+               allow_new_dups: bool = True) -> np.ndarray:
         """Local search in float64 on the true objective -> phy2log [len(layers), R]."""
         rows = self._rows(layers)
         nodes = self.nodes if layers is None else self.nodes[layers]
@@ -392,9 +389,8 @@ def _node_loads(w_lte: np.ndarray, nodes: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _greedy_counts(
-    w: np.ndarray, num_slots: int, cap: int | None, spread_ties: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def _greedy_counts(w: np.ndarray, num_slots: int, cap: int | None,
+                   spread_ties: bool) -> tuple[np.ndarray, np.ndarray]:
     """Give each extra slot to the expert with the largest load per replica.
 
     w [B, E] (its dtype is the arithmetic); cap: at most this many replicas per expert; spread_ties: among

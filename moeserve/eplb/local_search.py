@@ -141,9 +141,8 @@ class SwapState:
         self._swap(rows[moved], src_pack[moved, s], src_pos[moved, s], j)
         return moved
 
-    def _effects(
-        self, rows: np.ndarray, loads: np.ndarray, src_pack: np.ndarray, src_item: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _effects(self, rows: np.ndarray, loads: np.ndarray, src_pack: np.ndarray,
+                 src_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Objective after each swap and the change of the weighted sum of squared loads -> [A, S, n] each."""
         ar = np.arange(len(rows))
         tw = self.tw
@@ -167,9 +166,8 @@ class SwapState:
         d_sq = (2 * diff * (load_b - load_a + diff)) @ tw
         return new_obj, d_sq
 
-    def _effects_one_step(
-        self, rows: np.ndarray, loads: np.ndarray, crit: np.ndarray, src_item: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _effects_one_step(self, rows: np.ndarray, loads: np.ndarray, crit: np.ndarray,
+                          src_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """_effects for one step and the source the most loaded pack crit [A]: loads [A, packs]."""
         ar = np.arange(len(rows))
         v = self.v[rows, :, 0]  # [A, n]

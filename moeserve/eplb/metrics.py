@@ -65,16 +65,14 @@ def balancedness_of_loads(loads: ArrayLike) -> torch.Tensor:
     return torch.where(peak > 0, x.mean(-1) / peak.clamp(min=1e-300), torch.ones_like(peak))
 
 
-def balancedness(
-    weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int
-) -> torch.Tensor:
+def balancedness(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None,
+                 num_gpus: int) -> torch.Tensor:
     """Per-layer mean / max GPU load of weight [..., L, E] under phy2log [L, R] -> [..., L] float64."""
     return balancedness_of_loads(gpu_loads(weight, phy2log, logcnt, num_gpus))
 
 
-def node_balancedness(
-    weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int, num_nodes: int
-) -> torch.Tensor:
+def node_balancedness(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int,
+                      num_nodes: int) -> torch.Tensor:
     """Per-layer mean / max node load (GPUs g // (P / num_nodes) share a node) -> [..., L] float64."""
     if num_nodes <= 0 or num_gpus % num_nodes:
         raise ValueError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
@@ -82,9 +80,8 @@ def node_balancedness(
     return balancedness_of_loads(loads.unflatten(-1, (num_nodes, num_gpus // num_nodes)).sum(-1))
 
 
-def group_node_span(
-    phy2log: ArrayLike, num_logical_experts: int, num_groups: int, num_gpus: int, num_nodes: int
-) -> torch.Tensor:
+def group_node_span(phy2log: ArrayLike, num_logical_experts: int, num_groups: int, num_gpus: int,
+                    num_nodes: int) -> torch.Tensor:
     """How many nodes hold replicas of each expert group (experts g*E/G .. (g+1)*E/G - 1) -> [L, G] int64.
 
     1 everywhere for a hierarchical placement; a group spread over many nodes sends its tokens over the

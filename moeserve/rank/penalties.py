@@ -30,9 +30,8 @@ def _flat_token_index(sources: Sequence[Sequence[Sequence[int]]], vocab_size: in
     return torch.from_numpy(rows * vocab_size + ids)
 
 
-def build_token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def build_token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
+                       device: torch.device | str) -> torch.Tensor:
     """Occurrences of each token per request: [B, V] int32 on `device` (one host-to-device copy)."""
     batch_size = len(token_ids)
     index = _flat_token_index((token_ids,), vocab_size).to(device)
@@ -41,9 +40,8 @@ def build_token_counts(
     return counts.view(batch_size, vocab_size)
 
 
-def build_token_mask(
-    *sources: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def build_token_mask(*sources: Sequence[Sequence[int]], vocab_size: int,
+                     device: torch.device | str) -> torch.Tensor:
     """Whether each token occurs in any of `sources` (per-request id lists, e.g. prompts, outputs): [B, V] bool."""
     batch_size = len(sources[0])
     assert all(len(src) == batch_size for src in sources)

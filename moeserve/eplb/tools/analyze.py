@@ -108,9 +108,8 @@ def drift_tv(logical_count: np.ndarray, spans: int = 8) -> float:
         np.mean([0.5 * np.abs(a - b).sum(-1).mean() for a, b in zip(shares, shares[1:], strict=False)]))
 
 
-def summarize(
-    logical_count: np.ndarray, meta: dict, s: AnalyzeSettings, curves: dict[str, np.ndarray]
-) -> str:
+def summarize(logical_count: np.ndarray, meta: dict, s: AnalyzeSettings,
+              curves: dict[str, np.ndarray]) -> str:
     """The text summary: shape, skew, hottest experts, drift and balancedness at the chosen deployment."""
     num_steps, num_layers, num_experts = logical_count.shape
     rel = relative_load(logical_count)
