@@ -30,6 +30,7 @@ import torch
 
 from moeserve.args import ServerArgs
 from moeserve.bench.results import append_results
+from moeserve.core.model_config import ModelConfig
 from moeserve.models.default_model import resolve_model_path
 
 
@@ -37,8 +38,6 @@ def skewed_checkpoint(src: str, out: Path, strength: float, seed: int = 0) -> li
     """Copy the checkpoint `src` to `out` with token-aligned routing (see the module doc); the token range of each
     routed expert."""
     from safetensors.torch import load_file, save_file
-
-    from moeserve.core.model_config import ModelConfig
 
     shutil.copytree(src, out, dirs_exist_ok=True)
     config = ModelConfig.from_pretrained(out)
@@ -49,8 +48,8 @@ def skewed_checkpoint(src: str, out: Path, strength: float, seed: int = 0) -> li
     E, H, V = config.num_experts, config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(seed)
     directions = torch.nn.functional.normalize(torch.randn(E, H, generator=g), dim=-1)
-    ranges = [list(range(lo, hi)) for lo, hi in zip(torch.linspace(8, V, E + 1).long()[:-1].tolist(),
-                                                     torch.linspace(8, V, E + 1).long()[1:].tolist(), strict=True)]
+    bounds = torch.linspace(8, V, E + 1).long().tolist()
+    ranges = [list(range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     embed = weights["model.embed_tokens.weight"]
     scale = float(embed.float().norm(dim=-1).mean())
     for e, tokens in enumerate(ranges):
@@ -81,14 +80,14 @@ def run(args: ServerArgs, prompts: list[list[list[int]]], output_len: int) -> li
         eng.generate(input_ids=prompts[0][:2], sampling_params=params)  # warm-up, outside the figures
         for p, batch in enumerate(prompts):
             report = eng.get_load()[0].eplb
-            start_pass, start_rebalances = _passes(report), report.rebalances
+            start_pass, start_rebalances = report.passes, report.rebalances
             t0 = time.perf_counter()
             eng.generate(input_ids=batch, sampling_params=params)
             dt = time.perf_counter() - t0
             report = eng.get_load()[0].eplb
             windows = report.windows[seen:]
             seen = len(report.windows)
-            passes = max(_passes(report) - start_pass, 1)
+            passes = max(report.passes - start_pass, 1)
             rows.append({"phase": p, "windows": len(windows), "rebalances": report.rebalances - start_rebalances,
                          "busiest_tokens_per_pass": statistics.mean(w[2] for w in windows) if windows else None,
                          "balancedness": statistics.mean(w[1] for w in windows) if windows else None,
@@ -96,10 +95,6 @@ def run(args: ServerArgs, prompts: list[list[list[int]]], output_len: int) -> li
     finally:
         eng.shutdown()
     return rows
-
-
-def _passes(report) -> int:
-    return report.passes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default=None, help="Append one JSON line.")
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)
+
     with tempfile.TemporaryDirectory(prefix="moeserve-bench-eplb-") as tmp:
         ranges = skewed_checkpoint(resolve_model_path(args), Path(tmp) / "model", ns.strength)
         E = len(ranges)
-        group = E // max(1, _num_groups(Path(tmp) / "model"))
+        group = E // max(1, ModelConfig.from_pretrained(Path(tmp) / "model").n_group or 1)
         prompts = [phase_prompts(ranges, [(ph * group + i) % E for i in range(group)], ns.prompts_per_phase,
                                  ns.input_len, seed=ph) for ph in range(ns.phases)]
         base = dataclasses.replace(args, model_path=str(Path(tmp) / "model"), tokenizer_path=None,
@@ -138,12 +134,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{ph:>5} | {name:<13} | {busy:>20} | {bal:>12} | {r['rebalances']:>10} | {r['step_ms']:>8.2f}")
     append_results(ns.result_file, [result])
     return 0
-
-
-def _num_groups(path: Path) -> int:
-    from moeserve.core.model_config import ModelConfig
-
-    return ModelConfig.from_pretrained(path).n_group or 1
 
 
 if __name__ == "__main__":

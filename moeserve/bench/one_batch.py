@@ -192,7 +192,6 @@ def _load_dummy_checkpoint(config_dir: str, tensors: dict[str, torch.Tensor], dt
     """transformers' model of config_dir with moeserve's dummy weights (saved to a temporary checkpoint, which
     transformers reads with its own key conversions)."""
     import shutil
-    import tempfile
     from pathlib import Path
 
     import transformers

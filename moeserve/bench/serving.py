@@ -138,6 +138,7 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
                         warmup_requests: int = 1, show_progress: bool = True) -> tuple[list[RequestResult], float]:
     """Run all requests; returns their results (in request order) and the duration in seconds."""
     import aiohttp
+    from tqdm import tqdm
 
     endpoint, kind = BACKENDS[backend]
     url = base_url.rstrip("/") + endpoint
@@ -153,7 +154,7 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        progress = _progress(len(reqs), show_progress)
+        progress = tqdm(total=len(reqs), disable=not show_progress, desc="requests", unit="req")
 
         async def one(req: BenchRequest) -> RequestResult:
             if sem is None:
@@ -171,12 +172,6 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
         duration = time.perf_counter() - start
         progress.close()
     return results, duration
-
-
-def _progress(total: int, show: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, disable=not show, desc="requests", unit="req")
 
 
 # ----------------------------------------------------------------------

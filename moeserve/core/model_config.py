@@ -169,8 +169,7 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", False)),
                 quantization=(raw.get("quantization_config") or {}).get("quant_method"),
                 fp8=None if shapes_only else parse_quantization_config(raw.get("quantization_config")),
-                raw=raw,
-            )
+                raw=raw)
             act = raw.get("hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
@@ -336,8 +335,7 @@ def _deepseek_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         topk_group=int(raw.get("topk_group") or 1),
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
-    )
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0))
 
 
 def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
@@ -357,8 +355,7 @@ def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
             moe_intermediate_size=int(raw["moe_intermediate_size"]),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            rope=_rope(raw, 10000.0, interleaved=False),
-        )
+            rope=_rope(raw, 10000.0, interleaved=False))
     else:  # mixtral: every layer is MoE; experts are intermediate_size wide
         num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 8)
         moe_layers = tuple(range(layers))
@@ -367,8 +364,7 @@ def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
             intermediate_size=int(raw["intermediate_size"]),
             moe_intermediate_size=int(raw["intermediate_size"]),
             norm_topk_prob=True,
-            rope=_rope(raw, 1000000.0, interleaved=False),
-        )
+            rope=_rope(raw, 1000000.0, interleaved=False))
     return dict(
         attention_kind="gqa",
         num_key_value_heads=kv_heads,
@@ -380,5 +376,4 @@ def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:
         moe_layers=moe_layers,
         scoring_func="softmax",
         topk_method="greedy",
-        **extra,
-    )
+        **extra)

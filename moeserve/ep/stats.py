@@ -57,15 +57,6 @@ def enable_local_expert_tokens(num_local_experts: int, device: torch.device | st
     return _counter
 
 
-def disable_local_expert_tokens() -> None:
-    global _counter
-    _counter = None
-
-
-def get_local_expert_tokens() -> LocalExpertTokens | None:
-    return _counter
-
-
 def local_tally(num_local_experts: int, device: torch.device) -> torch.Tensor | None:
     """The installed counter's tensor for a layer of this many local experts on `device`, or None (none
     installed, or another model's layer): what a kernel adds the counts into."""

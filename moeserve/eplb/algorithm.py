@@ -41,16 +41,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rebalance_experts(
-    weight: torch.Tensor | np.ndarray,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_gpus: int,
-    *,
-    max_slots_per_gpu: int | None = None,
-    avoid_duplicates: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rebalance_experts(weight: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int, *, max_slots_per_gpu: int | None = None,
+                      avoid_duplicates: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place num_replicas expert replicas on num_gpus GPUs so that the most loaded GPU is as light as possible.
 
     weight: [L, E] load per logical expert (token counts), any dtype, any device, or a numpy array.
@@ -69,8 +62,7 @@ def rebalance_experts(
     if w.ndim != 2:
         raise ValueError(
             f"weight must be [layers, experts], got shape {tuple(w.shape)}; for a time axis [steps, layers, "
-            "experts] call rebalance_experts_over_window, or sum over steps first"
-        )
+            "experts] call rebalance_experts_over_window, or sum over steps first")
     w32 = _as_float32(weight)
     args = (num_replicas, num_groups, num_nodes, num_gpus, max_slots_per_gpu, avoid_duplicates)
     return _rebalance(w[None], np.ones(1), w32, *args)
@@ -127,9 +119,8 @@ def is_hierarchical(num_groups: int, num_nodes: int) -> bool:
     return num_groups > 0 and num_groups % num_nodes == 0
 
 
-def logical_to_physical_map(
-    phy2log: torch.Tensor, num_logical_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def logical_to_physical_map(phy2log: torch.Tensor,
+                            num_logical_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse maps of a placement: phy2log [L, R] int -> (log2phy [L, E, X] int64 padded -1, logcnt [L, E]).
 
     log2phy lists each expert's slots in ascending order; X is the largest replica count (at least 1).
@@ -250,9 +241,8 @@ class _Best:
 class _Candidate:
     """One candidate placement as sub-problems (one per layer and node) before and after local search."""
 
-    def __init__(
-        self, p: _Problem, nodes: np.ndarray, cnt: np.ndarray, labels: np.ndarray, slot_item: np.ndarray
-    ):
+    def __init__(self, p: _Problem, nodes: np.ndarray, cnt: np.ndarray, labels: np.ndarray,
+                 slot_item: np.ndarray):
         self.p = p
         self.nodes = nodes  # [L, N, E'] logical ids held by each node
         self.cnt = cnt  # [B, E'] replicas per node-local expert, B = L * N (row l * N + n)
@@ -268,18 +258,15 @@ class _Candidate:
         phy2log = np.take_along_axis(nodes, local.reshape(len(nodes), self.p.N, -1), 2)  # [L', N, R']
         return phy2log.reshape(len(nodes), self.p.R)
 
-    def polish(
-        self, w_lte: np.ndarray, tw: np.ndarray, layers: np.ndarray | None = None, allow_new_dups: bool = True
-    ) -> np.ndarray:
+    def polish(self, w_lte: np.ndarray, tw: np.ndarray, layers: np.ndarray | None = None,
+               allow_new_dups: bool = True) -> np.ndarray:
         """Local search in float64 on the true objective -> phy2log [len(layers), R]."""
         rows = self._rows(layers)
         nodes = self.nodes if layers is None else self.nodes[layers]
         w_sub = _node_loads(w_lte if layers is None else w_lte[layers], nodes)  # [B', E', T]
         labels = self.labels[rows]
         v = np.take_along_axis(w_sub / self.cnt[rows][..., None], labels[..., None], 1)  # [B', R', T]
-        slot_item = local_search(
-            self.slot_item[rows], v, tw, labels, self.p.experts_per_node, allow_new_dups
-        )
+        slot_item = local_search(self.slot_item[rows], v, tw, labels, self.p.experts_per_node, allow_new_dups)
         return self.to_phy2log(layers, slot_item)
 
     def _rows(self, layers: np.ndarray | None) -> np.ndarray:
@@ -297,20 +284,17 @@ def _validate(w_tle: np.ndarray, R: int, G: int, N: int, P: int, max_slots_per_g
         raise ValueError("weight must be finite and non-negative (it counts tokens per expert)")
     if min(R, G, N, P) <= 0:
         raise ValueError(
-            f"num_replicas={R}, num_groups={G}, num_nodes={N}, num_gpus={P} must all be positive"
-        )
+            f"num_replicas={R}, num_groups={G}, num_nodes={N}, num_gpus={P} must all be positive")
     if R % P:
         raise ValueError(f"num_replicas={R} must be a multiple of num_gpus={P} (equal slots per GPU)")
     if R < num_experts:
         raise ValueError(
-            f"num_replicas={R} is fewer than the {num_experts} logical experts: each needs a slot"
-        )
+            f"num_replicas={R} is fewer than the {num_experts} logical experts: each needs a slot")
     if is_hierarchical(G, N) and P % N:
         raise ValueError(f"num_gpus={P} must be a multiple of num_nodes={N} (hierarchical policy)")
     if max_slots_per_gpu is not None and R // P > max_slots_per_gpu:
         raise ValueError(
-            f"{R // P} slots per GPU (num_replicas / num_gpus) exceed max_slots_per_gpu={max_slots_per_gpu}"
-        )
+            f"{R // P} slots per GPU (num_replicas / num_gpus) exceed max_slots_per_gpu={max_slots_per_gpu}")
     if is_hierarchical(G, N) and num_experts % G:
         raise ValueError(f"{num_experts} experts do not split into num_groups={G} equal groups")
 
@@ -405,9 +389,8 @@ def _node_loads(w_lte: np.ndarray, nodes: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _greedy_counts(
-    w: np.ndarray, num_slots: int, cap: int | None, spread_ties: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def _greedy_counts(w: np.ndarray, num_slots: int, cap: int | None,
+                   spread_ties: bool) -> tuple[np.ndarray, np.ndarray]:
     """Give each extra slot to the expert with the largest load per replica.
 
     w [B, E] (its dtype is the arithmetic); cap: at most this many replicas per expert; spread_ties: among

@@ -46,15 +46,8 @@ def local_search(
 class SwapState:
     """Packs, their loads and label counts for the local search; step() applies one best swap per row."""
 
-    def __init__(
-        self,
-        slot_item: np.ndarray,
-        v: np.ndarray,
-        tw: np.ndarray,
-        labels: np.ndarray,
-        num_labels: int,
-        allow_new_dups: bool,
-    ):
+    def __init__(self, slot_item: np.ndarray, v: np.ndarray, tw: np.ndarray, labels: np.ndarray,
+                 num_labels: int, allow_new_dups: bool):
         num_rows, num_packs, per_pack = slot_item.shape
         self.slot_item, self.v, self.tw, self.labels = slot_item, v, tw, labels
         self.allow_new_dups = allow_new_dups
@@ -148,9 +141,8 @@ class SwapState:
         self._swap(rows[moved], src_pack[moved, s], src_pos[moved, s], j)
         return moved
 
-    def _effects(
-        self, rows: np.ndarray, loads: np.ndarray, src_pack: np.ndarray, src_item: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _effects(self, rows: np.ndarray, loads: np.ndarray, src_pack: np.ndarray,
+                 src_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Objective after each swap and the change of the weighted sum of squared loads -> [A, S, n] each."""
         ar = np.arange(len(rows))
         tw = self.tw
@@ -174,9 +166,8 @@ class SwapState:
         d_sq = (2 * diff * (load_b - load_a + diff)) @ tw
         return new_obj, d_sq
 
-    def _effects_one_step(
-        self, rows: np.ndarray, loads: np.ndarray, crit: np.ndarray, src_item: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _effects_one_step(self, rows: np.ndarray, loads: np.ndarray, crit: np.ndarray,
+                          src_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """_effects for one step and the source the most loaded pack crit [A]: loads [A, packs]."""
         ar = np.arange(len(rows))
         v = self.v[rows, :, 0]  # [A, n]

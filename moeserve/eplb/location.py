@@ -69,15 +69,9 @@ class ExpertLocation:
     # Constructors
 
     @classmethod
-    def from_placement(
-        cls,
-        phy2log: torch.Tensor | np.ndarray,
-        ep_size: int,
-        num_gpus_per_node: int | None = None,
-        *,
-        num_logical_experts: int | None = None,
-        seed: int = 0,
-    ) -> ExpertLocation:
+    def from_placement(cls, phy2log: torch.Tensor | np.ndarray, ep_size: int,
+                       num_gpus_per_node: int | None = None, *, num_logical_experts: int | None = None,
+                       seed: int = 0) -> ExpertLocation:
         """Maps for placement phy2log [L, R] (logical expert of each slot) on ep_size GPUs.
 
         num_gpus_per_node: GPUs that share a fast network (default: all GPUs on one node).
@@ -87,8 +81,7 @@ class ExpertLocation:
         if p2l.ndim != 2 or p2l.dtype.is_floating_point or p2l.dtype == torch.bool:
             raise ValueError(
                 f"physical_to_logical_map must be an integer [layers, slots] array, got {p2l.dtype} "
-                f"{tuple(p2l.shape)}"
-            )
+                f"{tuple(p2l.shape)}")
         if p2l.numel() == 0:
             raise ValueError(f"physical_to_logical_map is empty (shape {tuple(p2l.shape)})")
         p2l = p2l.to("cpu", torch.int64).contiguous()
@@ -109,37 +102,18 @@ class ExpertLocation:
         return cls(p2l, all_phys, logcnt, dispatch, ep_size, gpn)
 
     @classmethod
-    def trivial(
-        cls,
-        num_layers: int,
-        num_logical_experts: int,
-        num_physical_experts: int,
-        ep_size: int,
-        num_gpus_per_node: int | None = None,
-    ) -> ExpertLocation:
+    def trivial(cls, num_layers: int, num_logical_experts: int, num_physical_experts: int, ep_size: int,
+                num_gpus_per_node: int | None = None) -> ExpertLocation:
         """No balancing: slot r holds logical expert r % E (redundant slots repeat the first experts)."""
-        _check_sizes(
-            num_layers,
-            num_logical_experts,
-            num_physical_experts,
-            ep_size,
-            ep_size if num_gpus_per_node is None else num_gpus_per_node,
-        )
+        _check_sizes(num_layers, num_logical_experts, num_physical_experts, ep_size,
+                     ep_size if num_gpus_per_node is None else num_gpus_per_node)
         p2l = (torch.arange(num_physical_experts) % num_logical_experts).repeat(num_layers, 1)
         return cls.from_placement(p2l, ep_size, num_gpus_per_node, num_logical_experts=num_logical_experts)
 
     @classmethod
-    def from_logical_count(
-        cls,
-        logical_count: torch.Tensor | np.ndarray,
-        num_physical_experts: int,
-        ep_size: int,
-        num_nodes: int,
-        num_groups: int,
-        *,
-        over_window: bool = False,
-        seed: int = 0,
-    ) -> ExpertLocation:
+    def from_logical_count(cls, logical_count: torch.Tensor | np.ndarray, num_physical_experts: int,
+                           ep_size: int, num_nodes: int, num_groups: int, *, over_window: bool = False,
+                           seed: int = 0) -> ExpertLocation:
         """Plan a placement for recorded loads logical_count [steps, L, E] or [L, E] (rebalance_experts).
 
         Steps are summed, unless over_window: then the placement minimizes the summed per-step maxima
@@ -151,8 +125,7 @@ class ExpertLocation:
         if counts.ndim not in (2, 3):
             raise ValueError(
                 f"logical_count must be [steps, layers, experts] or [layers, experts], "
-                f"got shape {tuple(counts.shape)}"
-            )
+                f"got shape {tuple(counts.shape)}")
         if num_nodes <= 0 or ep_size % num_nodes:
             raise ValueError(f"ep_size={ep_size} must be a multiple of num_nodes={num_nodes}")
         args = (num_physical_experts, num_groups, num_nodes, ep_size)
@@ -161,8 +134,7 @@ class ExpertLocation:
         else:
             phy2log, _, _ = rebalance_experts(counts.sum(0) if counts.ndim == 3 else counts, *args)
         return cls.from_placement(
-            phy2log, ep_size, ep_size // num_nodes, num_logical_experts=counts.shape[-1], seed=seed
-        )
+            phy2log, ep_size, ep_size // num_nodes, num_logical_experts=counts.shape[-1], seed=seed)
 
     # -----------------------------------------------------------------------------------------------------
     # Files
@@ -185,18 +157,10 @@ class ExpertLocation:
         return path
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        ep_size: int,
-        num_gpus_per_node: int | None = None,
-        *,
-        num_physical_experts: int | None = None,
-        num_groups: int | None = None,
-        num_layers: int | None = None,
-        num_logical_experts: int | None = None,
-        seed: int = 0,
-    ) -> ExpertLocation:
+    def load(cls, path: str | Path, ep_size: int, num_gpus_per_node: int | None = None, *,
+             num_physical_experts: int | None = None, num_groups: int | None = None,
+             num_layers: int | None = None, num_logical_experts: int | None = None,
+             seed: int = 0) -> ExpertLocation:
         """Read an --init-expert-location file: a saved placement or a recorder dump, .pt or .json.
 
         A placement holds `physical_to_logical_map` [L, R]. A recorder dump holds `logical_count`
@@ -217,44 +181,31 @@ class ExpertLocation:
             ):
                 num_gpus_per_node = file_gpn  # the node size the placement was saved with
             loc = cls.from_placement(
-                _as_tensor(record["physical_to_logical_map"]),
-                ep_size,
-                num_gpus_per_node,
+                _as_tensor(record["physical_to_logical_map"]), ep_size, num_gpus_per_node,
                 num_logical_experts=num_logical_experts if num_logical_experts is not None else file_experts,
-                seed=seed,
-            )
+                seed=seed)
             if num_physical_experts is not None and loc.num_physical_experts != num_physical_experts:
                 raise ValueError(
                     f"{path} places {loc.num_physical_experts} physical experts per layer, the "
-                    f"server has {num_physical_experts}"
-                )
+                    f"server has {num_physical_experts}")
         elif "logical_count" in record:
             if num_physical_experts is None:
                 raise ValueError(
                     f"{path} is a recorder dump (logical_count): pass num_physical_experts to plan "
-                    "a placement from it"
-                )
+                    "a placement from it")
             gpn = ep_size if num_gpus_per_node is None else num_gpus_per_node
             if gpn <= 0 or ep_size % gpn:
                 raise ValueError(f"ep_size={ep_size} must be a multiple of num_gpus_per_node={gpn}")
-            loc = cls.from_logical_count(
-                _as_tensor(record["logical_count"]),
-                num_physical_experts,
-                ep_size,
-                ep_size // gpn,
-                num_groups or 1,
-                seed=seed,
-            )
+            loc = cls.from_logical_count(_as_tensor(record["logical_count"]), num_physical_experts, ep_size,
+                                         ep_size // gpn, num_groups or 1, seed=seed)
         else:
             raise ValueError(
-                f"{path} holds neither physical_to_logical_map nor logical_count (keys: {sorted(record)})"
-            )
+                f"{path} holds neither physical_to_logical_map nor logical_count (keys: {sorted(record)})")
         if num_layers is not None and loc.num_layers != num_layers:
             raise ValueError(f"{path} has {loc.num_layers} MoE layers, the model has {num_layers}")
         if num_logical_experts is not None and loc.num_logical_experts != num_logical_experts:
             raise ValueError(
-                f"{path} has {loc.num_logical_experts} logical experts, the model has {num_logical_experts}"
-            )
+                f"{path} has {loc.num_logical_experts} logical experts, the model has {num_logical_experts}")
         return loc
 
     # -----------------------------------------------------------------------------------------------------
@@ -265,15 +216,13 @@ class ExpertLocation:
         if (other.ep_size, other.num_gpus_per_node) != (self.ep_size, self.num_gpus_per_node):
             raise ValueError(
                 f"cannot update a location for ep_size={self.ep_size}, {self.num_gpus_per_node} "
-                f"GPUs per node from one for {other.ep_size}, {other.num_gpus_per_node}"
-            )
+                f"GPUs per node from one for {other.ep_size}, {other.num_gpus_per_node}")
         for name in _TENSOR_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape:
                 raise ValueError(
                     f"{name}: shape {tuple(theirs.shape)} differs from {tuple(mine.shape)}; "
-                    "in-place update needs the same layers, experts and slots"
-                )
+                    "in-place update needs the same layers, experts and slots")
         for name in _TENSOR_FIELDS:
             getattr(self, name).copy_(getattr(other, name))
 
@@ -282,14 +231,8 @@ class ExpertLocation:
         tensors = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
         return ExpertLocation(**tensors, ep_size=self.ep_size, num_gpus_per_node=self.num_gpus_per_node)
 
-    def select_physical(
-        self,
-        topk_ids: torch.Tensor,
-        layer: int | None,
-        rank: int,
-        mode: str = "static",
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def select_physical(self, topk_ids: torch.Tensor, layer: int | None, rank: int, mode: str = "static",
+                        generator: torch.Generator | None = None) -> torch.Tensor:
         """Map routed logical ids to physical slots, on the maps' device, without host syncs.
 
         topk_ids: [T, k] logical ids of one layer, or [L, T, k] for all layers (layer=None).
@@ -306,8 +249,7 @@ class ExpertLocation:
         else:
             if ids.ndim != 3 or ids.shape[0] != self.num_layers:
                 raise ValueError(
-                    f"with layer=None topk_ids must be [{self.num_layers}, T, k], got {tuple(ids.shape)}"
-                )
+                    f"with layer=None topk_ids must be [{self.num_layers}, T, k], got {tuple(ids.shape)}")
             layers = slice(None)
         flat = ids.flatten(1)  # [L', T*k]
         if mode == "static":
@@ -340,8 +282,7 @@ def pick_replicas(topk_ids: torch.Tensor, replicas: torch.Tensor, num_replicas: 
 
 
 _TENSOR_FIELDS = tuple(
-    f.name for f in fields(ExpertLocation) if f.name.endswith("_map") or f.name.endswith("_valid")
-)
+    f.name for f in fields(ExpertLocation) if f.name.endswith("_map") or f.name.endswith("_valid"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -388,8 +329,7 @@ def _rank_dispatch_map(
     # 2. a replica on the rank's node: node replicas are contiguous in phys (slots ascend with nodes)
     node = torch.where(valid, gpu // gpus_per_node, num_nodes)  # [M, X]
     node_cnt = torch.zeros(len(multi), num_nodes + 1, dtype=torch.int64).scatter_add_(
-        1, node, torch.ones_like(node)
-    )
+        1, node, torch.ones_like(node))
     node_cnt = node_cnt[:, :num_nodes]  # [M, N]
     node_start = torch.cumsum(node_cnt, 1) - node_cnt
     rank_cnt = node_cnt.T.repeat_interleave(gpus_per_node, 0)  # [ep, M] replicas on the rank's node
@@ -443,13 +383,11 @@ def _water_fill(have: torch.Tensor, extra_total: torch.Tensor, valid: torch.Tens
 def _check_sizes(num_layers: int, num_experts: int, num_slots: int, ep_size: int, gpus_per_node: int) -> None:
     if num_layers <= 0 or num_experts <= 0:
         raise ValueError(
-            f"need at least one layer and one expert, got {num_layers} layers, {num_experts} experts"
-        )
+            f"need at least one layer and one expert, got {num_layers} layers, {num_experts} experts")
     if ep_size <= 0 or num_slots % ep_size:
         raise ValueError(
             f"num_physical_experts={num_slots} must be a multiple of ep_size={ep_size} "
-            "(every GPU holds the same number of expert slots)"
-        )
+            "(every GPU holds the same number of expert slots)")
     if num_slots < num_experts:
         raise ValueError(f"num_physical_experts={num_slots} is fewer than the {num_experts} logical experts")
     if gpus_per_node <= 0 or ep_size % gpus_per_node:

@@ -41,8 +41,7 @@ def gpu_loads(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, n
     p2l = _i64(phy2log)
     if p2l.ndim != 2 or w.ndim < 2 or w.shape[-2] != p2l.shape[0]:
         raise ValueError(
-            f"weight [..., L, E] {tuple(w.shape)} and phy2log [L, R] {tuple(p2l.shape)} do not match"
-        )
+            f"weight [..., L, E] {tuple(w.shape)} and phy2log [L, R] {tuple(p2l.shape)} do not match")
     num_layers, num_slots = p2l.shape
     num_experts = w.shape[-1]
     if num_gpus <= 0 or num_slots % num_gpus:
@@ -66,16 +65,14 @@ def balancedness_of_loads(loads: ArrayLike) -> torch.Tensor:
     return torch.where(peak > 0, x.mean(-1) / peak.clamp(min=1e-300), torch.ones_like(peak))
 
 
-def balancedness(
-    weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int
-) -> torch.Tensor:
+def balancedness(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None,
+                 num_gpus: int) -> torch.Tensor:
     """Per-layer mean / max GPU load of weight [..., L, E] under phy2log [L, R] -> [..., L] float64."""
     return balancedness_of_loads(gpu_loads(weight, phy2log, logcnt, num_gpus))
 
 
-def node_balancedness(
-    weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int, num_nodes: int
-) -> torch.Tensor:
+def node_balancedness(weight: ArrayLike, phy2log: ArrayLike, logcnt: ArrayLike | None, num_gpus: int,
+                      num_nodes: int) -> torch.Tensor:
     """Per-layer mean / max node load (GPUs g // (P / num_nodes) share a node) -> [..., L] float64."""
     if num_nodes <= 0 or num_gpus % num_nodes:
         raise ValueError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
@@ -83,9 +80,8 @@ def node_balancedness(
     return balancedness_of_loads(loads.unflatten(-1, (num_nodes, num_gpus // num_nodes)).sum(-1))
 
 
-def group_node_span(
-    phy2log: ArrayLike, num_logical_experts: int, num_groups: int, num_gpus: int, num_nodes: int
-) -> torch.Tensor:
+def group_node_span(phy2log: ArrayLike, num_logical_experts: int, num_groups: int, num_gpus: int,
+                    num_nodes: int) -> torch.Tensor:
     """How many nodes hold replicas of each expert group (experts g*E/G .. (g+1)*E/G - 1) -> [L, G] int64.
 
     1 everywhere for a hierarchical placement; a group spread over many nodes sends its tokens over the
@@ -96,8 +92,7 @@ def group_node_span(
     if num_logical_experts % num_groups or num_gpus % num_nodes or num_slots % num_gpus:
         raise ValueError(
             f"need E={num_logical_experts} divisible by num_groups={num_groups}, num_gpus={num_gpus} by "
-            f"num_nodes={num_nodes} and R={num_slots} by num_gpus"
-        )
+            f"num_nodes={num_nodes} and R={num_slots} by num_gpus")
     slots_per_node = num_slots // num_nodes
     node_of_slot = torch.arange(num_slots) // slots_per_node  # [R]
     group_of_slot = p2l // (num_logical_experts // num_groups)  # [L, R]
@@ -106,13 +101,8 @@ def group_node_span(
     return present.view(num_layers, num_groups, num_nodes).sum(-1)
 
 
-def windowed_balancedness(
-    logical_count: ArrayLike,
-    window: int,
-    phy2log: ArrayLike,
-    num_gpus: int,
-    logcnt: ArrayLike | None = None,
-) -> torch.Tensor:
+def windowed_balancedness(logical_count: ArrayLike, window: int, phy2log: ArrayLike, num_gpus: int,
+                          logcnt: ArrayLike | None = None) -> torch.Tensor:
     """Balancedness of a fixed placement over time: logical_count [T, L, E] summed over consecutive windows
     of `window` steps (a last partial window is dropped) -> [T // window, L] float64.
 
@@ -123,15 +113,9 @@ def windowed_balancedness(
     return balancedness(windows, phy2log, logcnt, num_gpus)
 
 
-def held_out_balancedness(
-    logical_count: ArrayLike,
-    window: int,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_gpus: int,
-    planner: Planner = rebalance_experts,
-) -> torch.Tensor:
+def held_out_balancedness(logical_count: ArrayLike, window: int, num_replicas: int, num_groups: int,
+                          num_nodes: int, num_gpus: int,
+                          planner: Planner = rebalance_experts) -> torch.Tensor:
     """Balancedness of a placement planned on window t and scored on window t + 1 -> [W - 1, L] float64.
 
     logical_count [T, L, E] is cut into W = T // window windows. This is what a server that rebalances
@@ -141,8 +125,7 @@ def held_out_balancedness(
     windows = _windows(logical_count, window)  # [W, L, E]
     if windows.shape[0] < 2:
         raise ValueError(
-            f"need at least two windows of {window} steps, got {_f64(logical_count).shape[0]} steps"
-        )
+            f"need at least two windows of {window} steps, got {_f64(logical_count).shape[0]} steps")
     scores = []
     for t in range(windows.shape[0] - 1):
         phy2log, _, logcnt = planner(windows[t], num_replicas, num_groups, num_nodes, num_gpus)

@@ -33,19 +33,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, **variant) -> tuple[
     return select_experts_reference(router_logits, top_k, **variant)
 
 
-def select_experts_reference(
-    router_logits: torch.Tensor,
-    top_k: int,
-    *,
-    scoring_func: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int = 1,
-    topk_group: int = 1,
-    correction_bias: torch.Tensor | None = None,
-    renormalize: bool = False,
-    routed_scaling_factor: float = 1.0,
-    append: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts_reference(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
+                             topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                             correction_bias: torch.Tensor | None = None, renormalize: bool = False,
+                             routed_scaling_factor: float = 1.0,
+                             append: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] float32 -> (topk_ids [T, k] int64 logical ids, topk_weights [T, k] float32); the k
     ids in no particular order."""
     T, E = router_logits.shape

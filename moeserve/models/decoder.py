@@ -103,8 +103,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(model_cls, config, i, rotary, options) for i in range(config.num_hidden_layers)
-        )
+            DecoderLayer(model_cls, config, i, rotary, options) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -47,13 +47,9 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
-def set_parallel_state(state: ParallelState) -> None:
-    global _STATE
-    _STATE = state
-
-
 def init_parallel_state(world_size: int, rank: int, dp_size: int, ep_size: int) -> ParallelState:
     """Create the groups (torch.distributed must be initialized on every rank; all ranks call this)."""
+    global _STATE
     attn_tp = world_size // dp_size
     world = dist.group.WORLD if world_size > 1 else None
     attn_group = None
@@ -74,7 +70,6 @@ def init_parallel_state(world_size: int, rank: int, dp_size: int, ep_size: int) 
     state = ParallelState(
         world_size=world_size, rank=rank, dp_size=dp_size, attn_tp_size=attn_tp, ep_size=ep_size,
         world_group=world, attn_tp_group=attn_group, ep_group=world if ep_size > 1 else None,
-        world_cpu_group=world_cpu, attn_tp_cpu_group=attn_cpu,
-    )
-    set_parallel_state(state)
+        world_cpu_group=world_cpu, attn_tp_cpu_group=attn_cpu)
+    _STATE = state
     return state

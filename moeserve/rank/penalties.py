@@ -24,18 +24,14 @@ def _flat_token_index(sources: Sequence[Sequence[Sequence[int]]], vocab_size: in
     batch_size = len(sources[0])
     lengths = np.array([sum(len(src[b]) for src in sources) for b in range(batch_size)], dtype=np.int64)
     # np.fromiter over one chained iterator: about 3x faster than torch.tensor(list) on long prompts.
-    ids = np.fromiter(
-        chain.from_iterable(src[b] for b in range(batch_size) for src in sources),
-        dtype=np.int64,
-        count=int(lengths.sum()),
-    )
+    ids = np.fromiter(chain.from_iterable(src[b] for b in range(batch_size) for src in sources),
+                      dtype=np.int64, count=int(lengths.sum()))
     rows = np.repeat(np.arange(batch_size, dtype=np.int64), lengths)
     return torch.from_numpy(rows * vocab_size + ids)
 
 
-def build_token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def build_token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int,
+                       device: torch.device | str) -> torch.Tensor:
     """Occurrences of each token per request: [B, V] int32 on `device` (one host-to-device copy)."""
     batch_size = len(token_ids)
     index = _flat_token_index((token_ids,), vocab_size).to(device)
@@ -44,9 +40,8 @@ def build_token_counts(
     return counts.view(batch_size, vocab_size)
 
 
-def build_token_mask(
-    *sources: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def build_token_mask(*sources: Sequence[Sequence[int]], vocab_size: int,
+                     device: torch.device | str) -> torch.Tensor:
     """Whether each token occurs in any of `sources` (per-request id lists, e.g. prompts, outputs): [B, V] bool."""
     batch_size = len(sources[0])
     assert all(len(src) == batch_size for src in sources)
@@ -56,15 +51,10 @@ def build_token_mask(
     return mask.view(batch_size, vocab_size)
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    *,
-    output_counts: torch.Tensor | None = None,
-    frequency_penalties: torch.Tensor | None = None,
-    presence_penalties: torch.Tensor | None = None,
-    seen_mask: torch.Tensor | None = None,
-    repetition_penalties: torch.Tensor | None = None,
-) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, *, output_counts: torch.Tensor | None = None,
+                    frequency_penalties: torch.Tensor | None = None,
+                    presence_penalties: torch.Tensor | None = None, seen_mask: torch.Tensor | None = None,
+                    repetition_penalties: torch.Tensor | None = None) -> torch.Tensor:
     """Penalized copy of `logits`; the input is never modified.
 
     logits:               [B, V] float32

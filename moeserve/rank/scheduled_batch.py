@@ -52,8 +52,6 @@ class SchedulerStats:
         self.retractions = 0
         self.mixed_steps = 0  # steps that ran a prefill and decodes together (--enable-mixed-chunk)
         self.last_log = time.monotonic()
-        self.last_generated = 0
-        self.last_prefilled = 0
         self.launched: ForwardMode | None = None  # the mode of the step launch_step last launched
         self.step_counts: dict[str, int] = {}  # per mode since the last log line: steps, and their wall seconds
         self.step_seconds: dict[str, float] = {}

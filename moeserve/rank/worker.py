@@ -103,8 +103,6 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     if world > 1 or dispatch_options(server_args).needs_process_group:  # EP dispatchers talk through one
         import datetime
 
-        import torch.distributed as dist
-
         if on_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if on_cuda else "gloo", init_method=ports.dist_init_method,

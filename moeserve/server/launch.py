@@ -33,21 +33,15 @@ def make_ports(args: ServerArgs) -> WorkerPorts:
     num_dp = args.num_dp_groups
     if args.nnodes > 1:
         host, port = split_host_port(args.dist_init_addr)
-        return WorkerPorts(
-            request_addrs=[f"tcp://{host}:{port + 2 + d}" for d in range(num_dp)],
-            result_addr=f"tcp://{host}:{port + 1}",
-            dist_init_method=f"tcp://{host}:{port}",
-        )
+        return WorkerPorts(request_addrs=[f"tcp://{host}:{port + 2 + d}" for d in range(num_dp)],
+                           result_addr=f"tcp://{host}:{port + 1}", dist_init_method=f"tcp://{host}:{port}")
     base = os.path.join(tempfile.gettempdir(), f"moeserve-{uuid.uuid4().hex[:12]}")
     if args.dist_init_addr:
         init = f"tcp://{args.dist_init_addr}"
     else:
         init = f"tcp://127.0.0.1:{args.dist_port or free_port()}"
-    return WorkerPorts(
-        request_addrs=[f"ipc://{base}-req-{d}" for d in range(num_dp)],
-        result_addr=f"ipc://{base}-out",
-        dist_init_method=init,
-    )
+    return WorkerPorts(request_addrs=[f"ipc://{base}-req-{d}" for d in range(num_dp)],
+                       result_addr=f"ipc://{base}-out", dist_init_method=init)
 
 
 def split_host_port(addr: str) -> tuple[str, int]:

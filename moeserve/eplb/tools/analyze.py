@@ -25,9 +25,14 @@ from moeserve.eplb.tools.simulate import (
     PlacementCache,
     PlainLayout,
     placement_error,
+    pyplot,
+    save_figure,
     step_time_balancedness,
     tokens_per_step,
 )
+
+# the three placements scored, by their key in the curves
+PLACEMENTS = {"no_eplb": "no EPLB", "eplb_in_sample": "EPLB in sample", "eplb_held_out": "EPLB held out"}
 
 
 @dataclass
@@ -68,8 +73,7 @@ def balancedness_over_time(logical_count: np.ndarray, s: AnalyzeSettings) -> dic
     curves = {
         "no_eplb": step_balancedness(PlainLayout(num_experts, num_gpus).loads(logical_count)),
         "eplb_in_sample": step_balancedness(
-            cache.get(s.nodes, s.gpus_per_node, s.redundant, None).loads(logical_count)
-        ),
+            cache.get(s.nodes, s.gpus_per_node, s.redundant, None).loads(logical_count)),
     }
     held = np.full(num_steps, math.nan)
     for k in range(1, len(cache.spans)):
@@ -89,15 +93,8 @@ def hot_cold(logical_count: np.ndarray, top: int) -> list[dict]:
         order = np.argsort(-layer_shares, kind="stable")
         for kind, picks in (("hot", order[:top]), ("cold", order[::-1][:top])):
             for rank, expert in enumerate(picks):
-                rows.append(
-                    {
-                        "layer": layer,
-                        "kind": kind,
-                        "rank": rank,
-                        "expert": int(expert),
-                        "share": float(layer_shares[expert]),
-                    }
-                )
+                rows.append({"layer": layer, "kind": kind, "rank": rank, "expert": int(expert),
+                             "share": float(layer_shares[expert])})
     return rows
 
 
@@ -108,13 +105,11 @@ def drift_tv(logical_count: np.ndarray, spans: int = 8) -> float:
         return 0.0
     shares = [p.sum(0) / np.maximum(p.sum(0).sum(-1, keepdims=True), 1) for p in parts]
     return float(
-        np.mean([0.5 * np.abs(a - b).sum(-1).mean() for a, b in zip(shares, shares[1:], strict=False)])
-    )
+        np.mean([0.5 * np.abs(a - b).sum(-1).mean() for a, b in zip(shares, shares[1:], strict=False)]))
 
 
-def summarize(
-    logical_count: np.ndarray, meta: dict, s: AnalyzeSettings, curves: dict[str, np.ndarray]
-) -> str:
+def summarize(logical_count: np.ndarray, meta: dict, s: AnalyzeSettings,
+              curves: dict[str, np.ndarray]) -> str:
     """The text summary: shape, skew, hottest experts, drift and balancedness at the chosen deployment."""
     num_steps, num_layers, num_experts = logical_count.shape
     rel = relative_load(logical_count)
@@ -134,32 +129,23 @@ def summarize(
         f"drift: mean total-variation distance between consecutive eighths of the dump {drift_tv(logical_count):.3f}",
         "most skewed layers (hottest expert): "
         + ", ".join(
-            f"layer {i} e{int(hottest[i])} {rel[i, hottest[i]]:.1f}x" for i in np.argsort(-rel.max(-1))[:8]
-        )
+            f"layer {i} e{int(hottest[i])} {rel[i, hottest[i]]:.1f}x" for i in np.argsort(-rel.max(-1))[:8])
         + " (every layer in hot_cold.csv)",
         "",
         f"balancedness (mean / max GPU load) at {s.nodes} nodes x {s.gpus_per_node} GPUs = "
         f"EP{s.nodes * s.gpus_per_node}, {s.redundant} redundant experts, groups {s.num_groups}, recorded steps:",
     ]
-    for key, label in (
-        ("no_eplb", "no EPLB"),
-        ("eplb_in_sample", "EPLB in sample"),
-        ("eplb_held_out", "EPLB held out"),
-    ):
+    for key, label in PLACEMENTS.items():
         values = curves[key][~np.isnan(curves[key])]
         if values.size:
-            lines.append(
-                f"  {label:15s} mean {values.mean():.3f}  min {values.min():.3f}  max {values.max():.3f}"
-                f"  ({values.size} steps)"
-            )
+            lines.append(f"  {label:15s} mean {values.mean():.3f}  min {values.min():.3f}  "
+                         f"max {values.max():.3f}  ({values.size} steps)")
         else:
             lines.append(f"  {label:15s} n/a (needs more than one window of steps)")
     plain = PlainLayout(num_experts, s.nodes * s.gpus_per_node)
     whole, worst = step_time_balancedness(plain.loads(logical_count.sum(0, keepdims=True)))
-    lines.append(
-        f"  whole-dump loads without EPLB: {whole:.3f} (worst layer {worst:.3f}); per-step values are "
-        "lower when batches are small (noise)"
-    )
+    lines.append(f"  whole-dump loads without EPLB: {whole:.3f} (worst layer {worst:.3f}); "
+                 "per-step values are lower when batches are small (noise)")
     return "\n".join(lines) + "\n"
 
 
@@ -170,12 +156,9 @@ def summarize(
 
 def plot_heatmap(rel: np.ndarray, path: Path) -> None:
     """Heat map of relative expert load (log colour scale), raw expert order and sorted per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
+    plt = pyplot()
     clipped = np.clip(rel, 1e-2, None)
     norm = LogNorm(vmin=max(clipped.min(), 1e-2), vmax=max(clipped.max(), 1.01))
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.12 * rel.shape[0] + 3), sharey=True)
@@ -194,13 +177,8 @@ def plot_heatmap(rel: np.ndarray, path: Path) -> None:
 
 def plot_rank(rel: np.ndarray, path: Path) -> None:
     """Relative load against popularity rank: every layer faint, the median bold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ranked = -np.sort(-rel, axis=-1)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for row in ranked:
         ax.plot(row, color="tab:blue", alpha=0.15, lw=0.8)
     ax.plot(np.median(ranked, 0), color="black", lw=2, label="median over layers")
@@ -210,34 +188,21 @@ def plot_rank(rel: np.ndarray, path: Path) -> None:
     ax.set_ylabel("load / layer mean")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_balancedness(curves: dict[str, np.ndarray], s: AnalyzeSettings, path: Path) -> None:
     """Balancedness per recorded step for the three placements."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for key, label in (
-        ("no_eplb", "no EPLB"),
-        ("eplb_in_sample", "EPLB in sample"),
-        ("eplb_held_out", "EPLB held out (previous window)"),
-    ):
-        ax.plot(curves[key], label=label, lw=1.2)
+    fig, ax = pyplot().subplots(figsize=(9, 4.5))
+    for key, label in PLACEMENTS.items():
+        ax.plot(curves[key], label=label + (" (previous window)" if key == "eplb_held_out" else ""), lw=1.2)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recorded step")
     ax.set_ylabel("balancedness (mean / max GPU load)")
     ax.set_title(f"EP{s.nodes * s.gpus_per_node} ({s.nodes} nodes), {s.redundant} redundant experts")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def analyze(logical_count: np.ndarray, meta: dict, s: AnalyzeSettings, out_dir: Path) -> str:
@@ -255,14 +220,9 @@ def analyze(logical_count: np.ndarray, meta: dict, s: AnalyzeSettings, out_dir: 
         writer = csv.DictWriter(f, fieldnames=["layer", "kind", "rank", "expert", "share"])
         writer.writeheader()
         writer.writerows(hot_cold(logical_count, s.top))
-    np.savetxt(
-        out_dir / "balancedness.csv",
-        np.stack([np.arange(len(curves["no_eplb"])), *curves.values()], 1),
-        delimiter=",",
-        header="step," + ",".join(curves),
-        comments="",
-        fmt="%.6g",
-    )
+    table = np.stack([np.arange(len(curves["no_eplb"])), *curves.values()], 1)
+    np.savetxt(out_dir / "balancedness.csv", table, delimiter=",", header="step," + ",".join(curves),
+               comments="", fmt="%.6g")
     plot_heatmap(rel, out_dir / "heatmap.png")
     plot_rank(rel, out_dir / "expert_rank.png")
     plot_balancedness(curves, s, out_dir / "balancedness.png")

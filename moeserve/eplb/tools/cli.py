@@ -37,6 +37,11 @@ def flag_values(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names}
 
 
+# GpuSpec fields that a --gpu-<field> flag overrides, with their units
+GPU_FLAGS = {"bf16_tflops": "dense TFLOP/s", "fp8_tflops": "dense TFLOP/s", "hbm_tbps": "TB/s",
+             "hbm_gb": "GB", "nvlink_gbps": "GB/s per direction", "rdma_gbps": "GB/s per GPU"}
+
+
 def dump_settings(meta: dict, topk: int | None, num_groups: int | None) -> tuple[int, int]:
     """topk and num_groups: the flag if given, else the dump's meta, else 8 and 1."""
     return (topk or int(meta.get("topk", 8)), num_groups or int(meta.get("num_groups", 1)))
@@ -50,28 +55,17 @@ def dump_settings(meta: dict, topk: int | None, num_groups: int | None) -> tuple
 def cmd_synth(args: argparse.Namespace) -> int:
     from moeserve.eplb.tools.workloads import WorkloadSpec, generate, save_dump, spec_meta
 
+    # flags under their own names, but the four sizes
     spec = WorkloadSpec(
-        num_layers=args.layers,
-        num_experts=args.experts,
-        num_steps=args.steps,
-        tokens_per_step=args.tokens_per_step,
-        topk=args.topk,
-        dist=args.dist,
-        zipf_exponent=args.zipf_exponent,
-        lognormal_sigma=args.lognormal_sigma,
-        drift=args.drift,
-        seq_len=args.seq_len,
-        seq_sigma=args.seq_sigma,
-        num_groups=args.groups,
-        seed=args.seed,
-    )
+        num_layers=args.layers, num_experts=args.experts, num_steps=args.steps, num_groups=args.groups,
+        **flag_values(args, "tokens_per_step", "topk", "dist", "zipf_exponent", "lognormal_sigma", "drift",
+                      "seq_len", "seq_sigma", "seed"))
     start = time.perf_counter()
     counts = generate(spec)
     path = save_dump(args.out, counts, spec_meta(spec))
     print(
         f"wrote {path}: logical_count {list(counts.shape)} ({spec.dist}, drift {spec.drift}, seed {spec.seed}) "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
+        f"in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -81,21 +75,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     counts, meta = load_dump(args.dump)
     topk, groups = dump_settings(meta, args.topk, args.num_groups)
-    settings = AnalyzeSettings(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        redundant=args.redundant,
-        num_groups=groups,
-        topk=topk,
-        top=args.top,
-        window=args.window,
-    )
+    settings = AnalyzeSettings(num_groups=groups, topk=topk,
+                               **flag_values(args, "nodes", "gpus_per_node", "redundant", "top", "window"))
     out = Path(args.out)
     print(analyze(counts, meta, settings, out), end="")
-    print(
-        f"wrote {out}/: summary.txt, hot_cold.csv, balancedness.csv, heatmap.png, expert_rank.png, "
-        "balancedness.png"
-    )
+    print(f"wrote {out}/: summary.txt, hot_cold.csv, balancedness.csv, heatmap.png, expert_rank.png, "
+          "balancedness.png")
     return 0
 
 
@@ -108,14 +93,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # recorded under the flags' names; simulate takes the grids as <name>_grid
     grids = flag_values(args, "nodes", "gpus_per_node", "redundant", "tokens_per_gpu")
     runs = flag_values(args, "holdout_chunks", "max_batches", "seed")
-    rows = simulate(
-        counts,
-        topk=topk,
-        num_groups=groups,
-        **{f"{name}_grid": values for name, values in grids.items()},
-        **runs,
-        progress=not args.quiet,
-    )
+    rows = simulate(counts, topk=topk, num_groups=groups, **{f"{k}_grid": v for k, v in grids.items()},
+                    **runs, progress=not args.quiet)
     settings = dict(dump=str(args.dump), topk=topk, num_groups=groups, **grids, **runs)
     if not rows:
         print("no deployment could be simulated (see the log lines above)", file=sys.stderr)
@@ -141,35 +120,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"\nfitted: {eff}")
         return 0
     model = load_model(args.model)
-    gpu = gpu_spec(
-        args.gpu,
-        bf16_tflops=args.gpu_bf16_tflops,
-        fp8_tflops=args.gpu_fp8_tflops,
-        hbm_tbps=args.gpu_hbm_tbps,
-        hbm_gb=args.gpu_hbm_gb,
-        nvlink_gbps=args.gpu_nvlink_gbps,
-        rdma_gbps=args.gpu_rdma_gbps,
-    )
+    gpu = gpu_spec(args.gpu, **{name: getattr(args, f"gpu_{name}") for name in GPU_FLAGS})
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     # every Deployment field is the flag of its name, but these three
     set_apart = ("phase", "eplb", "mtp_draft")
     flags = flag_values(args, *(f.name for f in fields(Deployment) if f.name not in set_apart))
     results = []
     for phase in phases:
-        dep = Deployment(
-            **flags,
-            phase=phase,
-            eplb=not args.no_eplb,
-            mtp_draft=args.mtp_draft if phase == "decode" else 0,
-        )
+        dep = Deployment(**flags, phase=phase, eplb=not args.no_eplb,
+                         mtp_draft=args.mtp_draft if phase == "decode" else 0)
         result = plan_step(model, gpu, dep)
         print(format_plan(model, gpu, dep, result))
         results.append({"deployment": asdict(dep), "result": asdict(result)})
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps({"model": asdict(model), "gpu": asdict(gpu), "plans": results}, indent=1)
-        )
+        Path(args.json).write_text(json.dumps({"model": asdict(model), "gpu": asdict(gpu), "plans": results},
+                                              indent=1))
         print(f"wrote {args.json}")
     return 0
 
@@ -180,25 +146,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_dump_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "dump", help="recorder dump: .pt {logical_count [steps, layers, experts], meta}, .npy or .npz"
-    )
+    p.add_argument("dump",
+                   help="recorder dump: .pt {logical_count [steps, layers, experts], meta}, .npy or .npz")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--topk", type=int, default=None, help="experts per token (default: dump meta, else 8)")
-    p.add_argument(
-        "--num-groups",
-        type=int,
-        default=None,
-        help="expert groups for EPLB's hierarchical policy (default: dump meta, else 1)",
-    )
+    p.add_argument("--num-groups", type=int, default=None,
+                   help="expert groups for EPLB's hierarchical policy (default: dump meta, else 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="moeserve eplb",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="moeserve eplb", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log skipped configurations and details")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -212,9 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zipf-exponent", type=float, default=0.55, help="share of rank r ∝ r^-s")
     p.add_argument("--lognormal-sigma", type=float, default=1.0)
     p.add_argument("--drift", type=float, default=0.01, help="per-step std of the log-popularity random walk")
-    p.add_argument(
-        "--seq-len", type=int, default=1, help="tokens per sequence in a step (1: independent tokens)"
-    )
+    p.add_argument("--seq-len", type=int, default=1,
+                   help="tokens per sequence in a step (1: independent tokens)")
     p.add_argument("--seq-sigma", type=float, default=1.0, help="per-sequence log-popularity noise")
     p.add_argument("--groups", type=int, default=8, help="expert groups recorded in meta (DeepSeek-V3: 8)")
     p.add_argument("--seed", type=int, default=0)
@@ -245,21 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="step-time model: tokens/s per GPU and node, with a breakdown")
     p.add_argument("--calibration", action="store_true", help="print the model against published figures")
     p.add_argument("--fit", action="store_true", help="with --calibration: refit the fitted constants first")
-    p.add_argument(
-        "--model",
-        default="deepseek-v3",
-        help="preset (deepseek-v3, deepseek-v2-lite, qwen3-235b-a22b) or a Hugging Face config.json path",
-    )
+    p.add_argument("--model", default="deepseek-v3",
+                   help="preset (deepseek-v3, deepseek-v2-lite, qwen3-235b-a22b) or a Hugging Face "
+                   "config.json path")
     p.add_argument("--gpu", default="h100", help="h100, h800 or h200")
-    for name, unit in (
-        ("bf16-tflops", "dense TFLOP/s"),
-        ("fp8-tflops", "dense TFLOP/s"),
-        ("hbm-tbps", "TB/s"),
-        ("hbm-gb", "GB"),
-        ("nvlink-gbps", "GB/s per direction"),
-        ("rdma-gbps", "GB/s per GPU"),
-    ):
-        p.add_argument(f"--gpu-{name}", type=float, default=None, help=f"override the preset ({unit})")
+    for name, unit in GPU_FLAGS.items():
+        p.add_argument(f"--gpu-{name.replace('_', '-')}", type=float, default=None,
+                       help=f"override the preset ({unit})")
     p.add_argument("--num-gpus", type=int, default=72)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--ep-size", type=int, default=0, help="GPUs per EP group (0: all)")
@@ -273,12 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", choices=("auto", "normal", "low_latency"), default="auto")
     p.add_argument("--tbo", action=argparse.BooleanOptionalAction, default=True, help="two-batch overlap")
     p.add_argument("--no-eplb", action="store_true", help="experts without a load balancer")
-    p.add_argument(
-        "--balancedness",
-        type=float,
-        default=None,
-        help="mean/max GPU load (default: simulated on the synthetic workload)",
-    )
+    p.add_argument("--balancedness", type=float, default=None,
+                   help="mean/max GPU load (default: simulated on the synthetic workload)")
     p.add_argument("--mtp-draft", type=int, default=0, help="decode: MTP draft tokens per step")
     p.add_argument("--mtp-accept", type=float, default=0.8, help="decode: accepted tokens per draft token")
     p.add_argument("--json", default=None, help="also write the plans to this JSON file")

@@ -60,9 +60,7 @@ class Efficiency:
     prefill_comm_sms: int = 24  # SMs DeepEP's normal kernels take while overlapping (DeepSeek's prefill)
     prefill_tbo_interference: float = 1.15  # fitted; slowdown of compute and comm overlapping in prefill
     decode_layer_overhead_us: float = 0.0  # fitted; per layer and micro-batch, decode (CUDA graphs)
-    prefill_layer_overhead_us: float = (
-        100.0  # per layer and micro-batch, prefill (eager; CPU waits on dispatch)
-    )
+    prefill_layer_overhead_us: float = 100.0  # per layer and micro-batch, prefill (eager; waits on dispatch)
     decode_step_overhead_ms: float = 2.0  # per step: scheduler, sampling, lock-step header
     prefill_step_overhead_ms: float = 20.0
 
@@ -92,9 +90,8 @@ class PlanResult:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def roofline_s(
-    flops: float, nbytes: float, peak_tflops: float, compute_eff: float, gpu: GpuSpec, eff: Efficiency
-) -> float:
+def roofline_s(flops: float, nbytes: float, peak_tflops: float, compute_eff: float, gpu: GpuSpec,
+               eff: Efficiency) -> float:
     """Seconds for a kernel of `flops` and `nbytes`: p-norm of compute time and memory time."""
     compute = flops / (peak_tflops * 1e12 * compute_eff)
     memory = nbytes / (gpu.hbm_tbps * 1e12 * eff.mem)
@@ -109,15 +106,8 @@ def expected_distinct(bins: int, picks: int) -> float:
     return bins * (1.0 - (1.0 - 1.0 / bins) ** picks) if bins > 0 else 0.0
 
 
-def comm_s(
-    tokens: float,
-    row_bytes: float,
-    model: ModelSpec,
-    gpu: GpuSpec,
-    dep: Deployment,
-    eff: Efficiency,
-    balancedness: float,
-) -> float:
+def comm_s(tokens: float, row_bytes: float, model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency,
+           balancedness: float) -> float:
     """Seconds for one dispatch or combine of `tokens` tokens per GPU, rows of `row_bytes` bytes."""
     if dep.ep == 1 or tokens <= 0:
         return 0.0
@@ -160,18 +150,8 @@ class LayerWork:
         return self.dispatch + self.combine
 
 
-def layer_work(
-    model: ModelSpec,
-    gpu: GpuSpec,
-    dep: Deployment,
-    eff: Efficiency,
-    tokens: float,
-    seqs: float,
-    context: float,
-    cached: float,
-    moe: bool,
-    balancedness: float,
-) -> LayerWork:
+def layer_work(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, tokens: float, seqs: float,
+               context: float, cached: float, moe: bool, balancedness: float) -> LayerWork:
     """One layer, one micro-batch of `tokens` tokens from `seqs` sequences on one GPU.
 
     context: keys each new token attends to on average; cached: prefix tokens per sequence whose latent KV
@@ -189,9 +169,8 @@ def layer_work(
     if cached and model.kv_b_params:
         w.attn_proj += gemm(model.kv_b_params, seqs * cached)
     kv_read = seqs * (cached if dep.phase == "prefill" else context) * model.kv_bytes_per_token_layer
-    w.attn_core = roofline_s(
-        model.pair_flops(dep.phase) * tokens * context, kv_read, gpu.bf16_tflops, eff.attn, gpu, eff
-    )
+    attn_flops = model.pair_flops(dep.phase) * tokens * context
+    w.attn_core = roofline_s(attn_flops, kv_read, gpu.bf16_tflops, eff.attn, gpu, eff)
     # norms, residual adds, RoPE, quantization: ~12 BF16 passes over the hidden state per token
     elementwise_bytes = tokens * 12 * 2 * h
     if not moe:
@@ -203,14 +182,9 @@ def layer_work(
     local_experts = (model.num_experts + dep.redundant) / dep.ep if dep.eplb else model.num_experts / dep.ep
     pairs = tokens * model.topk / balancedness  # (token, expert) pairs on the busiest GPU
     touched = min(local_experts, pairs)
-    w.experts = roofline_s(
-        2 * model.expert_params * pairs,
-        touched * model.expert_params * wb + pairs * h * (1 + 2 + 2),  # weights; FP8 in, BF16 mid/out
-        gemm_peak,
-        eff.gemm,
-        gpu,
-        eff,
-    )
+    # weights; FP8 in, BF16 mid and out
+    expert_bytes = touched * model.expert_params * wb + pairs * h * (1 + 2 + 2)
+    w.experts = roofline_s(2 * model.expert_params * pairs, expert_bytes, gemm_peak, eff.gemm, gpu, eff)
     # per routed pair on the busiest GPU: FP8 row scattered to expert order (read + write), SiLU*mul over
     # 2I -> I in BF16 plus FP8 requantization, BF16 output gathered back and weighted
     pair_bytes = 2 * h + 2 * 2 * model.moe_intermediate + 2 * model.moe_intermediate + 2 * 2 * h
@@ -247,15 +221,9 @@ def memory_gb(model: ModelSpec, gpu: GpuSpec, dep: Deployment) -> dict[str, floa
     """Per-GPU memory: weights (DP attention, dense and shared parts replicated) and the decode KV cache."""
     wb = model.weight_bytes
     local = (model.num_experts + dep.redundant) / dep.ep if dep.eplb else model.num_experts / dep.ep
-    weights = (
-        wb
-        * (
-            model.num_layers * model.attn_params
-            + model.num_dense_layers * model.dense_mlp_params
-            + model.num_moe_layers * (model.shared_params + local * model.expert_params)
-        )
-        + 2 * 2 * model.head_params
-    )  # BF16 embedding and LM head
+    gemm_params = (model.num_layers * model.attn_params + model.num_dense_layers * model.dense_mlp_params
+                   + model.num_moe_layers * (model.shared_params + local * model.expert_params))
+    weights = wb * gemm_params + 2 * 2 * model.head_params  # BF16 embedding and LM head
     kv = 0.0
     if dep.phase == "decode":
         kv = dep.batch_per_gpu * dep.context_len * model.kv_bytes_per_token_layer * model.num_layers
@@ -281,24 +249,13 @@ def step_shape(dep: Deployment) -> StepShape:
         cached = dep.input_len * dep.cache_hit
         tokens = float(dep.tokens_per_gpu)
         seqs = tokens / new_per_seq
-        return StepShape(
-            tokens=tokens,
-            seqs=seqs,
-            context=cached + new_per_seq / 2,  # causal: a new token sees its prefix and half the new tokens
-            cached=cached,
-            out_tokens=tokens / (1.0 - dep.cache_hit),
-            head_rows=seqs,
-        )
+        # causal: a new token sees its prefix and half the new tokens
+        return StepShape(tokens=tokens, seqs=seqs, context=cached + new_per_seq / 2, cached=cached,
+                         out_tokens=tokens / (1.0 - dep.cache_hit), head_rows=seqs)
     seqs = float(dep.batch_per_gpu)
     tokens = seqs * (1 + dep.mtp_draft)
-    return StepShape(
-        tokens=tokens,
-        seqs=seqs,
-        context=float(dep.context_len),
-        cached=0.0,
-        out_tokens=seqs * (1 + dep.mtp_draft * dep.mtp_accept),
-        head_rows=tokens,
-    )
+    return StepShape(tokens=tokens, seqs=seqs, context=float(dep.context_len), cached=0.0,
+                     out_tokens=seqs * (1 + dep.mtp_draft * dep.mtp_accept), head_rows=tokens)
 
 
 @dataclass
@@ -328,20 +285,12 @@ def fixed_overheads(dep: Deployment, eff: Efficiency) -> tuple[float, float]:
 
 def lm_head_s(model: ModelSpec, gpu: GpuSpec, eff: Efficiency, rows: float) -> float:
     """Seconds of the BF16 LM head over `rows` rows."""
-    return roofline_s(
-        2 * model.head_params * rows, model.head_params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff
-    )
+    params = model.head_params
+    return roofline_s(2 * params * rows, params * 2, gpu.bf16_tflops, eff.gemm, gpu, eff)
 
 
-def mtp_s(
-    model: ModelSpec,
-    gpu: GpuSpec,
-    dep: Deployment,
-    eff: Efficiency,
-    shape: StepShape,
-    balancedness: float,
-    layer_overhead_us: float,
-) -> float:
+def mtp_s(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, shape: StepShape,
+          balancedness: float, layer_overhead_us: float) -> float:
     """Seconds of multi-token prediction (decode): per draft token the MTP block (one MoE layer) and the head."""
     if not dep.mtp_draft or dep.phase == "prefill":
         return 0.0
@@ -352,36 +301,27 @@ def mtp_s(
     return dep.mtp_draft * (block + micro * layer_overhead_us * 1e-6)
 
 
-def step_time(
-    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, shape: StepShape, balancedness: float
-) -> StepTime:
+def step_time(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, shape: StepShape,
+              balancedness: float) -> StepTime:
     """Dense layers whole, MoE layers in micro-batches (two under TBO), then the head, MTP and overheads."""
     micro = 2 if dep.tbo else 1
     s, bal = shape, balancedness
-    dense = layer_work(
-        model, gpu, dep, eff, s.tokens, s.seqs, s.context, s.cached, moe=False, balancedness=bal
-    )
-    mb_tokens, mb_seqs = s.tokens / micro, s.seqs / micro
-    moe = layer_work(
-        model, gpu, dep, eff, mb_tokens, mb_seqs, s.context, s.cached, moe=True, balancedness=bal
-    )
+    dense = layer_work(model, gpu, dep, eff, s.tokens, s.seqs, s.context, s.cached, moe=False,
+                       balancedness=bal)
+    moe = layer_work(model, gpu, dep, eff, s.tokens / micro, s.seqs / micro, s.context, s.cached, moe=True,
+                     balancedness=bal)
     moe_layer = moe_layer_s(moe, dep, gpu, eff, micro)
     layer_overhead_us, step_overhead_ms = fixed_overheads(dep, eff)
     return StepTime(
-        micro_batches=micro,
-        dense=dense,
-        moe=moe,
+        micro_batches=micro, dense=dense, moe=moe,
         layers=model.num_dense_layers * dense.compute + model.num_moe_layers * moe_layer,
         head=lm_head_s(model, gpu, eff, s.head_rows),
         layer_overheads=(model.num_dense_layers + model.num_moe_layers * micro) * layer_overhead_us * 1e-6,
-        step_overhead=step_overhead_ms * 1e-3,
-        mtp=mtp_s(model, gpu, dep, eff, s, bal, layer_overhead_us),
-    )
+        step_overhead=step_overhead_ms * 1e-3, mtp=mtp_s(model, gpu, dep, eff, s, bal, layer_overhead_us))
 
 
-def breakdown_ms(
-    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency, t: StepTime
-) -> dict[str, float]:
+def breakdown_ms(model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency,
+                 t: StepTime) -> dict[str, float]:
     """Milliseconds per step by part; they add up to the step, what TBO hides counted as a negative part."""
     dense, moe = t.dense, t.moe
     n_dense, n_moe = model.num_dense_layers, model.num_moe_layers * t.micro_batches
@@ -397,8 +337,7 @@ def breakdown_ms(
     slow_compute, slow_comm = tbo_slowdown(dep, gpu, eff)
     if slow_compute > 1.0:
         compute_parts["TBO slowdown (SMs lent, contention)"] = n_moe * (
-            (slow_compute - 1.0) * moe.compute + (slow_comm - 1.0) * moe.comm
-        )
+            (slow_compute - 1.0) * moe.compute + (slow_comm - 1.0) * moe.comm)
     comm_total = n_moe * moe.comm
     breakdown = {k: v * 1e3 for k, v in compute_parts.items()}
     breakdown["dispatch + combine (total)"] = comm_total * 1e3
@@ -414,18 +353,16 @@ def step_warnings(gpu: GpuSpec, dep: Deployment, shape: StepShape, mem: dict[str
     """What makes the deployment unlikely to run as modelled: memory over capacity, DeepEP's batch limit."""
     warnings = []
     if mem["weights"] + mem["kv_cache"] > 0.92 * gpu.hbm_gb:
-        warnings.append(
-            f"weights {mem['weights']:.1f} GB + KV {mem['kv_cache']:.1f} GB exceed ~92% of {gpu.hbm_gb:.0f} GB"
-        )
+        warnings.append(f"weights {mem['weights']:.1f} GB + KV {mem['kv_cache']:.1f} GB exceed ~92% of "
+                        f"{gpu.hbm_gb:.0f} GB")
     micro_tokens = shape.tokens / (2 if dep.tbo else 1)
     if dep.dispatch_mode == "low_latency" and micro_tokens > 1024:
         warnings.append(f"{micro_tokens:.0f} tokens per micro-batch exceed DeepEP's low-latency limit (1024)")
     return warnings
 
 
-def plan_step(
-    model: ModelSpec, gpu: GpuSpec, dep: Deployment, eff: Efficiency = DEFAULT_EFFICIENCY
-) -> PlanResult:
+def plan_step(model: ModelSpec, gpu: GpuSpec, dep: Deployment,
+              eff: Efficiency = DEFAULT_EFFICIENCY) -> PlanResult:
     """Model one step on one GPU and return its time, throughput and breakdown."""
     dep.validate(model)
     if dep.balancedness is not None:
@@ -437,15 +374,8 @@ def plan_step(
     per_gpu = shape.out_tokens / t.step
     mem = memory_gb(model, gpu, dep)
     return PlanResult(
-        phase=dep.phase,
-        step_ms=t.step * 1e3,
-        tokens_per_step=shape.out_tokens,
-        tokens_per_s_gpu=per_gpu,
+        phase=dep.phase, step_ms=t.step * 1e3, tokens_per_step=shape.out_tokens, tokens_per_s_gpu=per_gpu,
         tokens_per_s_node=per_gpu * min(dep.gpus_per_node, dep.num_gpus),
         tokens_per_s_total=per_gpu * dep.num_gpus,
-        balancedness=bal,
-        balancedness_source=source,
-        breakdown_ms=breakdown_ms(model, gpu, dep, eff, t),
-        memory_gb=mem,
-        warnings=step_warnings(gpu, dep, shape, mem),
-    )
+        balancedness=bal, balancedness_source=source, breakdown_ms=breakdown_ms(model, gpu, dep, eff, t),
+        memory_gb=mem, warnings=step_warnings(gpu, dep, shape, mem))

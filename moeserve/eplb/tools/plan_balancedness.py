@@ -19,17 +19,8 @@ SYNTHETIC_SEQ_SIGMA = 1.0  # per-sequence routing noise of the default workload 
 
 
 @lru_cache(maxsize=256)
-def synthetic_balancedness(
-    num_experts: int,
-    topk: int,
-    num_groups: int,
-    nodes: int,
-    gpus_per_node: int,
-    redundant: int,
-    tokens_per_gpu: int,
-    seq_len: int,
-    eplb: bool,
-) -> float:
+def synthetic_balancedness(num_experts: int, topk: int, num_groups: int, nodes: int, gpus_per_node: int,
+                           redundant: int, tokens_per_gpu: int, seq_len: int, eplb: bool) -> float:
     """Balancedness of the default synthetic workload (4 layers, 16 steps) at one dispatch size.
 
     EPLB: planned on each quarter of the steps and scored on the next (held out); else the plain layout.
@@ -40,16 +31,9 @@ def synthetic_balancedness(
     from moeserve.eplb.tools.workloads import WorkloadSpec, generate
 
     num_gpus = nodes * gpus_per_node
-    spec = WorkloadSpec(
-        num_layers=4,
-        num_experts=num_experts,
-        num_steps=16,
-        tokens_per_step=tokens_per_gpu * num_gpus,
-        topk=topk,
-        num_groups=num_groups,
-        seq_len=seq_len,
-        seq_sigma=SYNTHETIC_SEQ_SIGMA,
-    )
+    spec = WorkloadSpec(num_layers=4, num_experts=num_experts, num_steps=16,
+                        tokens_per_step=tokens_per_gpu * num_gpus, topk=topk, num_groups=num_groups,
+                        seq_len=seq_len, seq_sigma=SYNTHETIC_SEQ_SIGMA)
     counts = generate(spec)
     if not eplb:
         return step_time_balancedness(PlainLayout(num_experts, num_gpus).loads(counts))[0]
@@ -74,8 +58,7 @@ def estimate_balancedness(model: ModelSpec, dep: Deployment) -> tuple[float, str
     nodes = dep.ep_nodes
     gpn = dep.ep // nodes
     groups = model.num_groups if model.num_experts % max(model.num_groups, 1) == 0 else 1
-    bal = synthetic_balancedness(
-        model.num_experts, model.topk, groups, nodes, gpn, dep.redundant, tokens, seq_len, dep.eplb
-    )
+    bal = synthetic_balancedness(model.num_experts, model.topk, groups, nodes, gpn, dep.redundant, tokens,
+                                 seq_len, dep.eplb)
     kind = "EPLB held out" if dep.eplb else "no EPLB"
     return bal, f"synthetic zipf workload, {kind}, {tokens} tokens/GPU per dispatch"

@@ -33,111 +33,53 @@ class CalibrationCase:
 
 
 def _prefill(num_gpus: int, input_len: int, **kw) -> Deployment:
-    return Deployment(
-        num_gpus=num_gpus, phase="prefill", tokens_per_gpu=16384, input_len=input_len, redundant=32, **kw
-    )
+    return Deployment(num_gpus, phase="prefill", tokens_per_gpu=16384, input_len=input_len, redundant=32,
+                      **kw)
 
 
+def _decode(num_gpus: int, batch_per_gpu: int, context_len: int, **kw) -> Deployment:
+    return Deployment(num_gpus, batch_per_gpu=batch_per_gpu, context_len=context_len, **kw)
+
+
+# (name, GPU, deployment, published tokens/s per node, fitted, source, tolerance)
 CASES: tuple[CalibrationCase, ...] = (
     CalibrationCase(
-        "SGLang prefill 1K, EP32 H100",
-        "h100",
-        _prefill(32, 1024),
-        57674,
-        True,
-        "LMSYS blog: 4 nodes, 16384 tok/GPU, TBO, in-distribution EPLB",
-        0.10,
-    ),
+        "SGLang prefill 1K, EP32 H100", "h100", _prefill(32, 1024), 57674, True,
+        "LMSYS blog: 4 nodes, 16384 tok/GPU, TBO, in-distribution EPLB", 0.10),
     CalibrationCase(
-        "SGLang prefill 2K, EP32 H100", "h100", _prefill(32, 2048), 54543, True, "LMSYS blog, as above", 0.10
-    ),
+        "SGLang prefill 2K, EP32 H100", "h100", _prefill(32, 2048), 54543, True, "LMSYS blog, as above",
+        0.10),
     CalibrationCase(
-        "SGLang prefill 4K, EP32 H100", "h100", _prefill(32, 4096), 50302, True, "LMSYS blog, as above", 0.10
-    ),
+        "SGLang prefill 4K, EP32 H100", "h100", _prefill(32, 4096), 50302, True, "LMSYS blog, as above",
+        0.10),
     CalibrationCase(
-        "SGLang prefill 4K, perfect EPLB",
-        "h100",
-        _prefill(32, 4096, balancedness=1.0),
-        59337,
-        True,
-        "LMSYS blog: simulated perfect EPLB (random group-limited routing)",
-        0.10,
-    ),
+        "SGLang prefill 4K, perfect EPLB", "h100", _prefill(32, 4096, balancedness=1.0), 59337, True,
+        "LMSYS blog: simulated perfect EPLB (random group-limited routing)", 0.10),
     CalibrationCase(
-        "SGLang decode, EP72 H100",
-        "h100",
-        Deployment(num_gpus=72, batch_per_gpu=256, context_len=2000, redundant=32),
-        22282,
-        True,
-        "LMSYS blog: 9 nodes, 256 seq/GPU, KV 2000, TBO, low-latency DeepEP",
-        0.10,
-    ),
+        "SGLang decode, EP72 H100", "h100", _decode(72, 256, 2000, redundant=32), 22282, True,
+        "LMSYS blog: 9 nodes, 256 seq/GPU, KV 2000, TBO, low-latency DeepEP", 0.10),
     CalibrationCase(
-        "SGLang decode, EP72 H100, no TBO",
-        "h100",
-        Deployment(num_gpus=72, batch_per_gpu=256, context_len=2000, redundant=32, tbo=False),
-        22310 / 1.255,
-        True,
-        "LMSYS blog TBO ablation: 22,310 with TBO = +25.5%",
-        0.10,
-    ),
+        "SGLang decode, EP72 H100, no TBO", "h100", _decode(72, 256, 2000, redundant=32, tbo=False),
+        22310 / 1.255, True, "LMSYS blog TBO ablation: 22,310 with TBO = +25.5%", 0.10),
     CalibrationCase(
-        "DeepSeek profile prefill, EP32 H800",
-        "h800",
-        _prefill(32, 4096, balancedness=1.0),
-        62713,
-        True,
-        "profile-data as read by the LMSYS blog: 16K tok/GPU, 4K prompts, balanced routing",
-        0.10,
-    ),
+        "DeepSeek profile prefill, EP32 H800", "h800", _prefill(32, 4096, balancedness=1.0), 62713, True,
+        "profile-data as read by the LMSYS blog: 16K tok/GPU, 4K prompts, balanced routing", 0.10),
     CalibrationCase(
-        "DeepSeek profile decode, EP128 H800",
-        "h800",
-        Deployment(
-            num_gpus=128,
-            batch_per_gpu=128,
-            context_len=4096,
-            redundant=0,
-            balancedness=1.0,
-            mtp_draft=1,
-            mtp_accept=0.6,
-        ),
-        18598,
-        True,
+        "DeepSeek profile decode, EP128 H800", "h800",
+        _decode(128, 128, 4096, redundant=0, balancedness=1.0, mtp_draft=1, mtp_accept=0.6), 18598, True,
         "profile-data via the LMSYS blog: 128 req/GPU, KV 4096, balanced; MTP 1 draft at 60% "
-        "acceptance assumed (the blog's own assumption)",
-        0.10,
-    ),
+        "acceptance assumed (the blog's own assumption)", 0.10),
     CalibrationCase(
-        "SGLang headline prefill (2K inputs)",
-        "h100",
-        _prefill(32, 2000),
-        52300,
-        False,
-        "LMSYS blog headline 52.3k/node; does not reconcile with its own 54.5k at 2K",
-        0.15,
-    ),
+        "SGLang headline prefill (2K inputs)", "h100", _prefill(32, 2000), 52300, False,
+        "LMSYS blog headline 52.3k/node; does not reconcile with its own 54.5k at 2K", 0.15),
     CalibrationCase(
-        "DeepSeek production decode, EP144 H800",
-        "h800",
-        Deployment(
-            num_gpus=144, batch_per_gpu=88, context_len=4989, redundant=32, mtp_draft=1, mtp_accept=0.85
-        ),
-        14800,
-        False,
-        "24-h average; 88 streams/GPU = 1.85k tok/s / 21 tok/s per stream; MTP 85% assumed",
-        0.15,
-    ),
+        "DeepSeek production decode, EP144 H800", "h800",
+        _decode(144, 88, 4989, redundant=32, mtp_draft=1, mtp_accept=0.85), 14800, False,
+        "24-h average; 88 streams/GPU = 1.85k tok/s / 21 tok/s per stream; MTP 85% assumed", 0.15),
     CalibrationCase(
-        "DeepSeek production prefill, EP32 H800",
-        "h800",
-        _prefill(32, 4384, cache_hit=0.563),
-        73700,
-        False,
+        "DeepSeek production prefill, EP32 H800", "h800", _prefill(32, 4384, cache_hit=0.563), 73700, False,
         "24-h average incl. 56.3% cache hits; mean prompt 4384 derived from KV length 4989 and "
-        "608B/168B tokens; a capacity model overshoots an average over a day of varying load",
-        1.0,
-    ),
+        "608B/168B tokens; a capacity model overshoots an average over a day of varying load", 1.0),
 )
 
 
@@ -164,12 +106,8 @@ def run_calibration(eff: Efficiency = DEFAULT_EFFICIENCY, cases=CASES) -> list[C
     return rows
 
 
-FIT_BOUNDS = {
-    "gemm": (0.3, 0.9),
-    "rdma": (0.3, 1.0),
-    "decode_layer_overhead_us": (0.0, 300.0),
-    "prefill_tbo_interference": (1.0, 2.0),
-}
+FIT_BOUNDS = {"gemm": (0.3, 0.9), "rdma": (0.3, 1.0), "decode_layer_overhead_us": (0.0, 300.0),
+              "prefill_tbo_interference": (1.0, 2.0)}
 
 
 def fit_loss(eff: Efficiency, cases=CASES) -> float:
@@ -212,13 +150,9 @@ def format_calibration(rows: list[CalibrationRow], eff: Efficiency = DEFAULT_EFF
         lines.append(
             f"{r.case.name:42s} {'yes' if r.case.fitted else 'no':>4s} {r.balancedness:6.3f} "
             f"{r.case.measured_per_node:10,.0f} {r.predicted_per_node:10,.0f} {r.error * 100:+7.1f}% "
-            f"{r.case.tolerance * 100:5.0f}%"
-        )
+            f"{r.case.tolerance * 100:5.0f}%")
     fitted = [abs(r.error) for r in rows if r.case.fitted]
-    lines.append("")
-    lines.append(
-        f"fitted cases: mean |error| {sum(fitted) / len(fitted) * 100:.1f}%, max {max(fitted) * 100:.1f}%"
-    )
-    lines.append("sources:")
+    mean = sum(fitted) / len(fitted)
+    lines += ["", f"fitted cases: mean |error| {mean * 100:.1f}%, max {max(fitted) * 100:.1f}%", "sources:"]
     lines += [f"  {r.case.name}: {r.case.source}" for r in rows]
     return "\n".join(lines)

@@ -60,8 +60,7 @@ class Deployment:
         if self.eplb and (model.num_experts + self.redundant) % self.ep:
             raise ValueError(
                 f"experts + redundant = {model.num_experts + self.redundant} must be a multiple of "
-                f"EP size {self.ep}; change --redundant"
-            )
+                f"EP size {self.ep}; change --redundant")
         if self.balancedness is not None and not 0 < self.balancedness <= 1:
             raise ValueError(f"balancedness must be in (0, 1], got {self.balancedness}")
         if not 0 <= self.cache_hit < 1:

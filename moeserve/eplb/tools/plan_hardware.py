@@ -25,37 +25,16 @@ class GpuSpec:
     num_sms: int = 132
 
 
+# H100 SXM5: 989 / 1979 TFLOP/s dense, 3.35 TB/s HBM3 80 GB, NVLink 4 at 900 GB/s bidirectional.
+_H100 = GpuSpec("h100", bf16_tflops=989.0, fp8_tflops=1979.0, hbm_tbps=3.35, hbm_gb=80.0, nvlink_gbps=450.0,
+                rdma_gbps=50.0)
+
 GPU_PRESETS: dict[str, GpuSpec] = {
-    # H100 SXM5: 989 / 1979 TFLOP/s dense, 3.35 TB/s HBM3 80 GB, NVLink 4 at 900 GB/s bidirectional.
-    "h100": GpuSpec(
-        "h100",
-        bf16_tflops=989.0,
-        fp8_tflops=1979.0,
-        hbm_tbps=3.35,
-        hbm_gb=80.0,
-        nvlink_gbps=450.0,
-        rdma_gbps=50.0,
-    ),
+    "h100": _H100,
     # H800 SXM5: H100 compute and memory, NVLink cut to 400 GB/s bidirectional (DeepEP measures ~160 GB/s).
-    "h800": GpuSpec(
-        "h800",
-        bf16_tflops=989.0,
-        fp8_tflops=1979.0,
-        hbm_tbps=3.35,
-        hbm_gb=80.0,
-        nvlink_gbps=200.0,
-        rdma_gbps=50.0,
-    ),
+    "h800": replace(_H100, name="h800", nvlink_gbps=200.0),
     # H200 SXM: H100 compute, 4.8 TB/s HBM3e 141 GB.
-    "h200": GpuSpec(
-        "h200",
-        bf16_tflops=989.0,
-        fp8_tflops=1979.0,
-        hbm_tbps=4.8,
-        hbm_gb=141.0,
-        nvlink_gbps=450.0,
-        rdma_gbps=50.0,
-    ),
+    "h200": replace(_H100, name="h200", hbm_tbps=4.8, hbm_gb=141.0),
 }
 
 OVERRIDABLE = tuple(f.name for f in fields(GpuSpec) if f.name != "name")

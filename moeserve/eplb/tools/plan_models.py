@@ -56,11 +56,8 @@ class ModelSpec:
         h = self.hidden
         if self.attention == "mla":
             qk_head = self.qk_nope_dim + self.qk_rope_dim
-            q = (
-                h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head
-                if self.q_lora_rank
-                else (h * self.num_heads * qk_head)
-            )
+            q_in = self.q_lora_rank or h  # through the low-rank q projection where there is one
+            q = h * self.q_lora_rank + q_in * self.num_heads * qk_head
             kv_a = h * (self.kv_lora_rank + self.qk_rope_dim)
             kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_dim + self.v_head_dim)
             out = self.num_heads * self.v_head_dim * h
@@ -118,9 +115,8 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        moe = self.num_moe_layers * (
-            self.num_experts * self.expert_params + self.shared_params + self.gate_params
-        )
+        experts = self.num_experts * self.expert_params
+        moe = self.num_moe_layers * (experts + self.shared_params + self.gate_params)
         dense = self.num_dense_layers * self.dense_mlp_params
         return self.num_layers * self.attn_params + moe + dense + 2 * self.head_params
 
@@ -128,68 +124,25 @@ class ModelSpec:
     def active_params(self) -> int:
         """Weights one token touches (embedding lookup excluded)."""
         moe = self.num_moe_layers * (self.topk * self.expert_params + self.shared_params + self.gate_params)
-        return (
-            self.num_layers * self.attn_params
-            + moe
-            + self.num_dense_layers * self.dense_mlp_params
-            + (self.head_params)
-        )
+        dense = self.num_dense_layers * self.dense_mlp_params
+        return self.num_layers * self.attn_params + moe + dense + self.head_params
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # config_671B.json + HF config (research/deepseek.md §5); FP8 128x128 block-scaled weights.
     "deepseek-v3": ModelSpec(
-        "deepseek-v3",
-        hidden=7168,
-        num_layers=61,
-        num_dense_layers=3,
-        dense_intermediate=18432,
-        moe_intermediate=2048,
-        num_experts=256,
-        num_shared_experts=1,
-        topk=8,
-        vocab=129280,
-        num_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        num_groups=8,
-        weight_bytes=1.0,
-    ),
+        "deepseek-v3", hidden=7168, num_layers=61, num_dense_layers=3, dense_intermediate=18432,
+        moe_intermediate=2048, num_experts=256, num_shared_experts=1, topk=8, vocab=129280, num_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, num_groups=8, weight_bytes=1.0),
     "deepseek-v2-lite": ModelSpec(
-        "deepseek-v2-lite",
-        hidden=2048,
-        num_layers=27,
-        num_dense_layers=1,
-        dense_intermediate=10944,
-        moe_intermediate=1408,
-        num_experts=64,
-        num_shared_experts=2,
-        topk=6,
-        vocab=102400,
-        num_heads=16,
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        num_groups=1,
-        weight_bytes=2.0,
-    ),
+        "deepseek-v2-lite", hidden=2048, num_layers=27, num_dense_layers=1, dense_intermediate=10944,
+        moe_intermediate=1408, num_experts=64, num_shared_experts=2, topk=6, vocab=102400, num_heads=16,
+        q_lora_rank=0, kv_lora_rank=512, num_groups=1, weight_bytes=2.0),
     # Qwen/Qwen3-235B-A22B config.json: 94 layers, all MoE, 128 experts top-8, GQA 64 q / 4 kv heads of 128.
     "qwen3-235b-a22b": ModelSpec(
-        "qwen3-235b-a22b",
-        hidden=4096,
-        num_layers=94,
-        num_dense_layers=0,
-        dense_intermediate=12288,
-        moe_intermediate=1536,
-        num_experts=128,
-        num_shared_experts=0,
-        topk=8,
-        vocab=151936,
-        num_heads=64,
-        attention="gqa",
-        num_kv_heads=4,
-        head_dim=128,
-        weight_bytes=2.0,
-    ),
+        "qwen3-235b-a22b", hidden=4096, num_layers=94, num_dense_layers=0, dense_intermediate=12288,
+        moe_intermediate=1536, num_experts=128, num_shared_experts=0, topk=8, vocab=151936, num_heads=64,
+        attention="gqa", num_kv_heads=4, head_dim=128, weight_bytes=2.0),
 }
 
 
@@ -198,34 +151,20 @@ def model_from_config(config: ModelConfig, name: str) -> ModelSpec:
     if not (config.num_experts and config.num_experts_per_tok):
         raise ValueError(f"{name}: not an MoE config (no routed experts); the planner models MoE models only")
     common = dict(
-        name=name,
-        hidden=config.hidden_size,
-        num_layers=config.num_hidden_layers,
+        name=name, hidden=config.hidden_size, num_layers=config.num_hidden_layers,
         num_dense_layers=config.num_hidden_layers - len(config.moe_layers),
-        dense_intermediate=config.intermediate_size,
-        moe_intermediate=config.moe_intermediate_size,
-        num_experts=config.num_experts,
-        num_shared_experts=config.num_shared_experts,
-        topk=config.num_experts_per_tok,
-        vocab=config.vocab_size,
-        num_heads=config.num_attention_heads,
+        dense_intermediate=config.intermediate_size, moe_intermediate=config.moe_intermediate_size,
+        num_experts=config.num_experts, num_shared_experts=config.num_shared_experts,
+        topk=config.num_experts_per_tok, vocab=config.vocab_size, num_heads=config.num_attention_heads,
         num_groups=config.n_group,
         weight_bytes=1.0 if "fp8" in str(config.quantization or "").lower() else 2.0,
-        shared_intermediate=config.shared_expert_intermediate_size,
-    )
+        shared_intermediate=config.shared_expert_intermediate_size)
     if config.is_mla:
-        return ModelSpec(
-            **common,
-            attention="mla",
-            q_lora_rank=config.q_lora_rank or 0,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_nope_dim=config.qk_nope_head_dim,
-            qk_rope_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-        )
-    return ModelSpec(
-        **common, attention="gqa", num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim
-    )
+        return ModelSpec(**common, attention="mla", q_lora_rank=config.q_lora_rank or 0,
+                         kv_lora_rank=config.kv_lora_rank, qk_nope_dim=config.qk_nope_head_dim,
+                         qk_rope_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim)
+    return ModelSpec(**common, attention="gqa", num_kv_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim)
 
 
 def model_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
@@ -253,6 +192,5 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.exists():
         raise ValueError(
             f"unknown model {name_or_path!r}: give a preset ({', '.join(MODEL_PRESETS)}) "
-            "or a path to a Hugging Face config.json"
-        )
+            "or a path to a Hugging Face config.json")
     return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)

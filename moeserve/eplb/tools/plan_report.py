@@ -18,14 +18,12 @@ def format_plan(model: ModelSpec, gpu: GpuSpec, dep: Deployment, r: PlanResult) 
         f"{dep.redundant if dep.eplb else 0} redundant experts{'' if dep.eplb else ' (no EPLB)'}, DP attention"
     )
     if r.phase == "decode":
-        work = f"decode: {dep.batch_per_gpu} seq/GPU, context {dep.context_len}" + (
-            f", MTP {dep.mtp_draft} draft at {dep.mtp_accept:.0%}" if dep.mtp_draft else ""
-        )
+        work = f"decode: {dep.batch_per_gpu} seq/GPU, context {dep.context_len}"
+        work += f", MTP {dep.mtp_draft} draft at {dep.mtp_accept:.0%}" if dep.mtp_draft else ""
         unit = "output tok/s"
     else:
-        work = f"prefill: {dep.tokens_per_gpu} tokens/GPU per step, inputs of {dep.input_len}" + (
-            f", {dep.cache_hit:.0%} cache hits" if dep.cache_hit else ""
-        )
+        work = f"prefill: {dep.tokens_per_gpu} tokens/GPU per step, inputs of {dep.input_len}"
+        work += f", {dep.cache_hit:.0%} cache hits" if dep.cache_hit else ""
         unit = "input tok/s"
     lines = [
         head,
@@ -37,9 +35,7 @@ def format_plan(model: ModelSpec, gpu: GpuSpec, dep: Deployment, r: PlanResult) 
     ]
     lines += [f"    {name:36s} {ms:9.2f}" for name, ms in r.breakdown_ms.items()]
     mem = r.memory_gb
-    lines.append(
-        f"  memory per GPU: weights {mem['weights']:.1f} GB + KV cache {mem['kv_cache']:.1f} GB "
-        f"of {mem['capacity']:.0f} GB"
-    )
+    lines.append(f"  memory per GPU: weights {mem['weights']:.1f} GB + KV cache {mem['kv_cache']:.1f} GB "
+                 f"of {mem['capacity']:.0f} GB")
     lines += [f"  warning: {w}" for w in r.warnings]
     return "\n".join(lines) + "\n"

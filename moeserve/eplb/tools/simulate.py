@@ -68,9 +68,8 @@ class EplbPlacement:
         """GPU loads [B, L, P] float32 of counts [B, L, E], each expert's load split evenly over its replicas."""
         from moeserve.eplb.metrics import gpu_loads
 
-        return gpu_loads(
-            torch.as_tensor(np.asarray(counts)), self.phy2log, self.logcnt, self.num_gpus
-        ).float()
+        counts = torch.as_tensor(np.asarray(counts))
+        return gpu_loads(counts, self.phy2log, self.logcnt, self.num_gpus).float()
 
 
 def step_time_balancedness(loads: torch.Tensor) -> tuple[float, float]:
@@ -89,9 +88,8 @@ def step_time_balancedness(loads: torch.Tensor) -> tuple[float, float]:
     return float(means.sum()) / total_max, float(per_layer.min())
 
 
-def plan_placement(
-    weight: np.ndarray | torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> EplbPlacement:
+def plan_placement(weight: np.ndarray | torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
+                   num_gpus: int) -> EplbPlacement:
     """EPLB placement planned on loads weight [L, E] (rebalance_experts, DeepSeek's contract)."""
     from moeserve.eplb.algorithm import rebalance_experts  # written beside this module
 
@@ -100,9 +98,8 @@ def plan_placement(
     return EplbPlacement(phy2log, logcnt, num_gpus)
 
 
-def placement_error(
-    num_experts: int, redundant: int, num_groups: int, num_nodes: int, gpus_per_node: int
-) -> str:
+def placement_error(num_experts: int, redundant: int, num_groups: int, num_nodes: int,
+                    gpus_per_node: int) -> str:
     """Why this deployment cannot be planned by EPLB, or '' when it can."""
     num_gpus = num_nodes * gpus_per_node
     num_replicas = num_experts + redundant
@@ -125,13 +122,8 @@ def tokens_per_step(logical_count: np.ndarray, topk: int) -> np.ndarray:
     return logical_count.sum(-1).mean(-1) / topk
 
 
-def rebatch(
-    logical_count: np.ndarray,
-    tokens_per_batch: int,
-    topk: int,
-    max_batches: int,
-    rng: np.random.Generator,
-) -> tuple[np.ndarray, np.ndarray]:
+def rebatch(logical_count: np.ndarray, tokens_per_batch: int, topk: int, max_batches: int,
+            rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Cut the recorded token stream into simulated steps of `tokens_per_batch` tokens (module docstring).
 
     Returns (counts int64 [B, L, E], midpoint of each simulated step in recorded-step units [B] float).
@@ -207,29 +199,20 @@ class PlacementCache:
             steps = slice(None) if span is None else self.spans[span]
             weight = self.logical_count[steps].sum(0)
             num_experts = weight.shape[-1]
-            self._cache[key] = plan_placement(
-                weight, num_experts + redundant, self.num_groups, nodes, nodes * gpus_per_node
-            )
+            self._cache[key] = plan_placement(weight, num_experts + redundant, self.num_groups, nodes,
+                                              nodes * gpus_per_node)
         return self._cache[key]
 
 
-def simulate_one(
-    batches: np.ndarray,
-    midpoints: np.ndarray,
-    cache: PlacementCache,
-    nodes: int,
-    gpus_per_node: int,
-    redundant: int,
-) -> dict[str, float | int]:
+def simulate_one(batches: np.ndarray, midpoints: np.ndarray, cache: PlacementCache, nodes: int,
+                 gpus_per_node: int, redundant: int) -> dict[str, float | int]:
     """Score one deployment on simulated steps: no EPLB, EPLB in sample, EPLB held out."""
     num_experts = batches.shape[-1]
     out: dict[str, float | int] = {}
     plain = PlainLayout(num_experts, nodes * gpus_per_node)
     out["no_eplb"], out["no_eplb_worst_layer"] = step_time_balancedness(plain.loads(batches))
-    in_sample = cache.get(nodes, gpus_per_node, redundant, None)
-    out["eplb_in_sample"], out["eplb_in_sample_worst_layer"] = step_time_balancedness(
-        in_sample.loads(batches)
-    )
+    in_sample = cache.get(nodes, gpus_per_node, redundant, None).loads(batches)
+    out["eplb_in_sample"], out["eplb_in_sample_worst_layer"] = step_time_balancedness(in_sample)
     # held out: the placement of span k scores the simulated steps of span k+1
     span_of_step = np.zeros(cache.logical_count.shape[0], dtype=int)
     for k, steps in enumerate(cache.spans):
@@ -248,20 +231,11 @@ def simulate_one(
     return out
 
 
-def simulate(
-    logical_count: np.ndarray,
-    *,
-    topk: int,
-    num_groups: int = 1,
-    nodes_grid: Sequence[int] = (1, 2, 4, 9, 18),
-    gpus_per_node_grid: Sequence[int] = (8,),
-    redundant_grid: Sequence[int] = (0, 32),
-    tokens_per_gpu_grid: Sequence[int] = (64, 256, 1024, 4096, 16384),
-    holdout_chunks: int = 4,
-    max_batches: int = 64,
-    seed: int = 0,
-    progress: bool = True,
-) -> list[SimRow]:
+def simulate(logical_count: np.ndarray, *, topk: int, num_groups: int = 1,
+             nodes_grid: Sequence[int] = (1, 2, 4, 9, 18), gpus_per_node_grid: Sequence[int] = (8,),
+             redundant_grid: Sequence[int] = (0, 32),
+             tokens_per_gpu_grid: Sequence[int] = (64, 256, 1024, 4096, 16384), holdout_chunks: int = 4,
+             max_batches: int = 64, seed: int = 0, progress: bool = True) -> list[SimRow]:
     """Sweep deployments over recorded counts [T, L, E]; rows EPLB cannot plan are skipped with a log line."""
     from tqdm import tqdm
 
@@ -327,53 +301,48 @@ def format_table(rows: Sequence[SimRow]) -> str:
 def write_outputs(rows: Sequence[SimRow], out_dir: Path, settings: dict) -> dict[str, Path]:
     """Write simulate.csv, simulate.json (rows + settings), table.txt and simulate.png into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "csv": out_dir / "simulate.csv",
-        "json": out_dir / "simulate.json",
-        "table": out_dir / "table.txt",
-        "plot": out_dir / "simulate.png",
-    }
+    paths = {"csv": out_dir / "simulate.csv", "json": out_dir / "simulate.json",
+             "table": out_dir / "table.txt", "plot": out_dir / "simulate.png"}
     fields = list(SimRow.__dataclass_fields__)
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    records = [
-        {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
-        for r in rows
-    ]
+    records = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
+               for r in rows]
     paths["json"].write_text(json.dumps({"settings": settings, "rows": records}, indent=1))
     paths["table"].write_text(format_table(rows) + "\n")
     plot_sweep(rows, paths["plot"])
     return paths
 
 
-def plot_sweep(rows: Sequence[SimRow], path: Path) -> None:
-    """Balancedness against tokens per GPU, one line per (GPUs, redundant), a panel per placement."""
+def pyplot():
+    """matplotlib.pyplot drawing to files (the Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (
-        ("no_eplb", "no EPLB"),
-        ("eplb_in_sample", "EPLB, in sample"),
-        ("eplb_held_out", "EPLB, held out"),
-    )
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def plot_sweep(rows: Sequence[SimRow], path: Path) -> None:
+    """Balancedness against tokens per GPU, one line per (GPUs, redundant), a panel per placement."""
+    panels = {"no_eplb": "no EPLB", "eplb_in_sample": "EPLB, in sample", "eplb_held_out": "EPLB, held out"}
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.5), sharey=True)
     groups = sorted({(r.num_gpus, r.nodes, r.redundant) for r in rows})
-    for ax, (key, title) in zip(axes, panels, strict=True):
+    for ax, (key, title) in zip(axes, panels.items(), strict=True):
         for num_gpus, nodes, red in groups:
-            sel = sorted(
-                (r for r in rows if (r.num_gpus, r.nodes, r.redundant) == (num_gpus, nodes, red)),
-                key=lambda r: r.tokens_per_gpu,
-            )
-            ax.plot(
-                [r.tokens_per_gpu for r in sel],
-                [getattr(r, key) for r in sel],
-                marker="o",
-                label=f"{num_gpus} GPUs / {nodes} nodes, +{red}",
-            )
+            sel = sorted((r for r in rows if (r.num_gpus, r.nodes, r.redundant) == (num_gpus, nodes, red)),
+                         key=lambda r: r.tokens_per_gpu)
+            ax.plot([r.tokens_per_gpu for r in sel], [getattr(r, key) for r in sel], marker="o",
+                    label=f"{num_gpus} GPUs / {nodes} nodes, +{red}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per GPU per step")
         ax.set_title(title)
@@ -381,6 +350,4 @@ def plot_sweep(rows: Sequence[SimRow], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("balancedness (mean / max GPU load)")
     axes[-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

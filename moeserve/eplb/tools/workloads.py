@@ -53,15 +53,8 @@ class WorkloadSpec:
         """Raise ValueError for a spec that cannot be generated."""
         if self.dist not in DISTRIBUTIONS:
             raise ValueError(f"unknown --dist {self.dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
-        for name in (
-            "num_layers",
-            "num_experts",
-            "num_steps",
-            "tokens_per_step",
-            "topk",
-            "num_groups",
-            "seq_len",
-        ):
+        sizes = ("num_layers", "num_experts", "num_steps", "tokens_per_step", "topk", "num_groups", "seq_len")
+        for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.topk > self.num_experts:
