@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 # A flag's choices come from the registry that maps each name to its implementation (tests/test_flag_registries.py).
+from moeserve.constrained.registry import GRAMMAR_BACKENDS
 from moeserve.ep.all2all import DEEPEP_MODES
 from moeserve.ep.registry import BACKENDS as DISPATCH_BACKENDS
 from moeserve.eplb import rebalancer
@@ -97,6 +98,9 @@ class ServerArgs:
         "without it.", (None, "fp8"))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
+    grammar_backend: str = _flag(
+        "xgrammar", "Structured outputs (json_schema, regex, ebnf; response_format): xgrammar, or none (such requests "
+        "get HTTP 400).", tuple(GRAMMAR_BACKENDS))
 
     # --- HTTP ---
     host: str = _flag("127.0.0.1", "HTTP host to bind.")
