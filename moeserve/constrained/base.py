@@ -9,6 +9,7 @@ matcher (accept_token), and a terminated matcher (it accepted a stop token) ends
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
@@ -67,19 +68,21 @@ class GrammarBackend(ABC):
 
     def __init__(self) -> None:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles in worker threads
 
     def compile(self, kind: str, spec: str) -> Any:
         """The compiled grammar of `spec`, one of GRAMMAR_KINDS; GrammarError when it is not valid."""
         assert kind in GRAMMAR_KINDS, kind
         key = (kind, spec)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        compiled = self._compile(kind, spec)
-        self._cache[key] = compiled
-        if len(self._cache) > COMPILE_CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return compiled
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            compiled = self._compile(kind, spec)
+            self._cache[key] = compiled
+            if len(self._cache) > COMPILE_CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
 
     @abstractmethod
     def _compile(self, kind: str, spec: str) -> Any: ...
