@@ -60,6 +60,12 @@ class StepResults:
             if not self._live(req):
                 continue
             later = req.resolve_future(next_ids[i])
+            if next_ids[i] == NO_TOKEN and req.grammar is not None:  # (or non-finite logits, never told apart)
+                req.output_ids.pop()
+                self._fail(req, f"the request's grammar allows no token at output token {len(req.output_ids)} "
+                                "(a grammar that can never end?)", status_code=400)
+                outs.append(req.take_output())
+                continue
             if next_ids[i] == NO_TOKEN:
                 req.output_ids.pop()
                 logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; "
@@ -105,10 +111,10 @@ class StepResults:
         """Still this scheduler's (not finished, aborted or failed since its step was launched)."""
         return not req.finished and self.reqs.get(req.rid) is req
 
-    def _fail(self, req: Req, message: str) -> None:
-        """End a request whose step gave no token it can keep (non-finite logits, or a token its grammar refuses):
-        an error (500), not a token; its KV is not cached."""
-        req.finish_reason = FinishReason("abort", status_code=500, message=message)
+    def _fail(self, req: Req, message: str, status_code: int = 500) -> None:
+        """End a request whose step gave no token it can keep (non-finite logits, a grammar that allows none or
+        refuses the one sampled): an error, not a token; its KV is not cached."""
+        req.finish_reason = FinishReason("abort", status_code=status_code, message=message)
         if self.pd is not None and self.pd.holds(req):  # prefill: decode hears `failed`, KV freed after writes
             del self.reqs[req.rid]
             self.pd.abort(req)

@@ -201,5 +201,7 @@ def test_the_rank_refuses_what_it_cannot_compile(engines, tokenizer):
     out = engines["dummy"].run([tokenizer.encode("x")], SamplingParams(regex="(ab"))[0]
     assert out["finish_reason"].type == "abort" and out["finish_reason"].status_code == 400
     assert "invalid regex" in out["finish_reason"].message
+    stuck = engines["dummy"].run([tokenizer.encode("x")], SamplingParams(ebnf="root ::= root"))[0]["finish_reason"]
+    assert stuck.status_code == 400 and "allows no token" in stuck.message
     with pytest.raises(ValueError, match="at most one"):
         SamplingParams(regex="a", ebnf='root ::= "a"').validate()
