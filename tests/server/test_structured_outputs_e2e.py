@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.rank.test_structured_outputs import random_regex, random_schema
+from tests.grammar_specs import random_regex, random_schema
 
 pytestmark = pytest.mark.slow
 
