@@ -96,11 +96,11 @@ class ServerArgs:
         None, "fp8: quantize an unquantized checkpoint at load to DeepSeek's block FP8 (e4m3, 128x128 weight blocks, "
         "activations per token in groups of 128). FP8 checkpoints (quantization_config in config.json) load as FP8 "
         "without it.", (None, "fp8"))
-    skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
-    random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
     grammar_backend: str = _flag(
         "xgrammar", "Structured outputs (json_schema, regex, ebnf; response_format): xgrammar, or none (such requests "
         "get HTTP 400).", tuple(GRAMMAR_BACKENDS))
+    skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
+    random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
 
     # --- HTTP ---
     host: str = _flag("127.0.0.1", "HTTP host to bind.")
