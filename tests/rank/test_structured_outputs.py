@@ -109,7 +109,9 @@ def test_free_requests_keep_their_tokens_beside_constrained_ones(tokenizer, over
     alone, mixed = InProcessEngine(tokenizer, **kw), InProcessEngine(tokenizer, **kw)
     rng = random.Random(3)
     free_prompts = [tokenizer.encode(p) for p in PROMPTS]
-    free = [SamplingParams(max_new_tokens=rng.choice([5, 20, 40]), temperature=0.0, ignore_eos=i % 2 == 0)
+    # greedy, and seeded draws (a seeded row's tokens depend on its own logits only: sampler.py)
+    free = [SamplingParams(max_new_tokens=rng.choice([5, 20, 40]), ignore_eos=i % 2 == 0,
+                           **({"temperature": 0.0} if i % 3 else {"temperature": 0.9, "seed": i}))
             for i in range(len(PROMPTS))]
     want = alone.run(free_prompts, free)
     constrained = [_params(rng, json_schema=json.dumps(random_schema(rng))) if i % 2 else
