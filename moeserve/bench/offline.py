@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(schema, encoding="utf-8") as f:
             schema = f.read()
     r = run(args, ns.num_prompts, ns.input_len, ns.output_len, ns.seed, ns.warmup_prompts, schema)
+    constrained = ", JSON schema" if schema else ""
     print(f"tp {r['tp_size']} dp {r['dp_size']} {r['moe_a2a_backend']}/{r['deepep_mode']}: {r['num_prompts']} prompts "
-          f"x ({r['input_len']} in + {r['output_len']} out{', JSON schema' if schema else ''}) in {r['duration_s']:.2f} s: total {r['total_tok_s']:.1f} "
-          f"tok/s, input {r['input_tok_s']:.1f} tok/s, output {r['output_tok_s']:.1f} tok/s "
+          f"x ({r['input_len']} in + {r['output_len']} out{constrained}) in {r['duration_s']:.2f} s: total "
+          f"{r['total_tok_s']:.1f} tok/s, input {r['input_tok_s']:.1f} tok/s, output {r['output_tok_s']:.1f} tok/s "
           f"(start-up {r['startup_s']:.1f} s)", flush=True)
     append_results(ns.result_file, [r])
     return 0

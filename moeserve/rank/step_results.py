@@ -60,18 +60,17 @@ class StepResults:
             if not self._live(req):
                 continue
             later = req.resolve_future(next_ids[i])
-            if next_ids[i] == NO_TOKEN and req.grammar is not None:  # (or non-finite logits, never told apart)
-                req.output_ids.pop()
-                self._fail(req, f"the request's grammar allows no token at output token {len(req.output_ids)} "
-                                "(a grammar that can never end?)", status_code=400)
-                outs.append(req.take_output())
-                continue
             if next_ids[i] == NO_TOKEN:
                 req.output_ids.pop()
-                logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; "
-                             "failing it", req.rid, len(req.output_ids))
-                self._fail(req, f"the model computed non-finite logits (NaN or inf) at output token "
-                                f"{len(req.output_ids)}; no token could be sampled")
+                at = len(req.output_ids)
+                if req.grammar is not None:  # its mask left nothing (non-finite logits would too: not told apart)
+                    self._fail(req, f"the request's grammar allows no token at output token {at} (a grammar that "
+                                    "can never end?)", status_code=400)
+                else:
+                    logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; "
+                                 "failing it", req.rid, at)
+                    self._fail(req, f"the model computed non-finite logits (NaN or inf) at output token {at}; no "
+                                    "token could be sampled")
                 outs.append(req.take_output())
                 continue
             if req.grammar is not None and not req.grammar.accept_token(next_ids[i]):  # the mask forbade it
