@@ -102,10 +102,12 @@ def test_ebnf_and_ignore_eos(engines, tokenizer):
         assert re.fullmatch(r"(yes|no) [0-9][0-9]?", _text(tokenizer, out))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_free_requests_keep_their_tokens_beside_constrained_ones(tokenizer, overlap):
+@pytest.mark.parametrize("overlap,mixed_chunk", [(True, False), (False, False), (True, True)])
+def test_free_requests_keep_their_tokens_beside_constrained_ones(tokenizer, overlap, mixed_chunk):
     kw = dict(model_path=default_model_path(), dtype="float32", max_total_tokens=8192,
               disable_overlap_schedule=not overlap)
+    if mixed_chunk:  # prompts admitted a few at a time, prefilled beside the running decodes
+        kw.update(enable_mixed_chunk=True, chunked_prefill_size=8, max_prefill_tokens=8)
     alone, mixed = InProcessEngine(tokenizer, **kw), InProcessEngine(tokenizer, **kw)
     rng = random.Random(3)
     free_prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -125,6 +127,8 @@ def test_free_requests_keep_their_tokens_beside_constrained_ones(tokenizer, over
     assert all(g["finish_reason"].type == "stop" for g in got[1::2])
     if overlap:
         assert alone.steps.num_overlapped > 0
+    if mixed_chunk:
+        assert mixed.scheduler.stats.mixed_steps > 0
 
 
 def test_mask_covers_the_padded_vocabulary(tokenizer):
