@@ -175,3 +175,23 @@ def test_the_rank_refuses_what_it_cannot_compile(engines, tokenizer):
     assert stuck.status_code == 400 and "allows no token" in stuck.message
     with pytest.raises(ValueError, match="at most one"):
         SamplingParams(regex="a", ebnf='root ::= "a"').validate()
+
+
+def test_a_retracted_request_keeps_its_grammar(tokenizer):
+    """A KV pool too small for the batch: requests are retracted and recomputed from prompt + output, their matchers
+    kept; the outputs are those of a pool that holds them all, and validate."""
+    kw = dict(model_path=default_model_path(), dtype="float32", page_size=4, load_format="dummy")
+    small, large = (InProcessEngine(tokenizer, max_total_tokens=n, **kw) for n in (192, 8192))
+    schema = {"type": "array", "minItems": 2, "maxItems": 3, "items": {
+        "type": "object", "required": ["id", "name"], "additionalProperties": False,
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "name": {"enum": ["ab", "cd"]}}}}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 16))] for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=96, temperature=1.0, seed=i, json_schema=json.dumps(schema))
+              for i in range(len(prompts))]
+    got, want = small.run(prompts, params), large.run(prompts, params)
+    assert small.scheduler.stats.retractions > 0 and large.scheduler.stats.retractions == 0
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for out in got:
+        assert out["finish_reason"].type == "stop"
+        jsonschema.validate(json.loads(_text(tokenizer, out)), schema)
