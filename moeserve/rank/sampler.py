@@ -16,8 +16,8 @@ Order of processing, for each row of logits [B, V]:
   distribution left after top-k (renormalized), as vLLM does. min-p keeps tokens whose probability is at
   least min_p times the largest; that ratio does not depend on renormalization, so min-p after top-p simply
   intersects.
-- Log-probabilities are those of the model's raw logits: log_softmax before penalties, temperature and
-  filters (vLLM's default "raw logprobs"). `logprobs[b]` is the chosen token's; `top_logprobs[b]` the
+- Log-probabilities are those of the model's raw logits: log_softmax before the grammar mask, penalties,
+  temperature and filters (vLLM's default "raw logprobs"). `logprobs[b]` is the chosen token's; `top_logprobs[b]` the
   n largest, sorted, whatever was filtered.
 
 Randomness. Draws use the Gumbel-max trick, argmax(logits / T + g), with g = -log(-log(u)) and u a uniform
