@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 # A flag's choices come from the registry that maps each name to its implementation (tests/test_flag_registries.py).
+from moeserve.constrained.registry import GRAMMAR_BACKENDS
 from moeserve.ep.all2all import DEEPEP_MODES
 from moeserve.ep.registry import BACKENDS as DISPATCH_BACKENDS
 from moeserve.ep.registry import REFUSED_BACKENDS
@@ -96,6 +97,9 @@ class ServerArgs:
         None, "fp8: quantize an unquantized checkpoint at load to DeepSeek's block FP8 (e4m3, 128x128 weight blocks, "
         "activations per token in groups of 128). FP8 checkpoints (quantization_config in config.json) load as FP8 "
         "without it.", (None, "fp8"))
+    grammar_backend: str = _flag(
+        "xgrammar", "Structured outputs (json_schema, regex, ebnf; response_format): xgrammar, or none (such requests "
+        "get HTTP 400).", tuple(GRAMMAR_BACKENDS))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
     trust_remote_code: bool = _flag(

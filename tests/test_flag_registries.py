@@ -11,6 +11,7 @@ import pytest
 
 from moeserve import args as args_module
 from moeserve.args import PD_ONLY_DEFAULTS, PDOptions, PDRole, ServerArgs
+from moeserve.constrained.registry import GRAMMAR_BACKENDS
 from moeserve.ep import registry as ep_registry
 from moeserve.ep.all2all import resolve_deepep_mode
 from moeserve.eplb import rebalancer, recorder
@@ -40,6 +41,7 @@ def registries() -> dict[str, set]:
                                             if importlib.util.find_spec(module) is not None},
         "disaggregation_mode": {role.value for role in PDRole},
         "dtype": {"auto", *loader._DTYPES},
+        "grammar_backend": set(GRAMMAR_BACKENDS),
     }
 
 

@@ -21,6 +21,7 @@ from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 
 if TYPE_CHECKING:
+    from moeserve.constrained.base import TokenMask
     from moeserve.rank.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -241,13 +242,15 @@ class ModelRunner:
         return runner.run(fb) if runner is not None else self.model(fb)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req], to_host: bool = True) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], to_host: bool = True,
+               token_mask: TokenMask | None = None) -> SampleOutput:
         """Next token of each request (rows of logits in the same order); to_host=False leaves them on the device
-        (no logprobs then)."""
+        (no logprobs then). token_mask: the grammars' allowed tokens of the constrained rows."""
         sbatch = SamplingBatch.build(
             [r.params for r in reqs], [r.input_ids for r in reqs], [r.output_ids for r in reqs],
             self.vocab_size, self.device, rng=self.rng,
         )
+        sbatch.token_mask = token_mask
         top_n = [r.asked.top_logprobs_num if r.asked.return_logprob else 0 for r in reqs]
         return sample(logits, sbatch, top_n, return_logprob=any(r.asked.return_logprob for r in reqs),
                       to_host=to_host)

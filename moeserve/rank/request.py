@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moeserve.rank.io_struct import FinishReason, GenerateReq, TokenOut
 from moeserve.rank.prompt_logprobs import first_scored_position
 from moeserve.rank.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moeserve.constrained.base import GrammarMatcher
 
 NO_POSITION = 1 << 62  # next_scored_position when no prompt position is left to score
 FUTURE_TOKEN = -1  # an output token sampled on the device whose value the host does not know yet (steps.py)
@@ -37,6 +41,8 @@ class Req:
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
     input_logprobs_sent: bool = False
+    # structured outputs: where the output stands in its grammar (it has accepted every known output token)
+    grammar: GrammarMatcher | None = None
 
     @classmethod
     def from_generate(cls, r: GenerateReq, eos_token_ids: list[int]) -> Req:

@@ -5,7 +5,9 @@ calls `sample(logits, batch)`. Everything runs on the logits' device; the host s
 the requested log-probabilities.
 
 Order of processing, for each row of logits [B, V]:
-    penalties (repetition, then frequency/presence) -> temperature -> top-k -> top-p -> min-p -> draw
+    grammar mask -> penalties (repetition, then frequency/presence) -> temperature -> top-k -> top-p -> min-p -> draw
+- The grammar mask (structured outputs, moeserve/constrained/) sets the tokens a constrained row's grammar does not
+  allow to -inf, on those rows only: the other rows' tokens are those of a batch without them.
 - Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the argmax of the penalized logits;
   every row's choice, with its NO_TOKEN check, is one op (kernels/argmax.py: a Triton kernel on CUDA).
 - Every filter keeps the likeliest token, so a row always has one to choose; a row whose logits hold NaN or +inf
@@ -14,8 +16,8 @@ Order of processing, for each row of logits [B, V]:
   distribution left after top-k (renormalized), as vLLM does. min-p keeps tokens whose probability is at
   least min_p times the largest; that ratio does not depend on renormalization, so min-p after top-p simply
   intersects.
-- Log-probabilities are those of the model's raw logits: log_softmax before penalties, temperature and
-  filters (vLLM's default "raw logprobs"). `logprobs[b]` is the chosen token's; `top_logprobs[b]` the
+- Log-probabilities are those of the model's raw logits: log_softmax before the grammar mask, penalties,
+  temperature and filters (vLLM's default "raw logprobs"). `logprobs[b]` is the chosen token's; `top_logprobs[b]` the
   n largest, sorted, whatever was filtered.
 
 Randomness. Draws use the Gumbel-max trick, argmax(logits / T + g), with g = -log(-log(u)) and u a uniform
@@ -34,12 +36,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeserve.kernels.argmax import argmax_or_none
 from moeserve.rank.penalties import apply_penalties, build_token_counts, build_token_mask
 from moeserve.rank.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moeserve.constrained.base import TokenMask
 
 NO_TOKEN = -1  # next_token_ids of a row whose logits were not finite
 # Repetition penalties below this are taken as this: a smaller one underflows float32 (1e-300 is 0, and logit / 0
@@ -91,6 +97,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [B, V] int32, occurrences of each token in the output
     repetition_penalties: torch.Tensor | None = None  # [B, 1] float32
     seen_mask: torch.Tensor | None = None  # [B, V] bool, token occurs in prompt or output
+    token_mask: TokenMask | None = None  # the constrained rows' allowed tokens (None: no row has a grammar)
 
     @property
     def batch_size(self) -> int:
@@ -219,8 +226,9 @@ def sample(
     assert len(nums) == batch_size and all(n >= 0 for n in nums)
     logits = logits.float()
 
+    masked = batch.token_mask.apply(logits) if batch.token_mask is not None else logits
     penalized = apply_penalties(
-        logits,
+        masked,
         output_counts=batch.output_counts,
         frequency_penalties=batch.frequency_penalties,
         presence_penalties=batch.presence_penalties,

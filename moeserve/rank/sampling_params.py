@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.constrained.base import GRAMMAR_KINDS
+
 # Temperatures below this are greedy (argmax). Kept as given in SamplingParams; the sampler decides.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -37,6 +39,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     no_stop_trim: bool = False
+    # Structured outputs (at most one): the output must match a JSON schema (a string), a regex, or an EBNF grammar
+    # (xgrammar's dialect); compiled by the grammar backend (moeserve/constrained/)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -82,6 +89,15 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, spec) of the grammar the output must match (kind: one of GRAMMAR_KINDS), or None."""
+        for kind in GRAMMAR_KINDS:
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether sampling reads the tokens generated so far (frequency, presence or repetition penalty)."""
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
@@ -109,6 +125,12 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, hint="an integer or null")
         _check_int("n", self.n, lo=1, hint="an integer >= 1")
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+                raise ValueError(f"{kind} must be a non-empty string, got {getattr(self, kind)!r}")
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(GRAMMAR_KINDS)}; got {', '.join(given)}")
 
     def _validate_stop(self) -> None:
         hint = "stop must be a non-empty string, a list of non-empty strings, or null"

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moeserve.args import PDRole, ServerArgs
+from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBackend
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache import PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
@@ -43,13 +44,14 @@ class Scheduler(PDHost, StepResults):
     """
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
-                 eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0):
+                 eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None):
         self.args = server_args
         self.dp_rank = dp_rank
         self.page_size = server_args.page_size
         self.context_length = context_length
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer  # for stop strings only
+        self.grammar = grammar if grammar is not None else NoGrammarBackend("this rank has no grammar backend")
         self.pd_role = server_args.disagg.role  # read once: requests and steps ask it
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
@@ -90,6 +92,14 @@ class Scheduler(PDHost, StepResults):
             req.finish_reason = FinishReason("length")
             self.pending_out.append(req.take_output())
             return
+        if req.params.grammar is not None:
+            try:
+                if self.pd is not None:
+                    raise GrammarError("structured outputs are not supported with PD disaggregation")
+                req.grammar = self.grammar.matcher(self.grammar.compile(*req.params.grammar))
+            except GrammarError as e:
+                self._reject(req, str(e))
+                return
         if self.pd is not None and not req.asked.local:
             self._add_pd_request(req)
             return

@@ -62,7 +62,22 @@ class StepResults:
             later = req.resolve_future(next_ids[i])
             if next_ids[i] == NO_TOKEN:
                 req.output_ids.pop()
-                self._fail_non_finite(req)
+                at = len(req.output_ids)
+                if req.grammar is not None:  # its mask left nothing (non-finite logits would too: not told apart)
+                    self._fail(req, f"the request's grammar allows no token at output token {at} (a grammar that "
+                                    "can never end?)", status_code=400)
+                else:
+                    logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; "
+                                 "failing it", req.rid, at)
+                    self._fail(req, f"the model computed non-finite logits (NaN or inf) at output token {at}; no "
+                                    "token could be sampled")
+                outs.append(req.take_output())
+                continue
+            if req.grammar is not None and not req.grammar.accept_token(next_ids[i]):  # the mask forbade it
+                req.output_ids.pop()
+                logger.error("request %s: its grammar refused token %d at output token %d", req.rid, next_ids[i],
+                             len(req.output_ids))
+                self._fail(req, f"the sampled token {next_ids[i]} does not match the request's grammar")
                 outs.append(req.take_output())
                 continue
             if req.asked.return_logprob and logprobs is not None:
@@ -95,13 +110,10 @@ class StepResults:
         """Still this scheduler's (not finished, aborted or failed since its step was launched)."""
         return not req.finished and self.reqs.get(req.rid) is req
 
-    def _fail_non_finite(self, req: Req) -> None:
-        """End a request whose logits were not finite (NaN or inf): an error, not a token; its KV is not cached."""
-        logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; failing it",
-                     req.rid, len(req.output_ids))
-        req.finish_reason = FinishReason(
-            "abort", status_code=500, message=f"the model computed non-finite logits (NaN or inf) at output token "
-            f"{len(req.output_ids)}; no token could be sampled")
+    def _fail(self, req: Req, message: str, status_code: int = 500) -> None:
+        """End a request whose step gave no token it can keep (non-finite logits, a grammar that allows none or
+        refuses the one sampled): an error, not a token; its KV is not cached."""
+        req.finish_reason = FinishReason("abort", status_code=status_code, message=message)
         if self.pd is not None and self.pd.holds(req):  # prefill: decode hears `failed`, KV freed after writes
             del self.reqs[req.rid]
             self.pd.abort(req)
@@ -118,6 +130,8 @@ class StepResults:
         token = req.output_ids[-1]
         p = req.params
         if token in req.stop_token_ids:
+            req.finish_reason = FinishReason("stop", matched=token)
+        elif req.grammar is not None and req.grammar.is_terminated():  # it took a stop token (with ignore_eos)
             req.finish_reason = FinishReason("stop", matched=token)
         elif len(req.output_ids) >= p.max_new_tokens:
             req.finish_reason = FinishReason("length")

@@ -11,8 +11,9 @@ N+1's KV writes and its reads of the table come after step N's.
 
 What stays back to back (the step is resolved before the next is scheduled, or right after its launch):
   - steps other than DECODE (prefills and mixed steps: their requests join the running set when resolved);
-  - steps whose sampling has penalties (the next step's sampling would read the token counts); a step's logprobs
-    travel to the host with its tokens;
+  - steps whose sampling has penalties (the next step's sampling would read the token counts) or a grammar (the
+    next step's token mask needs this step's tokens in the matcher: constrained steps are not overlapped); a step's
+    logprobs travel to the host with its tokens;
   - a step whose scheduling might retract a request (recomputation needs its tokens): Scheduler.can_schedule_ahead;
   - an attention TP group of several ranks (the leader's tokens are shared on the host), and the expert
     distribution recorder and rebalancer (they act between passes on host state): overlap is off for the server.
@@ -75,7 +76,8 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     sampled = scheduler.sampling_inputs(batch)
     if not sampled:
         return LaunchedStep(batch, None)
-    out = runner.sample(logits, sampled, to_host=not keep_on_device)
+    mask = scheduler.grammar.token_mask([r.grammar for r in sampled], runner.device)
+    out = runner.sample(logits, sampled, to_host=not keep_on_device, token_mask=mask)
     ids = out.next_token_ids_device
     if tokens is not None:
         rows = torch.tensor([r.row for r in sampled], dtype=torch.int64).to(ids.device, non_blocking=True)
@@ -242,4 +244,4 @@ class StepPipeline:
 
 
 def _reads_outputs(sampled: list[Req]) -> bool:
-    return any(r.params.uses_penalties for r in sampled)
+    return any(r.params.uses_penalties or r.grammar is not None for r in sampled)

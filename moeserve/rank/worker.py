@@ -88,6 +88,7 @@ def worker_main(server_args: ServerArgs, rank: int, ports: WorkerPorts) -> None:
 def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Context, result_sock) -> None:
     import torch
 
+    from moeserve.constrained.registry import make_grammar_backend
     from moeserve.models.options import dispatch_options
     from moeserve.parallel.state import init_parallel_state
     from moeserve.rank.model_runner import ModelRunner
@@ -118,8 +119,9 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
 
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
     dp_rank = state.dp_rank
+    grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, runner.vocab_size)
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
-                          tokenizer=tokenizer, dp_rank=dp_rank)
+                          tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar)
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from moeserve.args import ServerArgs
+from moeserve.constrained.registry import make_grammar_backend
 from moeserve.core.model_config import ModelConfig
 from moeserve.models.default_model import SHIPPED_DIR, resolve_model_path
 from moeserve.server.dp_controller import DPController
@@ -38,7 +39,8 @@ def start_engine(server_args: ServerArgs) -> TokenizerManager:
             bootstrap.close()
         raise
     ready = ranks.ready
-    validator = RequestValidator(tokenizer, ready.vocab_size, ready.context_length, ready.num_kv_tokens)
+    grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, ready.vocab_size)
+    validator = RequestValidator(tokenizer, ready.vocab_size, ready.context_length, ready.num_kv_tokens, grammar)
     return TokenizerManager(server_args, config, name, tokenizer, DPController(num_dp), ranks, validator, bootstrap)
 
 

@@ -134,6 +134,10 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
         ids = await self.validator.prompt_ids(obj.text, obj.input_ids)
         params = self.validator.params(obj.sampling_params, len(ids), obj.top_logprobs_num)
+        if params.grammar is not None and self.pd_role is not PDRole.NULL and not obj.local:
+            raise InvalidRequestError("structured outputs (json_schema, regex, ebnf, response_format) are not "
+                                      "supported with PD disaggregation", param=params.grammar[0])
+        await self.validator.check_grammar(params.grammar)
         start = obj.logprob_start_len if obj.return_logprob else -1
         if type(start) is not int or not -1 <= start < len(ids):
             raise InvalidRequestError(f"logprob_start_len must be -1 (output logprobs only) or a prompt position in "

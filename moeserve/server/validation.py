@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBackend
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.text.tokenizer import Tokenizer
 
@@ -46,8 +47,10 @@ class RequestFailedError(RuntimeError):
 class RequestValidator:
     """Turns a request's prompt into token ids and its sampling_params into SamplingParams, or says what is wrong."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, context_length: int, max_total_tokens: int):
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, context_length: int, max_total_tokens: int,
+                 grammar: GrammarBackend | None = None):
         self.tokenizer = tokenizer
+        self.grammar = grammar if grammar is not None else NoGrammarBackend("the server has no grammar backend")
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.max_total_tokens = max_total_tokens
@@ -145,3 +148,14 @@ class RequestValidator:
         if type(top_logprobs_num) is not int or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         return params
+
+    async def check_grammar(self, grammar: tuple[str, str] | None) -> None:
+        """Compile a request's grammar (SamplingParams.grammar: kind, spec), if any, once per distinct spec and off
+        the event loop, so that a bad schema, regex or grammar is the client's 400 here, not a failure on the ranks."""
+        if grammar is None:
+            return
+        kind, spec = grammar
+        try:
+            await self.off_loop(self.grammar.compile, kind, spec)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), param=kind) from None

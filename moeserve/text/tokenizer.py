@@ -114,6 +114,11 @@ class Tokenizer:
                 pass
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def decoded_vocab(self) -> list[bytes]:
+        """Every token's bytes by id, b"" for the special tokens (they write no text): a grammar engine's view."""
+        special = set(self.all_special_ids)
+        return [b"" if i in special else self.token_bytes(i) for i in range(self.vocab_size)]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **template_kwargs: Any) -> str:
         """The prompt text of a conversation, rendered like transformers' apply_chat_template (tools ignored).

@@ -22,3 +22,15 @@ def test_offline_bench_two_ranks(tmp_path, capsys):
     assert r["total_tok_s"] == pytest.approx(r["input_tok_s"] + r["output_tok_s"])
     assert all(n > 0 for n in r["groups_cached_tokens"])  # both attention groups got prompts
     assert "tp 2 dp 2 all2all/auto: 4 prompts" in capsys.readouterr().out
+
+
+def test_offline_bench_with_a_json_schema(tmp_path, capsys):
+    from moeserve.bench.offline import main
+
+    out = tmp_path / "r.jsonl"
+    schema = '{"type": "array", "items": {"type": "integer"}, "minItems": 20}'  # longer than the output
+    assert main(["--num-prompts", "2", "--input-len", "8", "--output-len", "6", "--warmup-prompts", "0",
+                 "--log-level", "warning", "--json-schema", schema, "--result-file", str(out)]) == 0
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert r["json_schema"] and r["output_tokens"] == 12
+    assert "JSON schema" in capsys.readouterr().out

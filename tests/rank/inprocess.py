@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moeserve.args import ServerArgs
+from moeserve.constrained.registry import make_grammar_backend
 from moeserve.rank.io_struct import GenerateReq, TokenOut
 from moeserve.rank.model_runner import ModelRunner
 from moeserve.rank.sampling_params import SamplingParams
@@ -15,7 +16,9 @@ class InProcessEngine:
         self.args = ServerArgs.from_kwargs(**kwargs)
         self.runner = ModelRunner(self.args)
         self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
-                                   self.runner.config.eos_token_ids, tokenizer=tokenizer)
+                                   self.runner.config.eos_token_ids, tokenizer=tokenizer,
+                                   grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
+                                                                self.runner.vocab_size))
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 

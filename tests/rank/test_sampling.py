@@ -157,9 +157,9 @@ def test_validate_accepts_edges():
 
 def test_from_dict_rejects_unknown_keys_and_lists_them():
     with pytest.raises(ValueError) as e:
-        SamplingParams.from_dict({"temperature": 0.5, "regex": "a+", "json_schema": "{}"})
+        SamplingParams.from_dict({"temperature": 0.5, "lora_path": "a+", "logit_bias": "{}"})
     msg = str(e.value)
-    assert "json_schema, regex" in msg and "supported keys" in msg and "temperature" in msg
+    assert "logit_bias, lora_path" in msg and "supported keys" in msg and "temperature" in msg
 
 
 def test_from_dict_validates_and_builds():

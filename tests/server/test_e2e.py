@@ -9,52 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-
-from moeserve.server.launch import free_port
-from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from moeserve.models.default_model import default_model_path
-
-    model_path = default_model_path()  # built before the server starts, so the timeout below is for serving
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny",
-           "--model-path", model_path, "--expert-distribution-recorder-mode", "stat"]
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, log, 180)
-    workers = descendants(proc.pid)
-    yield {"url": url, "proc": proc, "log": log, "model_path": model_path, "workers": workers}
-
-    # Clean shutdown on SIGTERM: exit code 0, and no worker process left behind.
-    sigterm_leaves_nothing(proc, workers, log, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server["url"], timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def generate(http, **body) -> dict:

@@ -181,3 +181,21 @@ def test_a_long_answer_is_detokenized_off_the_loop(tm):
 
     out = asyncio.run(run())
     assert out["text"] == tm.tokenizer.decode(ids) and out["output_ids"] == ids
+
+
+@pytest.mark.parametrize("args,sampling_params,param,words", [
+    ({}, {"regex": "(a"}, "regex", "invalid regex"),
+    ({}, {"json_schema": '{"type": "object", "required": 3}'}, "json_schema", "invalid json_schema"),
+    ({"grammar_backend": "none"}, {"ebnf": 'root ::= "a"'}, "ebnf", "--grammar-backend none"),
+    ({"disaggregation_mode": "decode"}, {"regex": "a"}, "regex", "PD disaggregation"),
+])
+def test_a_grammar_the_server_cannot_serve_is_refused_before_the_ranks(monkeypatch, args, sampling_params, param,
+                                                                         words):
+    monkeypatch.setattr(startup, "RankClient", FakeRanks)
+    manager = startup.start_engine(ServerArgs(**args))
+    try:
+        with pytest.raises(InvalidRequestError, match=words) as e:
+            asyncio.run(_drain(manager.generate(GenerateInput(text="x", sampling_params=sampling_params))))
+        assert e.value.param == param and manager.ranks.sent == []
+    finally:
+        manager.shutdown()

@@ -101,7 +101,7 @@ def engine_error(e: BaseException) -> APIError:
 
 _PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
             "repetition_penalty", "stop_token_ids", "stop", "seed", "ignore_eos", "skip_special_tokens", "n",
-            "input_ids", "text", "top_logprobs_num", "sampling_params")
+            "input_ids", "text", "top_logprobs_num", "sampling_params", "json_schema", "regex", "ebnf")
 
 
 def _param_of(message: str) -> str | None:

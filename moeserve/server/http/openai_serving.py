@@ -8,6 +8,7 @@ i). Chat prompts are rendered with the model's chat template and tokenized witho
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -61,7 +62,45 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_new_toke
         sp["skip_special_tokens"] = False
     if req.no_stop_trim:
         sp["no_stop_trim"] = True
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            sp[name] = getattr(req, name)
+    if req.response_format is not None:
+        schema = json_schema_of(req.response_format)
+        if schema is not None:
+            sp["json_schema"] = schema
     return sp
+
+
+async def _check_response_format(ctx: ServerContext, req: CompletionRequest | ChatCompletionRequest,
+                                 sp: dict[str, Any]) -> None:
+    """A response_format the grammar backend refuses is a 400 about response_format (the engine would name
+    json_schema, a field the client never sent)."""
+    if req.response_format is None or "json_schema" not in sp:
+        return
+    try:
+        await ctx.client.validator.check_grammar(("json_schema", sp["json_schema"]))
+    except InvalidRequestError as e:
+        raise APIError(f"response_format: {e}", 400, param="response_format") from None
+
+
+def json_schema_of(response_format: dict[str, Any]) -> str | None:
+    """The json_schema sampling param (a string) of OpenAI's response_format, None for plain text (SGLang's
+    mapping: json_object is any JSON object)."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError("response_format json_schema needs json_schema.schema, a JSON schema object", 400,
+                           param="response_format")
+        return json.dumps(schema)
+    raise APIError(f"response_format type {kind!r} is not supported: use text, json_object or json_schema", 400,
+                   param="response_format", code="unsupported_parameter")
 
 
 def _fan_out(req: CompletionRequest | ChatCompletionRequest, prompts: list[tuple[str | None, list[int] | None]],
@@ -122,6 +161,7 @@ async def completion_inputs(ctx: ServerContext, req: CompletionRequest, request_
         raise APIError(f"prompts x n = {len(prompts) * req.n} exceeds {MAX_CHOICES}", 400, param="n")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     sp = sampling_params(req, max_tokens)
+    await _check_response_format(ctx, req, sp)
     # echo with logprobs: the prompt's tokens are scored too (lm-evaluation-harness's log-likelihood requests)
     start = 0 if req.echo and req.logprobs is not None else -1
     return _fan_out(req, prompts, [sp] * len(prompts), request_id, req.logprobs or 0, req.logprobs is not None,
@@ -153,9 +193,6 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
         raise APIError("tool calling is not supported", 400, param="tools", code="unsupported_parameter")
     if req.tool_choice not in (None, "none", "auto"):
         raise APIError("tool_choice is not supported", 400, param="tool_choice", code="unsupported_parameter")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise APIError(f"response_format {req.response_format.get('type')!r} is not supported (only 'text')", 400,
-                       param="response_format", code="unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
     if ctx.tokenizer is None:
@@ -185,6 +222,7 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
             room = min(room, ctx.kv_capacity - len(ids))
         max_tokens = max(room, 1)
     sp = sampling_params(req, max_tokens)
+    await _check_response_format(ctx, req, sp)
     return _fan_out(req, [(None, ids)], [sp], request_id, req.top_logprobs or 0, req.logprobs)
 
 

@@ -3,7 +3,7 @@
 Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as OpenAI's API does: a misspelt
 `max_token` is an error that names it, not a silently ignored option. OpenAI fields that moeserve accepts but
 does not act on (user, store, metadata, ...) are listed so that standard clients work; fields that would ask for
-something moeserve cannot do (tools, logit_bias, suffix, JSON mode, echo with stream) are checked in openai_serving.py and
+something moeserve cannot do (tools, logit_bias, suffix, echo with stream) are checked in openai_serving.py and
 refused with a message saying so. Sampling extras of SGLang and vLLM (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...) are top-level fields of the OpenAI bodies (the openai client's `extra_body`).
 """
@@ -145,6 +145,9 @@ class _SamplingExtras(_SGLangFields):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    regex: str | None = None  # structured outputs (SGLang's): the output matches this regex
+    ebnf: str | None = None  # ... or this EBNF grammar (xgrammar's dialect)
+    response_format: dict[str, Any] | None = None  # ... or OpenAI's json_object / json_schema
     rid: str | None = None
     data_parallel_rank: int | None = None
     bootstrap_host: str | None = None
@@ -204,7 +207,6 @@ class ChatCompletionRequest(_OpenAICommon):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted, unused
-    response_format: dict[str, Any] | None = None
     store: bool | None = None  # accepted, unused
     metadata: dict[str, Any] | None = None  # accepted, unused
     service_tier: str | None = None  # accepted, unused
