@@ -35,11 +35,12 @@ class StepResults:
             req.input_top_logprobs.extend(top_logprobs[start:start + n])
             start += n
 
-    def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
-                       top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
-        """Put the sampled tokens (one per sampling request, in order) in place of their future tokens, finish
-        requests, return outputs. A request that ended since the step was launched (it finished in the step
-        before, or was aborted) is passed over: its token of this step is dropped."""
+    def process_result(self, batch: ScheduledBatch, next_ids: list[list[int]], logprobs: list[list[float]] | None,
+                       top_logprobs: list[list[list[tuple[int, float]]]] | None) -> list[TokenOut]:
+        """Put the sampled tokens (a list per sampling request, in order: DECODE_LEN or fewer tokens of a decode)
+        in place of their future tokens, finish requests, return outputs. logprobs / top_logprobs: a list per
+        request, one entry per token. A request that ended since the step was launched (it finished in the step
+        before, or was aborted) is passed over: its tokens of this step are dropped."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
         outs = self.pending_out
@@ -59,17 +60,18 @@ class StepResults:
         for i, req in enumerate(sampled):
             if not self._live(req):
                 continue
-            later = req.resolve_future(next_ids[i])
-            if next_ids[i] == NO_TOKEN:
-                req.output_ids.pop()
+            tokens = next_ids[i]
+            later = req.resolve_future(tokens)
+            if NO_TOKEN in tokens:  # the step's tokens are dropped
+                del req.output_ids[len(req.output_ids) - len(tokens):]
                 self._fail_non_finite(req)
                 outs.append(req.take_output())
                 continue
+            kept = self._check_finish(req, len(tokens))
             if req.asked.return_logprob and logprobs is not None:
-                req.logprobs.append(logprobs[i])
-                req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
-            self.stats.generated += 1
-            self._check_finish(req)
+                req.logprobs.extend(logprobs[i][:kept])
+                req.top_logprobs.extend(top_logprobs[i][:kept] if top_logprobs else [[]] * kept)
+            self.stats.generated += kept
             if req.finished and self.pd is not None and self.pd.holds(req):  # prefill: decode gets it first
                 self.pd.after_extend(req, req.kv_len, self.pd_first(req))
             elif req.finished:
@@ -114,20 +116,32 @@ class StepResults:
         outs, self.pending_out = self.pending_out, []
         return outs
 
-    def _check_finish(self, req: Req) -> None:
-        token = req.output_ids[-1]
+    def _check_finish(self, req: Req, num_new: int) -> int:
+        """Finish checks over the request's last num_new output tokens, in order: the first that finishes it ends
+        its output (the tokens after it are dropped). Returns how many of them stay."""
+        first = len(req.output_ids) - num_new
+        for end in range(first + 1, first + num_new + 1):
+            req.finish_reason = self._finish_at(req, end)
+            if req.finished:
+                del req.output_ids[end:]
+                return end - first
+        return num_new
+
+    def _finish_at(self, req: Req, end: int) -> FinishReason | None:
+        """Why the request ends with its output token end - 1 (stop token, length, context, stop string), or None."""
+        token = req.output_ids[end - 1]
         p = req.params
         if token in req.stop_token_ids:
-            req.finish_reason = FinishReason("stop", matched=token)
-        elif len(req.output_ids) >= p.max_new_tokens:
-            req.finish_reason = FinishReason("length")
-        elif req.seq_len >= self.context_length:
-            req.finish_reason = FinishReason("length", message="reached the context length")
-        elif p.stop and self.tokenizer is not None:
+            return FinishReason("stop", matched=token)
+        if end >= p.max_new_tokens:
+            return FinishReason("length")
+        if len(req.input_ids) + end >= self.context_length:
+            return FinishReason("length", message="reached the context length")
+        if p.stop and self.tokenizer is not None:
             stops = [p.stop] if isinstance(p.stop, str) else p.stop
             longest = max(len(s) for s in stops)
-            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=False)
+            tail = self.tokenizer.decode(req.output_ids[max(end - longest - 8, 0):end], skip_special_tokens=False)
             for s in stops:
                 if s and s in tail:
-                    req.finish_reason = FinishReason("stop", matched=s)
-                    break
+                    return FinishReason("stop", matched=s)
+        return None
