@@ -117,31 +117,23 @@ class StepResults:
         return outs
 
     def _check_finish(self, req: Req, num_new: int) -> int:
-        """Finish checks over the request's last num_new output tokens, in order: the first that finishes it ends
-        its output (the tokens after it are dropped). Returns how many of them stay."""
-        first = len(req.output_ids) - num_new
+        """Finish checks (stop token, length, context, stop string) over the request's last num_new output tokens,
+        in order: the first that finishes it ends its output there. Returns how many of them stay."""
+        first, p = len(req.output_ids) - num_new, req.params
         for end in range(first + 1, first + num_new + 1):
-            req.finish_reason = self._finish_at(req, end)
+            token = req.output_ids[end - 1]
+            if token in req.stop_token_ids:
+                req.finish_reason = FinishReason("stop", matched=token)
+            elif end >= p.max_new_tokens:
+                req.finish_reason = FinishReason("length")
+            elif len(req.input_ids) + end >= self.context_length:
+                req.finish_reason = FinishReason("length", message="reached the context length")
+            elif p.stop and self.tokenizer is not None:
+                stops = [p.stop] if isinstance(p.stop, str) else p.stop
+                longest = max(len(s) for s in stops)
+                tail = self.tokenizer.decode(req.output_ids[max(end - longest - 8, 0):end], skip_special_tokens=False)
+                req.finish_reason = next((FinishReason("stop", matched=s) for s in stops if s and s in tail), None)
             if req.finished:
                 del req.output_ids[end:]
                 return end - first
         return num_new
-
-    def _finish_at(self, req: Req, end: int) -> FinishReason | None:
-        """Why the request ends with its output token end - 1 (stop token, length, context, stop string), or None."""
-        token = req.output_ids[end - 1]
-        p = req.params
-        if token in req.stop_token_ids:
-            return FinishReason("stop", matched=token)
-        if end >= p.max_new_tokens:
-            return FinishReason("length")
-        if len(req.input_ids) + end >= self.context_length:
-            return FinishReason("length", message="reached the context length")
-        if p.stop and self.tokenizer is not None:
-            stops = [p.stop] if isinstance(p.stop, str) else p.stop
-            longest = max(len(s) for s in stops)
-            tail = self.tokenizer.decode(req.output_ids[max(end - longest - 8, 0):end], skip_special_tokens=False)
-            for s in stops:
-                if s and s in tail:
-                    return FinishReason("stop", matched=s)
-        return None

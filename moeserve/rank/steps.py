@@ -4,10 +4,10 @@ sampled tokens to the host -> the scheduler), back to back or with one step in f
 Overlap (SGLang's overlap scheduler; off with --disable-overlap-schedule): while the device runs decode step N,
 the host resolves step N-1 (its tokens, finished requests, outputs) and schedules and launches step N+1. Step N+1
 is scheduled before step N's tokens are known: each request's sampled tokens are a FUTURE_TOKEN in its output until
-resolved (request.py), and the next step's input ids take them from a device table of DECODE_LEN tokens per request
-row, which every sampling writes. A request that finishes at step N is in step N+1 too; that token is dropped (the scheduler
-gives no slot to a request whose token in flight ends it by length). The device stream orders everything: step
-N+1's KV writes and its reads of the table come after step N's.
+resolved (request.py), and the next step's input ids take them from a device table, DECODE_LEN tokens per request
+row, which every sampling writes. A request that finishes at step N is in step N+1 too; those tokens are dropped
+(the scheduler gives no slot to a request whose tokens in flight end it by length). The device stream orders
+everything: step N+1's KV writes and its reads of the table come after step N's.
 
 What stays back to back (the step is resolved before the next is scheduled, or right after its launch):
   - steps other than DECODE (prefills and mixed steps: their requests join the running set when resolved);
@@ -123,13 +123,8 @@ def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None
         out.read(step.host)
     if sync is not None:
         out = sync.share_sample(out)
-    return scheduler.process_result(step.batch, *_token_lists(out))
-
-
-def _token_lists(out: SampleOutput) -> tuple[list[list[int]], list[list[float]] | None, list[list[list]]]:
-    """The sampler's one token per request (row) as each request's list of this step's tokens (and logprobs)."""
-    lps = None if out.logprobs is None else [[x] for x in out.logprobs]
-    return [[t] for t in out.next_token_ids], lps, [[x] for x in out.top_logprobs]
+    lps = None if out.logprobs is None else [[x] for x in out.logprobs]  # the sampler's one token per request
+    return scheduler.process_result(step.batch, [[t] for t in out.next_token_ids], lps, [[x] for x in out.top_logprobs])
 
 
 def can_stay_in_flight(batch: ScheduledBatch, sampled: list[Req]) -> bool:
@@ -203,9 +198,8 @@ class StepPipeline:
         self.overlap = overlap and why is None
         self.in_flight: LaunchedStep | None = None
         self.num_overlapped = 0  # steps launched while the one before was still in flight
-        rows = scheduler.req_table.table.shape[0]
-        self.tokens = (torch.zeros(rows, DECODE_LEN, dtype=torch.int64, device=runner.device)
-                       if self.overlap else None)  # [rows, DECODE_LEN]: each row's last sampled tokens
+        rows = len(scheduler.req_table.table)
+        self.tokens = torch.zeros(rows, DECODE_LEN, dtype=torch.int64, device=runner.device) if self.overlap else None
 
     @property
     def busy(self) -> bool:

@@ -262,3 +262,20 @@ def test_compiled_decode_pads_a_whole_request(monkeypatch, n):
     assert p.batch_size == 2 and p.num_tokens == 2 * n and p.extend_lens_cpu == [n, n]
     assert int(p.qo_indptr[-1]) == p.num_tokens and int(p.kv_indptr[-1]) == p.kv_indices.numel()
     assert p.logits_indices.tolist() == [n - 1, 2 * n - 1] and p.positions.numel() == p.out_cache_loc.numel()
+
+
+class Letters:
+    """A tokenizer of one letter per token id (97 = 'a')."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_stop_string_inside_the_list_ends_the_output_at_its_token():
+    sched = FakeScheduler()
+    sched.tokenizer = Letters()
+    req = Req.from_generate(GenerateReq("a", [1], SamplingParams(max_new_tokens=20, stop="cd")), [EOS])
+    sched.add(req)
+    _run_step(sched, [req], {"a": [ord(c) for c in "ab"]})
+    _run_step(sched, [req], {"a": [ord(c) for c in "cdef"]})
+    assert req.output_ids == [ord(c) for c in "abcd"] and req.finish_reason.matched == "cd"
