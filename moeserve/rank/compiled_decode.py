@@ -76,8 +76,7 @@ _BATCH_TENSORS = ("input_ids", "positions", "seq_lens", "extend_lens", "prefix_l
 
 @torch.inference_mode(False)  # plain tensors, like the scheduler's: inference tensors would fail a guard
 def _pad_one(batch: ForwardBatch) -> ForwardBatch:
-    """A batch of one plus a padding request: DECODE_LEN tokens 0 at position 0, as many cached tokens in the
-    scratch slot 0."""
+    """A batch of one plus a padding request: DECODE_LEN tokens 0 at position 0, cached in the scratch slot 0."""
     L = DECODE_LEN
 
     def cat(t: torch.Tensor, pad: int | torch.Tensor, n: int = 1) -> torch.Tensor:  # device ops only (graphs)

@@ -37,10 +37,9 @@ class StepResults:
 
     def process_result(self, batch: ScheduledBatch, next_ids: list[list[int]], logprobs: list[list[float]] | None,
                        top_logprobs: list[list[list[tuple[int, float]]]] | None) -> list[TokenOut]:
-        """Put the sampled tokens (a list per sampling request, in order: DECODE_LEN or fewer tokens of a decode)
-        in place of their future tokens, finish requests, return outputs. logprobs / top_logprobs: a list per
-        request, one entry per token. A request that ended since the step was launched (it finished in the step
-        before, or was aborted) is passed over: its tokens of this step are dropped."""
+        """Put the sampled tokens (a list per sampling request, in order; logprobs likewise) in place of their future
+        tokens, finish requests, return outputs. A request that ended since the step was launched (it finished in
+        the step before, or was aborted) is passed over: its tokens of this step are dropped."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
         outs = self.pending_out
