@@ -16,6 +16,7 @@ import torch
 import moeserve.core.forward_batch as forward_batch
 import moeserve.core.tbo_split as tbo_split
 import moeserve.rank.compiled_decode as compiled_decode
+import moeserve.rank.cuda_graph_runner as cuda_graph_runner
 import moeserve.rank.steps as steps
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import GenerateReq
@@ -186,7 +187,7 @@ def test_pd_done_with_a_stop_inside_finishes_there():
 
 
 def _patch_decode_len(monkeypatch, n: int) -> None:
-    for module in (forward_batch, tbo_split, steps, compiled_decode):
+    for module in (forward_batch, tbo_split, steps, compiled_decode, cuda_graph_runner):
         monkeypatch.setattr(module, "DECODE_LEN", n)
 
 
@@ -279,3 +280,21 @@ def test_a_stop_string_inside_the_list_ends_the_output_at_its_token():
     _run_step(sched, [req], {"a": [ord(c) for c in "ab"]})
     _run_step(sched, [req], {"a": [ord(c) for c in "cdef"]})
     assert req.output_ids == [ord(c) for c in "abcd"] and req.finish_reason.matched == "cd"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_graph_buffers_hold_a_decode_batch_like_the_schedulers(monkeypatch, n):
+    """The CUDA-graph runner's static batch (its buffers on the CPU here) has the layout ForwardBatch.build gives
+    a decode batch of DECODE_LEN tokens per request."""
+    _patch_decode_len(monkeypatch, n)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    runner = cuda_graph_runner.CudaGraphRunner(None, None, max_bs=8, max_len=16, device=torch.device("cpu"))
+    bs, length = 4, 16
+    static = runner._static_batch(bs, length)
+    want = ForwardBatch.build(ForwardMode.DECODE, [0] * (bs * n), [length] * bs, [n] * bs, [0] * (bs * n),
+                              [0] * (bs * length))
+    for f in ("input_ids", "extend_lens", "qo_indptr", "kv_indptr", "logits_indices", "out_cache_loc"):
+        assert torch.equal(getattr(static, f), getattr(want, f)), f
+    for f in ("seq_lens_cpu", "extend_lens_cpu", "prefix_lens_cpu"):
+        assert getattr(static, f) == getattr(want, f), f
+    assert static.global_num_tokens == [bs * n] and static.positions.numel() == bs * n
