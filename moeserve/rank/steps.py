@@ -123,8 +123,10 @@ def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None
         out.read(step.host)
     if sync is not None:
         out = sync.share_sample(out)
-    lps = None if out.logprobs is None else [[x] for x in out.logprobs]  # the sampler's one token per request
-    return scheduler.process_result(step.batch, [[t] for t in out.next_token_ids], lps, [[x] for x in out.top_logprobs])
+    lps = tops = None  # the sampler's one token per request, as lists
+    if out.logprobs is not None:
+        lps, tops = [[x] for x in out.logprobs], [[x] for x in out.top_logprobs]
+    return scheduler.process_result(step.batch, [[t] for t in out.next_token_ids], lps, tops)
 
 
 def can_stay_in_flight(batch: ScheduledBatch, sampled: list[Req]) -> bool:
