@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.server.launch import free_port
 
@@ -55,20 +55,20 @@ def _model(a: argparse.Namespace, rank: int, world: int):
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * (0.02 if "bias" not in name else 0.001))
     finish_loading(model, torch.device("cpu"))
-    max_tokens = max(b * (a.ctx + 1) for b in a.decode_bs)
+    max_tokens = max(b * (a.ctx + DECODE_LEN) for b in a.decode_bs)
     max_tokens = max(max_tokens, *a.prefill_tokens) + 16
     pool = make_kv_pool(config, max_tokens, 1, dtype, "cpu")
     return model, pool
 
 
 def _decode_batch(bs: int, ctx: int, world: int, rank: int) -> ForwardBatch:
-    seq = [ctx + 1] * bs
-    slots = list(range(1, bs * (ctx + 1) + 1))
-    out = [slots[(b + 1) * (ctx + 1) - 1] for b in range(bs)]
+    n = ctx + DECODE_LEN  # each request's KV after the step
+    slots = list(range(1, bs * n + 1))
+    out = [s for b in range(bs) for s in slots[(b + 1) * n - DECODE_LEN:(b + 1) * n]]
     g = torch.Generator().manual_seed(rank * 7 + bs)
-    ids = torch.randint(5, 1000, (bs,), generator=g).tolist()
-    fb = ForwardBatch.build(ForwardMode.DECODE, ids, seq, [1] * bs, out, slots)
-    fb.global_num_tokens, fb.any_extend = [bs] * world, False
+    ids = torch.randint(5, 1000, (bs * DECODE_LEN,), generator=g).tolist()
+    fb = ForwardBatch.build(ForwardMode.DECODE, ids, [n] * bs, [DECODE_LEN] * bs, out, slots)
+    fb.global_num_tokens, fb.any_extend = [bs * DECODE_LEN] * world, False
     return fb
 
 

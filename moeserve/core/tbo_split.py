@@ -1,14 +1,14 @@
 """Two-batch overlap (TBO), part 1: when to overlap, and how one ForwardBatch becomes two micro-batches.
 
-Split rule: micro-batch A takes the first ceil(T/2) new tokens of the step, B the other floor(T/2).
-- DECODE (one token per request): that is A = the first ceil(B/2) requests, B = the rest (a split by sequences).
+Split rule: micro-batch A takes the first ceil(T/2) new tokens of the step (rounded up to whole DECODE_LEN), B the rest.
+- DECODE (DECODE_LEN tokens per request): A = the first ceil(B/2) requests, B = the rest (a split by sequences).
 - EXTEND: token-balanced. The request that straddles the midpoint is cut in two: its first part (positions
   prefix .. prefix + n_A - 1) goes to A, its second part to B with prefix_len = prefix + n_A, the same seq_len and
   the same KV slots. B's part reads the KV that A's part writes: the executor runs A's attention of a layer before
   B's attention of the same layer, so those rows are in the cache when B reads them.
-- MIXED (an extend with the running decodes last, one token each): token-balanced like EXTEND; a decode is never
-  cut (one token), so each micro-batch holds a tail of the decodes or none: it stays MIXED with its own num_decodes
-  and its rows of decode_slots.
+- MIXED (an extend with the running decodes last, DECODE_LEN tokens each): token-balanced like EXTEND; a decode is
+  never cut (with DECODE_LEN > 1: while the extend tokens are a multiple of it), so each micro-batch holds a tail of
+  the decodes or none: it stays MIXED with its own num_decodes and its rows of decode_slots.
 - IDLE, or a side with no tokens: an IDLE micro-batch (it still joins every collective).
 
 Because the cut is a fixed fraction of the token count, every rank knows every other rank's micro-batch sizes from
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch
 
 
 def should_use_tbo(batch: ForwardBatch, enabled: bool, threshold: int, world_size: int = 1) -> bool:
@@ -44,8 +44,9 @@ def should_use_tbo(batch: ForwardBatch, enabled: bool, threshold: int, world_siz
 
 
 def split_point(num_tokens: int) -> int:
-    """Tokens [0, s) go to micro-batch A, [s, T) to B."""
-    return (num_tokens + 1) // 2
+    """Tokens [0, s) go to micro-batch A, [s, T) to B: half, rounded up to whole decodes (DECODE_LEN tokens)."""
+    half = (num_tokens + 1) // 2
+    return min(-(-half // DECODE_LEN) * DECODE_LEN, num_tokens)
 
 
 def micro_headers(global_num_tokens: list[int] | None) -> tuple[list[int] | None, list[int] | None]:
@@ -93,7 +94,7 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
         b_pre = [pre[j] + n_a] + b_pre[1:]
         a_kv_end = kv[j] + pre[j] + n_a
     a_req, b_req = (slice(0, j + 1) if cut else slice(0, j)), slice(j, B)
-    assert not (cut and j >= B - batch.num_decodes), "a decode (one token) is never cut"
+    assert not (cut and (batch.mode.is_decode or j >= B - batch.num_decodes)), "a decode is never cut in two"
 
     def part(tok: slice, req: slice, kv_rows: slice, e: list[int], sq: list[int], pf: list[int],
              header: list[int] | None) -> ForwardBatch:

@@ -12,7 +12,7 @@ at most `ahead_pages` (back-pressure: the rest wait; a request waits at most --d
 `wait` tells prefill that the room is queued here, so prefill times it by this side's heartbeat, not a clock).
 transferring: the request waits in prefill's queue (at most --disaggregation-waiting-timeout), then prefill
 reports `started` and writes into the reserved pages (through the backend's window for the request) and reports
-`done` with the first token, within --disaggregation-transfer-timeout of `started`. Pages go back to the pool only after
+`done` with the sampled tokens, within --disaggregation-transfer-timeout of `started`. Pages go back to the pool only after
 the writer acknowledged completion or cancellation, after it was declared dead, or after a further transfer
 timeout (the window is closed first, so a zmq write that comes even later is dropped; a one-sided backend such as
 Mooncake cannot drop it, so there the pages wait UNGUARDED_HOLD transfer timeouts while the writer's heartbeat

@@ -7,7 +7,7 @@ a nonce: a receiver drops a message older than MAX_AGE_S or one it has seen (Rep
 cannot be replayed.
 
 decode -> prefill: `wait` (the room waits in decode's queue: time it by decode's heartbeat), `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge).
-prefill -> decode: `started` (the first write is under way: decode's transfer deadline runs from here), `done` (every page written; the first token, its logprobs, cached_tokens), `failed` (the
+prefill -> decode: `started` (the first write is under way: decode's transfer deadline runs from here), `done` (every page written; the sampled tokens, their logprobs, cached_tokens), `failed` (the
 transfer stopped: an error, a cancellation or an abort; every write this rank started for the room has returned).
 Both ways, between the ranks' heartbeat threads (liveness.py): `ping`, answered by `pong`.
 """

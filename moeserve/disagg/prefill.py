@@ -10,7 +10,7 @@ is heard, at most --disaggregation-waiting-timeout (decode's queue is not timed 
 cache's prefix); `started` tells decode when the first chunk is done; after each chunk the pages that are complete are written to decode (page-aligned; the partial
 last page goes with the last chunk). transferring: the first token is sampled, the last writes are in flight.
 The request keeps its KV until every write it started has returned, then it goes to the radix cache (done) or
-back to the pool (failed); only then does decode hear `done` (with the first token, its logprobs and
+back to the pool (failed); only then does decode hear `done` (with the sampled tokens, their logprobs and
 cached_tokens) or `failed`. Writes run on a pool of transfer threads; the scheduler's thread never waits on one.
 
 With attention TP every rank of the group runs this machine on the same events (group.py): the leader collects
@@ -64,7 +64,7 @@ class PrefillRoom:
     pages_sent: int = 0
     inflight: int = 0  # writes started by the group's ranks and not returned yet
     bytes: int = 0
-    first: dict[str, Any] | None = None  # first token, logprobs, cached_tokens (after the last chunk)
+    first: dict[str, Any] | None = None  # sampled tokens, logprobs, cached_tokens (after the last chunk)
     error: str | None = None  # set once the transfer cannot succeed; finalized when inflight reaches 0
     answered: bool = False  # the prefill request was answered already (the client aborted it)
     notify: bool = True  # tell decode how it ended (not when decode is dead)

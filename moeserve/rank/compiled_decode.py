@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class CompiledDecode:
         """Compile now, on a decode batch of two that reads and writes only the KV pool's scratch slot 0."""
         start = time.perf_counter()
         bs, length = 2, 3  # distinct sizes: equal ones would be assumed equal forever (duck sizing)
-        batch = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, [length] * bs, [1] * bs, [0] * bs,
-                                   [0] * (bs * length))
+        batch = ForwardBatch.build(ForwardMode.DECODE, [0] * (bs * DECODE_LEN), [length] * bs, [DECODE_LEN] * bs,
+                                   [0] * (bs * DECODE_LEN), [0] * (bs * length))
         batch.decode_slots = torch.zeros(bs, length, dtype=torch.int64)
         batch = batch.to(self.device)  # built like a scheduler's batch, outside inference mode: the same guards
         batch.kv_pool = self.kv_pool
@@ -76,17 +76,19 @@ _BATCH_TENSORS = ("input_ids", "positions", "seq_lens", "extend_lens", "prefix_l
 
 @torch.inference_mode(False)  # plain tensors, like the scheduler's: inference tensors would fail a guard
 def _pad_one(batch: ForwardBatch) -> ForwardBatch:
-    """A batch of one plus a padding request: token 0 at position 0, one cached token in the scratch slot 0."""
-    def cat(t: torch.Tensor, pad: int | torch.Tensor) -> torch.Tensor:  # device ops only (CUDA-graph capture)
-        return torch.cat((t, pad if isinstance(pad, torch.Tensor) else t.new_full((1,), pad)))
+    """A batch of one plus a padding request: DECODE_LEN tokens 0 at position 0, cached in the scratch slot 0."""
+    L = DECODE_LEN
+
+    def cat(t: torch.Tensor, pad: int | torch.Tensor, n: int = 1) -> torch.Tensor:  # device ops only (graphs)
+        return torch.cat((t, pad if isinstance(pad, torch.Tensor) else t.new_full((n,), pad)))
 
     return dataclasses.replace(
-        batch, input_ids=cat(batch.input_ids, 0), positions=cat(batch.positions, 0), seq_lens=cat(batch.seq_lens, 1),
-        extend_lens=cat(batch.extend_lens, 1), prefix_lens=cat(batch.prefix_lens, 0),
-        out_cache_loc=cat(batch.out_cache_loc, 0), kv_indices=cat(batch.kv_indices, 0),
-        kv_indptr=cat(batch.kv_indptr, batch.kv_indptr[-1:] + 1), qo_indptr=cat(batch.qo_indptr, 2),
-        seq_lens_cpu=[*batch.seq_lens_cpu, 1], extend_lens_cpu=[*batch.extend_lens_cpu, 1],
+        batch, input_ids=cat(batch.input_ids, 0, L), positions=cat(batch.positions, 0, L),
+        seq_lens=cat(batch.seq_lens, L), extend_lens=cat(batch.extend_lens, L), prefix_lens=cat(batch.prefix_lens, 0),
+        out_cache_loc=cat(batch.out_cache_loc, 0, L), kv_indices=cat(batch.kv_indices, 0, L),
+        kv_indptr=cat(batch.kv_indptr, batch.kv_indptr[-1:] + L), qo_indptr=cat(batch.qo_indptr, 2 * L),
+        seq_lens_cpu=[*batch.seq_lens_cpu, L], extend_lens_cpu=[*batch.extend_lens_cpu, L],
         prefix_lens_cpu=[*batch.prefix_lens_cpu, 0],
-        logits_indices=None if batch.logits_indices is None else cat(batch.logits_indices, 1),
+        logits_indices=None if batch.logits_indices is None else cat(batch.logits_indices, 2 * L - 1),
         decode_slots=torch.cat((batch.decode_slots, batch.decode_slots.new_zeros(1, batch.decode_slots.shape[1]))),
     )

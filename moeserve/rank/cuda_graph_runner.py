@@ -79,10 +79,12 @@ class CudaGraphRunner:
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(self.max_bs * DECODE_LEN, **i64)
         self.positions = torch.zeros(self.max_bs * DECODE_LEN, **i64)
-        self.seq_lens = torch.ones(self.max_bs, **i64)
+        self.seq_lens = torch.full((self.max_bs,), DECODE_LEN, **i64)
         self.out_cache_loc = torch.zeros(self.max_bs * DECODE_LEN, **i64)
         self.decode_slots = torch.zeros(self.max_bs, self.max_len, **i64)
         self.arange = torch.arange(self.max_bs + 1, **i64)
+        self.qo_indptr = self.arange * DECODE_LEN  # static like every buffer a graph reads
+        self.last_rows = self.qo_indptr[1:] - 1  # each request's last token: its logits row
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.logits_out: torch.Tensor | None = None  # [max_bs, V] float32, written by every graph (first capture)
@@ -105,15 +107,16 @@ class CudaGraphRunner:
 
     @torch.inference_mode(False)  # plain tensors, like the scheduler's batches (what a compiled forward expects)
     def _static_batch(self, bs: int, length: int) -> ForwardBatch:
-        ones = self.arange.new_ones(bs)
+        n = bs * DECODE_LEN  # tokens
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            seq_lens=self.seq_lens[:bs], extend_lens=ones, prefix_lens=self.seq_lens[:bs] - 1,
-            out_cache_loc=self.out_cache_loc[:bs], kv_indices=self.decode_slots[:bs, :length].reshape(-1),
-            kv_indptr=self.arange[: bs + 1] * length, qo_indptr=self.arange[: bs + 1], kv_pool=self.kv_pool,
-            seq_lens_cpu=[length] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[length - 1] * bs,
-            logits_indices=self.arange[:bs], decode_slots=self.decode_slots[:bs, :length],
-            global_num_tokens=[bs],  # the dispatch rounds of a low-latency EP step follow the padded size
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:n], positions=self.positions[:n],
+            seq_lens=self.seq_lens[:bs], extend_lens=self.arange.new_full((bs,), DECODE_LEN),
+            prefix_lens=self.seq_lens[:bs] - DECODE_LEN, out_cache_loc=self.out_cache_loc[:n],
+            kv_indices=self.decode_slots[:bs, :length].reshape(-1), kv_indptr=self.arange[: bs + 1] * length,
+            qo_indptr=self.qo_indptr[: bs + 1], kv_pool=self.kv_pool, seq_lens_cpu=[length] * bs,
+            extend_lens_cpu=[DECODE_LEN] * bs, prefix_lens_cpu=[length - DECODE_LEN] * bs,
+            logits_indices=self.last_rows[:bs], decode_slots=self.decode_slots[:bs, :length],
+            global_num_tokens=[n],  # the dispatch rounds of a low-latency EP step follow the padded size
         )
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -136,21 +139,22 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of a decode batch whose tensors are already on the device."""
+        """Logits [B, V] (each request's last token) of a decode batch whose tensors are already on the device."""
         b = batch.batch_size
+        n = b * DECODE_LEN  # tokens
         length_needed = batch.decode_slots.shape[1]
         bs = self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
         length = self.len_buckets[bisect.bisect_left(self.len_buckets, length_needed)]
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
         self.seq_lens[:b].copy_(batch.seq_lens)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
         self.decode_slots[:b, :length_needed].copy_(batch.decode_slots)
-        if b < bs:  # padding rows: token 0 at position 0, one cached token in the scratch slot
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.seq_lens[b:bs].fill_(1)
-            self.out_cache_loc[b:bs].zero_()
+        if b < bs:  # padding requests: token 0 at position 0, DECODE_LEN cached tokens in the scratch slot
+            self.input_ids[n:bs * DECODE_LEN].zero_()
+            self.positions[n:bs * DECODE_LEN].zero_()
+            self.seq_lens[b:bs].fill_(DECODE_LEN)
+            self.out_cache_loc[n:bs * DECODE_LEN].zero_()
             self.decode_slots[b:bs].zero_()
         key = (bs, length)
         if key not in self.graphs:  # capture_all was not called (tests): capture now

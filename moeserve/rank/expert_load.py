@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.args import ServerArgs
+from moeserve.core.forward_batch import DECODE_LEN
 from moeserve.core.model_config import ModelConfig
 from moeserve.eplb.rebalancer import Rebalancer
 from moeserve.eplb.recorder import ExpertDistributionRecorder
@@ -27,7 +28,7 @@ def make_recorder(args: ServerArgs, config: ModelConfig, model: CausalLM,
     mode = args.expert_distribution_recorder_mode or ("stat" if args.enable_eplb else None)
     if mode is None or not config.moe_layers:
         return None
-    rows = max(args.max_prefill_tokens, args.max_running_requests, args.cuda_graph_max_bs)
+    rows = max(args.max_prefill_tokens, DECODE_LEN * max(args.max_running_requests, args.cuda_graph_max_bs))  # tokens
     recorder = ExpertDistributionRecorder(config.moe_layers, config.num_experts, device, mode,
                                           args.expert_distribution_recorder_buffer_size,
                                           config.num_experts_per_tok, rows)

@@ -52,14 +52,15 @@ class PDHost:
         return [s // self.page_size for s in slots[:: self.page_size]]
 
     def pd_activate(self, req: Req, done: dict[str, Any]) -> None:
-        """The prompt's KV arrived with the first token: the request decodes from here."""
-        req.output_ids.append(int(done["token"]))
+        """The prompt's KV arrived with prefill's sampled tokens: the request decodes from here."""
+        tokens = [int(t) for t in done["tokens"]]
+        req.output_ids.extend(tokens)
+        kept = self._check_finish(req, len(tokens))
         if req.asked.return_logprob:
-            req.logprobs.append(done.get("logprob"))
-            req.top_logprobs.append([tuple(x) for x in done.get("top_logprobs") or []])
+            req.logprobs.extend((done.get("logprobs") or [None] * kept)[:kept])
+            req.top_logprobs.extend([tuple(x) for x in top] for top in (done.get("top_logprobs") or [[]] * kept)[:kept])
         req.cached_tokens = int(done.get("cached_tokens", 0))
-        self.stats.generated += 1
-        self._check_finish(req)
+        self.stats.generated += kept
         if req.finished:
             self._release(req, cache=False)
             self.reqs.pop(req.rid, None)
@@ -104,10 +105,9 @@ class PDHost:
 
     @staticmethod
     def pd_first(req: Req) -> dict[str, Any]:
-        """What decode needs of the prefill's one sampled token."""
-        return {"token": req.output_ids[0], "cached_tokens": req.cached_tokens,
-                "logprob": req.logprobs[0] if req.logprobs else None,
-                "top_logprobs": req.top_logprobs[0] if req.top_logprobs else None}
+        """What decode needs of the prefill's sampled tokens (their logprobs: lists as long, or None)."""
+        return {"tokens": list(req.output_ids), "cached_tokens": req.cached_tokens,
+                "logprobs": list(req.logprobs) or None, "top_logprobs": list(req.top_logprobs) or None}
 
 
 def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, scheduler: PDHost, dp_rank: int,

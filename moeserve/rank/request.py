@@ -100,18 +100,18 @@ class Req:
         return self.finish_reason is not None
 
     def add_future(self) -> None:
-        """A token of this request is being sampled on the device: its place in the output, value unknown."""
+        """A step samples this request's next tokens on the device: one placeholder in the output for all of them
+        (a verify step learns how many it accepted only when it resolves)."""
         self.output_ids.append(FUTURE_TOKEN)
         self.num_future += 1
 
-    def resolve_future(self, token: int) -> list[int]:
-        """The oldest future token is `token`; the later ones (steps launched since) are cut off and returned, so
-        that the output ends at the token just learned: finish checks and streaming see only known tokens. Put
-        them back with restore_future unless the request finished."""
+    def resolve_future(self, tokens: list[int]) -> list[int]:
+        """The oldest placeholder is `tokens` (one step's); the later ones (steps launched since) are cut off and
+        returned, so that the output ends at the tokens just learned: finish checks and streaming see only known
+        tokens. Put them back with restore_future unless the request finished."""
         first = len(self.output_ids) - self.num_future
         later = self.output_ids[first + 1:]
-        del self.output_ids[first + 1:]
-        self.output_ids[first] = token
+        self.output_ids[first:] = tokens
         self.num_future = 0
         return later
 

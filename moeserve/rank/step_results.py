@@ -35,11 +35,11 @@ class StepResults:
             req.input_top_logprobs.extend(top_logprobs[start:start + n])
             start += n
 
-    def process_result(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
-                       top_logprobs: list[list[tuple[int, float]]] | None) -> list[TokenOut]:
-        """Put the sampled tokens (one per sampling request, in order) in place of their future tokens, finish
-        requests, return outputs. A request that ended since the step was launched (it finished in the step
-        before, or was aborted) is passed over: its token of this step is dropped."""
+    def process_result(self, batch: ScheduledBatch, next_ids: list[list[int]], logprobs: list[list[float]] | None,
+                       top_logprobs: list[list[list[tuple[int, float]]]] | None) -> list[TokenOut]:
+        """Put the sampled tokens (a list per sampling request, in order; logprobs likewise) in place of their future
+        tokens, finish requests, return outputs. A request that ended since the step was launched (it finished in
+        the step before, or was aborted) is passed over: its tokens of this step are dropped."""
         sampled = self.sampling_inputs(batch)
         assert len(sampled) == len(next_ids)
         outs = self.pending_out
@@ -59,32 +59,19 @@ class StepResults:
         for i, req in enumerate(sampled):
             if not self._live(req):
                 continue
-            later = req.resolve_future(next_ids[i])
-            if next_ids[i] == NO_TOKEN:
-                req.output_ids.pop()
-                at = len(req.output_ids)
-                if req.grammar is not None:  # its mask left nothing (non-finite logits would too: not told apart)
-                    self._fail(req, f"the request's grammar allows no token at output token {at} (a grammar that "
-                                    "can never end?)", status_code=400)
-                else:
-                    logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; "
-                                 "failing it", req.rid, at)
-                    self._fail(req, f"the model computed non-finite logits (NaN or inf) at output token {at}; no "
-                                    "token could be sampled")
+            tokens = next_ids[i]
+            later = req.resolve_future(tokens)
+            failed = self._no_token(req, tokens) if NO_TOKEN in tokens else self._refused(req, tokens)
+            if failed is not None:  # the step's tokens are dropped
+                del req.output_ids[len(req.output_ids) - len(tokens):]
+                self._fail(req, *failed)
                 outs.append(req.take_output())
                 continue
-            if req.grammar is not None and not req.grammar.accept_token(next_ids[i]):  # the mask forbade it
-                req.output_ids.pop()
-                logger.error("request %s: its grammar refused token %d at output token %d", req.rid, next_ids[i],
-                             len(req.output_ids))
-                self._fail(req, f"the sampled token {next_ids[i]} does not match the request's grammar")
-                outs.append(req.take_output())
-                continue
+            kept = self._check_finish(req, len(tokens))
             if req.asked.return_logprob and logprobs is not None:
-                req.logprobs.append(logprobs[i])
-                req.top_logprobs.append(top_logprobs[i] if top_logprobs else [])
-            self.stats.generated += 1
-            self._check_finish(req)
+                req.logprobs.extend(logprobs[i][:kept])
+                req.top_logprobs.extend(top_logprobs[i][:kept] if top_logprobs else [[]] * kept)
+            self.stats.generated += kept
             if req.finished and self.pd is not None and self.pd.holds(req):  # prefill: decode gets it first
                 self.pd.after_extend(req, req.kv_len, self.pd_first(req))
             elif req.finished:
@@ -110,6 +97,25 @@ class StepResults:
         """Still this scheduler's (not finished, aborted or failed since its step was launched)."""
         return not req.finished and self.reqs.get(req.rid) is req
 
+    @staticmethod
+    def _no_token(req: Req, tokens: list[int]) -> tuple[str, int]:
+        """Why a step sampled no token (the sampler's NO_TOKEN): the error and its status code."""
+        at = len(req.output_ids) - len(tokens) + tokens.index(NO_TOKEN)
+        if req.grammar is not None:  # its mask left nothing (non-finite logits would too: not told apart)
+            return (f"the request's grammar allows no token at output token {at} (a grammar that can never end?)",
+                    400)
+        logger.error("request %s: the model's logits are not finite (NaN or inf) at output token %d; failing it",
+                     req.rid, at)
+        return f"the model computed non-finite logits (NaN or inf) at output token {at}; no token could be sampled", 500
+
+    @staticmethod
+    def _refused(req: Req, tokens: list[int]) -> tuple[str, int] | None:
+        """The error if the request's grammar refuses one of the step's tokens (the mask forbade it), else None."""
+        if req.grammar is None or all(req.grammar.accept_token(t) for t in tokens):
+            return None
+        logger.error("request %s: its grammar refused a token of %s", req.rid, tokens)
+        return f"a sampled token of {tokens} does not match the request's grammar", 500
+
     def _fail(self, req: Req, message: str, status_code: int = 500) -> None:
         """End a request whose step gave no token it can keep (non-finite logits, a grammar that allows none or
         refuses the one sampled): an error, not a token; its KV is not cached."""
@@ -126,22 +132,26 @@ class StepResults:
         outs, self.pending_out = self.pending_out, []
         return outs
 
-    def _check_finish(self, req: Req) -> None:
-        token = req.output_ids[-1]
-        p = req.params
-        if token in req.stop_token_ids:
-            req.finish_reason = FinishReason("stop", matched=token)
-        elif req.grammar is not None and req.grammar.is_terminated():  # it took a stop token (with ignore_eos)
-            req.finish_reason = FinishReason("stop", matched=token)
-        elif len(req.output_ids) >= p.max_new_tokens:
-            req.finish_reason = FinishReason("length")
-        elif req.seq_len >= self.context_length:
-            req.finish_reason = FinishReason("length", message="reached the context length")
-        elif p.stop and self.tokenizer is not None:
-            stops = [p.stop] if isinstance(p.stop, str) else p.stop
-            longest = max(len(s) for s in stops)
-            tail = self.tokenizer.decode(req.output_ids[-(longest + 8):], skip_special_tokens=False)
-            for s in stops:
-                if s and s in tail:
-                    req.finish_reason = FinishReason("stop", matched=s)
-                    break
+    def _check_finish(self, req: Req, num_new: int) -> int:
+        """Finish checks (stop token, length, context, stop string) over the request's last num_new output tokens,
+        in order: the first that finishes it ends its output there. Returns how many of them stay."""
+        first, p = len(req.output_ids) - num_new, req.params
+        for end in range(first + 1, first + num_new + 1):
+            token = req.output_ids[end - 1]
+            if token in req.stop_token_ids:
+                req.finish_reason = FinishReason("stop", matched=token)
+            elif end == first + num_new and req.grammar is not None and req.grammar.is_terminated():
+                req.finish_reason = FinishReason("stop", matched=token)  # it took a stop token (with ignore_eos)
+            elif end >= p.max_new_tokens:
+                req.finish_reason = FinishReason("length")
+            elif len(req.input_ids) + end >= self.context_length:
+                req.finish_reason = FinishReason("length", message="reached the context length")
+            elif p.stop and self.tokenizer is not None:
+                stops = [p.stop] if isinstance(p.stop, str) else p.stop
+                longest = max(len(s) for s in stops)
+                tail = self.tokenizer.decode(req.output_ids[max(end - longest - 8, 0):end], skip_special_tokens=False)
+                req.finish_reason = next((FinishReason("stop", matched=s) for s in stops if s and s in tail), None)
+            if req.finished:
+                del req.output_ids[end:]
+                return end - first
+        return num_new

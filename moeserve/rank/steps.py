@@ -3,11 +3,11 @@ sampled tokens to the host -> the scheduler), back to back or with one step in f
 
 Overlap (SGLang's overlap scheduler; off with --disable-overlap-schedule): while the device runs decode step N,
 the host resolves step N-1 (its tokens, finished requests, outputs) and schedules and launches step N+1. Step N+1
-is scheduled before step N's tokens are known: each request's sampled token is a FUTURE_TOKEN in its output until
-resolved (request.py), and the next step's input ids take it from a device table indexed by request row, which
-every sampling writes. A request that finishes at step N is in step N+1 too; that token is dropped (the scheduler
-gives no slot to a request whose token in flight ends it by length). The device stream orders everything: step
-N+1's KV writes and its reads of the table come after step N's.
+is scheduled before step N's tokens are known: each request's sampled tokens are a FUTURE_TOKEN in its output until
+resolved (request.py), and the next step's input ids take them from a device table, DECODE_LEN tokens per request
+row, which every sampling writes. A request that finishes at step N is in step N+1 too; those tokens are dropped
+(the scheduler gives no slot to a request whose tokens in flight end it by length). The device stream orders
+everything: step N+1's KV writes and its reads of the table come after step N's.
 
 What stays back to back (the step is resolved before the next is scheduled, or right after its launch):
   - steps other than DECODE (prefills and mixed steps: their requests join the running set when resolved);
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.core.forward_batch import ForwardBatch
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch
 from moeserve.rank.io_struct import TokenOut
 from moeserve.rank.sampler import SampleOutput
 from moeserve.rank.scheduled_batch import ScheduledBatch
@@ -62,7 +62,7 @@ class LaunchedStep:
 
 def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch,
                 tokens: torch.Tensor | None = None, keep_on_device: bool = False) -> LaunchedStep:
-    """Forward and sample `batch`. tokens: the device table of each request row's last sampled token (overlap):
+    """Forward and sample `batch`. tokens: the device table of each request row's last sampled tokens (overlap):
     future input ids are read from it and the sampled tokens written to it. keep_on_device: leave the tokens on
     the device and start their copy to the host (the caller checked the step may stay in flight)."""
     fb = batch.forward
@@ -81,7 +81,7 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     ids = out.next_token_ids_device
     if tokens is not None:
         rows = torch.tensor([r.row for r in sampled], dtype=torch.int64).to(ids.device, non_blocking=True)
-        tokens.index_copy_(0, rows, ids)
+        tokens.index_copy_(0, rows, ids.view(len(sampled), -1))
     for r in sampled:
         r.add_future()
     step = LaunchedStep(batch, out)
@@ -99,14 +99,18 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
 
 def _with_known_inputs(fb: ForwardBatch, batch: ScheduledBatch, tokens: torch.Tensor,
                        device: torch.device) -> ForwardBatch:
-    """The batch on the device, its FUTURE_TOKEN input ids replaced by the table's tokens of their rows."""
+    """The batch on the device, its FUTURE_TOKEN input ids (only decodes have any: the last num_decodes
+    requests, DECODE_LEN tokens each) replaced by the table's tokens of their rows."""
     future = fb.input_ids < 0
     if not bool(future.any()):  # (a host tensor: no sync)
         return fb
-    rows = torch.repeat_interleave(torch.tensor([r.row for r in batch.reqs], dtype=torch.int64),
-                                   torch.tensor(batch.extend_lens, dtype=torch.int64))
+    start = fb.num_tokens - batch.num_decodes * DECODE_LEN
+    assert not bool(future[:start].any()), "an extend's input is never in flight"
+    rows = torch.tensor([r.row for r in batch.reqs[len(batch.reqs) - batch.num_decodes:]], dtype=torch.int64)
     dev = fb.to(device)
-    dev.input_ids = torch.where(dev.input_ids >= 0, dev.input_ids, tokens[rows.to(device, non_blocking=True)])
+    ids = dev.input_ids[start:]
+    known = torch.where(ids >= 0, ids, tokens[rows.to(device, non_blocking=True)].view(-1))
+    dev.input_ids = torch.cat([dev.input_ids[:start], known]) if start else known
     return dev
 
 
@@ -121,7 +125,10 @@ def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None
         out.read(step.host)
     if sync is not None:
         out = sync.share_sample(out)
-    return scheduler.process_result(step.batch, out.next_token_ids, out.logprobs, out.top_logprobs)
+    lps = tops = None  # the sampler's one token per request, as lists
+    if out.logprobs is not None:
+        lps, tops = [[x] for x in out.logprobs], [[x] for x in out.top_logprobs]
+    return scheduler.process_result(step.batch, [[t] for t in out.next_token_ids], lps, tops)
 
 
 def can_stay_in_flight(batch: ScheduledBatch, sampled: list[Req]) -> bool:
@@ -195,8 +202,8 @@ class StepPipeline:
         self.overlap = overlap and why is None
         self.in_flight: LaunchedStep | None = None
         self.num_overlapped = 0  # steps launched while the one before was still in flight
-        self.tokens = (torch.zeros(scheduler.req_table.table.shape[0], dtype=torch.int64, device=runner.device)
-                       if self.overlap else None)
+        rows = len(scheduler.req_table.table)
+        self.tokens = torch.zeros(rows, DECODE_LEN, dtype=torch.int64, device=runner.device) if self.overlap else None
 
     @property
     def busy(self) -> bool:
