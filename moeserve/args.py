@@ -22,6 +22,8 @@ from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
+from moeserve.text.parsers.reasoning import REASONING_PARSERS
+from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -100,6 +102,13 @@ class ServerArgs:
     grammar_backend: str = _flag(
         "xgrammar", "Structured outputs (json_schema, regex, ebnf; response_format): xgrammar, or none (such requests "
         "get HTTP 400).", tuple(GRAMMAR_BACKENDS))
+    reasoning_parser: str | None = _flag(
+        None, "Chat: the model's thinking (<think> ... </think>) returned apart as reasoning_content, in responses "
+        "and stream deltas (SGLang's names; deepseek-v3 thinks when chat_template_kwargs has thinking: true).",
+        (None, *REASONING_PARSERS))
+    tool_call_parser: str | None = _flag(
+        None, "Chat: tool calls parsed from the model's tool-call markers into OpenAI's tool_calls (SGLang's names: "
+        "deepseekv3, deepseekv31); without it a request with tools gets HTTP 400.", (None, *TOOL_CALL_PARSERS))
     skip_tokenizer_init: bool = _flag(False, "Take and return token ids only; no tokenizer is loaded.")
     random_seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
     trust_remote_code: bool = _flag(

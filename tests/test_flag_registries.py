@@ -18,6 +18,8 @@ from moeserve.eplb import rebalancer, recorder
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.models import loader
+from moeserve.text.parsers.reasoning import REASONING_PARSERS
+from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
 
 
 def cli_choices() -> dict[str, set]:
@@ -42,6 +44,8 @@ def registries() -> dict[str, set]:
         "disaggregation_mode": {role.value for role in PDRole},
         "dtype": {"auto", *loader._DTYPES},
         "grammar_backend": set(GRAMMAR_BACKENDS),
+        "reasoning_parser": set(REASONING_PARSERS),
+        "tool_call_parser": set(TOOL_CALL_PARSERS),
     }
 
 

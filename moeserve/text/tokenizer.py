@@ -121,7 +121,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **template_kwargs: Any) -> str:
-        """The prompt text of a conversation, rendered like transformers' apply_chat_template (tools ignored).
+        """The prompt text of a conversation, rendered like transformers' apply_chat_template
+        (`tools`, OpenAI's tool objects, among the template variables).
 
         continue_final_message: the text ends inside the last message (the model continues it), as transformers'
         flag of that name does; it excludes add_generation_prompt.
@@ -138,9 +139,8 @@ class Tokenizer:
 
         template = _compile_template(self.chat_template)
         try:
-            return template.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens, **template_kwargs)
+            return template.render(messages=messages, **({"tools": None, "documents": None} | template_kwargs),
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
 

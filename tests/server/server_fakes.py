@@ -39,9 +39,9 @@ class FakeModelConfig:
 
 class FakeClient:
     def __init__(self, tokenizer: Any, context_length: int = 512, api_key: str | None = None,
-                 max_concurrent_requests: int = 4096, model_path: str = "/models/fake"):
+                 max_concurrent_requests: int = 4096, model_path: str = "/models/fake", **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, served_model_name="fake-model", api_key=api_key,
-                                      max_concurrent_requests=max_concurrent_requests)
+                                      max_concurrent_requests=max_concurrent_requests, **server_args)
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 1024
         self.context_length = context_length
@@ -55,6 +55,7 @@ class FakeClient:
         self.last_load = [LoadOut(0, 0, 0, 0, 0, 1000, 0)]
         self.token_delay = 0.0  # seconds per generated token
         self.eos_after: int | None = None  # emit EOS as this output token (unless ignore_eos)
+        self.script: list[int] | None = None  # the output tokens of every request (then EOS), when set
         self.requests: list[GenerateInput] = []
         self.aborted: list[str] = []
         self.running: dict[str, GenerateInput] = {}
@@ -128,7 +129,9 @@ class FakeClient:
                 await asyncio.sleep(self.token_delay)
             else:
                 await asyncio.sleep(0)
-            if self.eos_after is not None and k == self.eos_after and not params.ignore_eos:
+            if self.script is not None:
+                tok = self.script[k] if k < len(self.script) else 1
+            elif self.eos_after is not None and k == self.eos_after and not params.ignore_eos:
                 tok = 1
             else:
                 tok = self.token_at(ids, k, params.seed or 0)

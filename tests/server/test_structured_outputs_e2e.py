@@ -94,3 +94,29 @@ def test_bad_response_format_is_a_400(oai):
             oai.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format=fmt)
         assert words in str(e.value) and "response_format" in str(e.value)
     assert oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2).usage.completion_tokens >= 1
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
+        "city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"type": "integer"}}}}}
+
+
+def test_tool_choice_required_and_named_are_enforced(oai):
+    """The tiny model never writes DeepSeek's tool-call markers by itself; with tool_choice required (or a named
+    function) the grammar makes it call, with arguments that validate, parsed back into tool_calls."""
+    messages = [{"role": "user", "content": "What will the weather be?"}]
+    free = oai.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD], max_tokens=48,
+                                       temperature=0)
+    assert not free.choices[0].message.tool_calls and free.choices[0].finish_reason != "tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    for seed, choice in enumerate(["required", "required", {"type": "function", "function": {"name": "add"}}]):
+        out = oai.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD], tool_choice=choice,
+                                          max_tokens=512, temperature=1.0, seed=seed)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        call = c.message.tool_calls[0].function
+        if isinstance(choice, dict):
+            assert call.name == "add"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -97,8 +97,8 @@ def test_chat_template_matches_transformers(tok, hf, messages, add_generation_pr
 
 
 def test_chat_template_raise_exception_is_value_error(tok):
-    with pytest.raises(ValueError, match="unsupported message role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unsupported message role: function"):
+        tok.apply_chat_template([{"role": "function", "content": "x"}])
 
 
 def _copy_model(model_dir: str, tmp_path: Path) -> Path:

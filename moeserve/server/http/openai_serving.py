@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from moeserve.server.http.chat_outputs import ChatOutput, merge_fields, offered_tools
 from moeserve.server.http.context import Ctx, ServerContext
 from moeserve.server.http.errors import APIError, engine_error
 from moeserve.server.http.protocol import (
@@ -31,6 +32,7 @@ from moeserve.server.http.responses import SSE_DONE, merged, serve, sse
 from moeserve.server.http.streams import SubRequest
 from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError, room_of
 from moeserve.server.validation import INLINE_TEXT_CHARS
+from moeserve.text.parsers.tool_calls import tool_call_ebnf
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 router = APIRouter()
@@ -187,17 +189,31 @@ def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
     return d
 
 
+def _check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """A tool message answers a call of the assistant message before it (OpenAI's rule): its tool_call_id, if
+    given, names one of that message's calls."""
+    calls: set[str] | None = None  # ids of the calls the tool messages from here answer (None: no calls open)
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if calls is None:
+                raise APIError(f"messages[{i}]: a message with role 'tool' must answer a preceding assistant "
+                               "message with tool_calls", 400, param=f"messages[{i}]")
+            if m.get("tool_call_id") is not None and calls and m["tool_call_id"] not in calls:
+                raise APIError(f"messages[{i}].tool_call_id {m['tool_call_id']!r} names no call of the assistant "
+                               "message before it", 400, param=f"messages[{i}].tool_call_id")
+        else:
+            calls = ({c.get("id") for c in m["tool_calls"]} - {None} if m.get("tool_calls") else None)
+
+
 async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id: str) -> list[GenerateInput]:
     _check_common(req)
-    if req.tools:
-        raise APIError("tool calling is not supported", 400, param="tools", code="unsupported_parameter")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice is not supported", 400, param="tool_choice", code="unsupported_parameter")
+    tools = _check_tools(ctx, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", 400, param="top_logprobs")
     if ctx.tokenizer is None:
         raise APIError("chat completions need a tokenizer; the server runs with --skip-tokenizer-init", 400)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    _check_tool_results(messages)
     # SGLang continues the last message only when it is the assistant's; otherwise a new turn starts as usual.
     continued = req.continue_final_message and messages[-1]["role"] == "assistant"
     validator = ctx.client.validator
@@ -206,7 +222,7 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
         validator.check_text_len(sum(len(m["content"]) for m in messages), "the conversation")
         render = functools.partial(ctx.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=not continued, continue_final_message=continued,
-                                   **(req.chat_template_kwargs or {}))
+                                   **(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {}))
         long = sum(len(m["content"]) for m in messages) > INLINE_TEXT_CHARS
         prompt = await validator.off_loop(render) if long else render()
         ids = await validator.encode(prompt, add_special_tokens=False)
@@ -223,7 +239,47 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest, request_id
         max_tokens = max(room, 1)
     sp = sampling_params(req, max_tokens)
     await _check_response_format(ctx, req, sp)
+    if tools and req.tool_choice not in (None, "auto"):  # required or a named function: the grammar makes the call
+        if any(k in sp for k in ("json_schema", "regex", "ebnf")):
+            raise APIError(f"tool_choice {req.tool_choice!r} constrains the output to a tool call: it cannot be "
+                           "combined with response_format, regex or ebnf", 400, param="tool_choice")
+        sp["ebnf"] = tool_call_ebnf(ctx.client.server_args.tool_call_parser, tools)
+        try:
+            await ctx.client.validator.check_grammar(("ebnf", sp["ebnf"]))
+        except InvalidRequestError as e:
+            raise APIError(f"tool_choice {req.tool_choice!r} is enforced by the grammar backend: {e}", 400,
+                           param="tool_choice") from None
     return _fan_out(req, [(None, ids)], [sp], request_id, req.top_logprobs or 0, req.logprobs)
+
+
+def _check_tools(ctx: ServerContext, req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools and tool_choice checked; the tools the model is shown (None: none)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError(f"tool_choice {choice!r} needs tools", 400, param="tool_choice")
+        return None
+    for i, tool in enumerate(req.tools):
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", 400,
+                           param=f"tools[{i}]")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object", 400, param=f"tools[{i}]")
+    names = [t["function"]["name"] for t in req.tools]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise APIError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})", 400,
+                           param="tool_choice")
+    elif choice not in (None, "none", "auto", "required"):
+        raise APIError(f"tool_choice must be none, auto, required or a function, got {choice!r}", 400,
+                       param="tool_choice")
+    tools = offered_tools(req)
+    if tools and ctx.client.server_args.tool_call_parser is None:
+        raise APIError("tools need the server to parse the model's tool calls: start it with --tool-call-parser "
+                       "(deepseekv3 for DeepSeek-V3's format)", 400, param="tools", code="unsupported_parameter")
+    return tools
 
 
 # ----------------------------------------------------------------------
@@ -355,14 +411,17 @@ def _response(ctx: ServerContext, req: Any, outs: list[dict], request_id: str, c
     for k, out in enumerate(outs):
         meta = out["meta_info"]
         choice: dict[str, Any] = {"index": k}
+        reason = finish_reason(meta)
         if chat:
-            choice["message"] = {"role": "assistant", "content": out["text"]}
+            shaped = ChatOutput(ctx.client.server_args, req)
+            choice["message"] = shaped.message(out["text"])
             choice["logprobs"] = chat_logprobs(ctx, meta, 0) if req.logprobs else None
+            reason = shaped.finish_reason(reason)
         else:
             choice["text"] = (echoed[k // req.n] if echoed else "") + out["text"]
             choice["logprobs"] = (completion_logprobs(ctx, meta, 0, 0, req.logprobs > 0, echo=bool(echoed))
                                   if req.logprobs is not None else None)
-        choice["finish_reason"] = finish_reason(meta)
+        choice["finish_reason"] = reason
         choice["matched_stop"] = matched_stop(meta)
         choices.append(choice)
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
@@ -377,6 +436,7 @@ async def _stream(ctx: ServerContext, req: Any, subs: list[SubRequest], firsts: 
     sent_logprobs = [0] * len(subs)  # logprob entries already sent per choice
     text_offsets = [0] * len(subs)
     finals: list[dict | None] = [None] * len(subs)
+    shaped = [ChatOutput(ctx.client.server_args, req) for _ in subs] if chat else []
 
     def chunk(choices: list[dict]) -> str:
         body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": ctx.model_name,
@@ -394,7 +454,14 @@ async def _stream(ctx: ServerContext, req: Any, subs: list[SubRequest], firsts: 
             meta = out["meta_info"]
             reason = finish_reason(meta)
             delta = out.get("delta_text", "")
-            if not delta and reason is None:
+            if chat:  # the delta's fields; what may be a cut marker waits for the next delta
+                fields = shaped[k].feed(delta)
+                if reason is not None:
+                    fields = merge_fields(fields, shaped[k].finish())
+                    reason = shaped[k].finish_reason(reason)
+                if not fields and reason is None:
+                    continue
+            elif not delta and reason is None:
                 continue
             logprobs = None
             if chat and req.logprobs:
@@ -405,7 +472,7 @@ async def _stream(ctx: ServerContext, req: Any, subs: list[SubRequest], firsts: 
             text_offsets[k] += len(delta)
             choice: dict[str, Any] = {"index": k}
             if chat:
-                choice["delta"] = {"content": delta} if delta else {}
+                choice["delta"] = fields
             else:
                 choice["text"] = delta
             choice["logprobs"] = logprobs

@@ -3,7 +3,7 @@
 Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, as OpenAI's API does: a misspelt
 `max_token` is an error that names it, not a silently ignored option. OpenAI fields that moeserve accepts but
 does not act on (user, store, metadata, ...) are listed so that standard clients work; fields that would ask for
-something moeserve cannot do (tools, logit_bias, suffix, echo with stream) are checked in openai_serving.py and
+something moeserve cannot do (logit_bias, suffix, echo with stream) are checked in openai_serving.py and
 refused with a message saying so. Sampling extras of SGLang and vLLM (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, ...) are top-level fields of the OpenAI bodies (the openai client's `extra_body`).
 """
@@ -213,7 +213,7 @@ class ChatCompletionRequest(_OpenAICommon):
     reasoning_effort: str | None = None  # accepted, unused
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
-    # SGLang's reasoning-parser switches (sglang-router always sends them): without a reasoning parser, which
-    # moeserve does not have, SGLang returns the model's text as content whatever they say, and so does moeserve.
+    # SGLang's reasoning-parser switches (sglang-router always sends them): with --reasoning-parser, the thinking
+    # apart as reasoning_content (false: left in the content), streamed as it comes (false: in the last delta).
     separate_reasoning: bool = True
     stream_reasoning: bool = True
