@@ -71,6 +71,7 @@ def fuse_shared_experts(args: ServerArgs, config: ModelConfig, device: torch.dev
         return True
     auto = (not args.disable_shared_experts_fusion and device is not None and device.type == "cuda"
             and bool(config.num_shared_experts) and args.tp_size == 1 and args.ep_size == 1
+            and args.moe_a2a_backend == "none"  # all2all's low-latency slots hold top_k (+ shared) ids a token
             and not args.enable_dp_attention and not args.enable_eplb and not args.ep_num_redundant_experts
             and fp8_slots_split(args, config) and args.moe_runner_backend in ("auto", "triton")
             and not args.enable_torch_compile and not args.enable_two_batch_overlap

@@ -45,8 +45,8 @@ def try_capture(capture: Callable[[K], V], key: K, what: str) -> V | None:
     """capture(key), or None where some op cannot be captured: steps of that shape run eagerly from now on."""
     try:
         return capture(key)
-    except RuntimeError as e:
-        logger.warning("%s: capture failed for %s; running it eagerly: %s", what, key, e)
+    except RuntimeError as e:  # logged as text: a record holding `e` would hold its frames (the runner, the KV pool)
+        logger.warning("%s: capture failed for %s; running it eagerly: %s", what, key, str(e))
         return None
 
 

@@ -208,6 +208,7 @@ def test_fp8_fused_equals_unfused_on_cuda(fp8_checkpoint):
     (dict(), "cuda", 1400, True),
     (dict(expert_distribution_recorder_mode="stat"), "cuda", 1408, False),
     (dict(moe_runner_backend="grouped_gemm"), "cuda", 1408, False),
+    (dict(moe_a2a_backend="all2all"), "cuda", 1408, False),  # its slots hold top_k ids; prefill runs them apart
 ])
 def test_fusion_default(kwargs, device, inter, fused):
     from types import SimpleNamespace
