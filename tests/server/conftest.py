@@ -46,7 +46,8 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny",
            "--model-path", model_path, "--expert-distribution-recorder-mode", "stat",
-           "--tool-call-parser", "deepseekv3"]  # only requests with tools see it
+           "--tool-call-parser", "deepseekv3",  # only requests with tools see it
+           "--reasoning-parser", "deepseek-v3"]  # only requests with chat_template_kwargs {"thinking": true}
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -120,3 +120,21 @@ def test_tool_choice_required_and_named_are_enforced(oai):
         if isinstance(choice, dict):
             assert call.name == "add"
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_reasoning_apart_on_the_default_model(oai):
+    """A regex makes the tiny model think (V3.1-style, chat_template_kwargs thinking) and then answer: the thinking
+    comes back as reasoning_content, whole and streamed, the answer as content."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Think, then answer."}], max_tokens=96,
+              temperature=1.0, seed=5, extra_body={"regex": "[a-z ]{4,24}</think>[A-Z][a-z ]{2,24}",
+                                                   "chat_template_kwargs": {"thinking": True}})
+    msg = oai.chat.completions.create(**kw).choices[0].message
+    assert re.fullmatch("[a-z ]{4,24}", msg.reasoning_content) and re.fullmatch("[A-Z][a-z ]{2,24}", msg.content)
+    reasoning = content = ""
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == (msg.reasoning_content, msg.content)  # the same seed: the same text
+    plain = oai.chat.completions.create(**(kw | {"extra_body": {"regex": kw["extra_body"]["regex"]}}))
+    assert "</think>" in plain.choices[0].message.content  # no thinking asked: all of it is content
