@@ -24,7 +24,7 @@ from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 GROUPS = 8  # groups of 128 a program: 1,024 values, 16 a thread at 2 warps
-WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (benchmark/experiments/quant_bench.py --sweep,
+WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (quant_bench.py --sweep of 401bd23,
 # benchmark/results/ 2026-12-04): V2-Lite's SiLU-and-mul 121 / 141 us, gathered rows 86 / 99, V3's 183 / 199 and
 # 318 / 376, the plain quantizer 1-4% faster
 
