@@ -43,7 +43,6 @@
 #   prefillab  one-batch prefill at 4 x 2,048 (the default flags): BASE=DIR (as onebatch), then this tree
 #   fusion     one-batch decode at batch 1/64/256 and prefill at 4 x 2048, --disable-shared-experts-fusion / the default
 #              (fused on one CUDA rank)
-#   router     the router-logits kernel beside cuBLAS at decode sizes (benchmark/experiments/bench_router.py)
 #   gaps       where the device idles in the traces `profile` / `prefprof` left in /tmp/prof (benchmark/experiments/trace_gaps.py)
 #   tune       re-tune the V2-Lite MoE tables at prefill sizes (tune_moe.py --tokens 2048 4096 8192, TUNE_TOKENS picks); the tables
 #              it writes land in $OUT (the next parts of the same call read them)
@@ -287,10 +286,6 @@ bs1spy)
   timeout 150 /tmp/site/bin/py-spy record -r 250 -f raw -o "$OUT/pyspy_bs1.txt" -- python3 -m moeserve.cli bench \
     one-batch $M --mem-fraction-static 0.5 --max-running-requests 8 --repeat 3 --input-len 128 --output-len 256 \
     --batch-size 1 --cuda-graph-max-bs 8 --result-file "$OUT/bs1spy.jsonl" 2>&1 | grep -E "^batch|Error|error"
-  ;;
-router)
-  echo "== router logits $(date -u +%T)"
-  timeout 60 python3 benchmark/experiments/bench_router.py --result-file "$OUT/router.jsonl" 2>&1 | grep -vE "Warning|warn"
   ;;
 gaps)
   for t in /tmp/prof/*.json.gz; do

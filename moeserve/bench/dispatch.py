@@ -19,17 +19,14 @@ and the low-latency step (dispatch, identity experts, combine) is also captured 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from moeserve.bench.ranks import spawn_ranks
 from moeserve.bench.results import append_results
 from moeserve.core.forward_batch import ForwardBatch
-from moeserve.server.launch import free_port
 
 MODES = ("allgather", "normal", "low_latency")
 
@@ -112,15 +109,8 @@ def _time_graph(disp, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return total / iters
 
 
-def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rows(rank: int, world: int, a: argparse.Namespace) -> list[dict]:
     device = _device(a, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600),
-                            **({"device_id": device} if device.type == "cuda" else {}))
     dtype = getattr(torch, a.dtype)
     rows = []
     for tokens in a.tokens:
@@ -165,27 +155,16 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> N
                              combine_ms=times[1] * 1e3, dispatch_mb=d_bytes / 1e6, combine_mb=c_bytes / 1e6,
                              a2a_dispatch_ms=times[2] * 1e3, a2a_combine_ms=times[3] * 1e3,
                              graph_ms=times[4] * 1e3 if isinstance(graph, float) else graph))
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(rows)
+    return rows
 
 
 
 def run(a: argparse.Namespace) -> list[dict]:
     rows = []
-    ctx = mp.get_context("spawn")
     for world in a.world_size:
         if a.experts % world:
             raise SystemExit(f"--experts {a.experts} must be a multiple of --world-size {world}")
-        queue = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, a, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        rows += queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+        rows += spawn_ranks(_rows, world, a, cuda=a.device == "cuda")
     return rows
 
 

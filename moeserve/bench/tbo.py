@@ -15,17 +15,14 @@ rank's, averaged over --iters after --warmup, each step starting after a barrier
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from moeserve.bench.ranks import spawn_ranks
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache.kv_pool import make_kv_pool
-from moeserve.server.launch import free_port
 
 
 def _model(a: argparse.Namespace, rank: int, world: int):
@@ -96,11 +93,7 @@ def _time(model, fb: ForwardBatch, tbo: bool, iters: int, warmup: int) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+def _rows(rank: int, world: int, a: argparse.Namespace) -> list[dict]:
     model, pool = _model(a, rank, world)
     rows = []
     with torch.inference_mode():
@@ -112,24 +105,12 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace, queue) -> N
             on = _time(model, fb, True, a.iters, a.warmup)
             rows.append(dict(kind=kind, tokens=size, off_ms=off * 1e3, on_ms=on * 1e3,
                              off_tps=size * world / off, on_tps=size * world / on))
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(rows)
+    return rows
 
 
 
 def run(a: argparse.Namespace) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, a.world_size, port, a, queue)) for r in range(a.world_size)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return rows
+    return spawn_ranks(_rows, a.world_size, a)
 
 
 def markdown_table(rows: list[dict]) -> str:

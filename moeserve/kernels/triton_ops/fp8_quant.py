@@ -24,7 +24,7 @@ from moeserve.kernels.triton_ops.activation import silu_mul
 from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 GROUPS = 8  # groups of 128 a program: 1,024 values, 16 a thread at 2 warps
-WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (benchmark/experiments/quant_bench.py --sweep,
+WARPS = 2  # measured against 4 at a 4 x 2,048 prefill's sizes on an H200 (quant_bench.py --sweep of 401bd23,
 # benchmark/results/ 2026-12-04): V2-Lite's SiLU-and-mul 121 / 141 us, gathered rows 86 / 99, V3's 183 / 199 and
 # 318 / 376, the plain quantizer 1-4% faster
 
@@ -83,10 +83,9 @@ _QUANTIZE = DirectLauncher(_quantize_groups_kernel)
 
 
 def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tensor | None = None,
-                  top_k: int = 1, launch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows a GEMM multiplies, quantized (kernels/fp8_quant.quantize_rows_reference's result): x's rows, the
-    tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows. launch: {"groups", "flat", "num_warps"}
-    instead of the choice below (benchmark/experiments/quant_bench.py --sweep)."""
+    tokens pairs gathers, or silu(gate) * up of x's [gate | up] rows."""
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     kb = num_blocks(k)
     x2 = x.reshape(-1, x.shape[-1])
@@ -99,13 +98,10 @@ def quantize_rows(x: torch.Tensor, silu: bool, mn_major: bool, pairs: torch.Tens
     if m:
         groups = min(GROUPS, triton.next_power_of_2(kb))
         flat = kb % groups != 0  # a row's last program would hold a few groups: lay the rows' groups end to end
-        warps = WARPS
-        if launch:
-            groups, flat, warps = launch["groups"], launch["flat"] or kb % launch["groups"] != 0, launch["num_warps"]
         grid = (triton.cdiv(m * kb, groups), 1) if flat else (m, kb // groups)
         _QUANTIZE(grid, x2, q, s, q if pairs is None else pairs, k, kb, m * kb, x2.stride(0), q.stride(0),
                   s.stride(0), s.stride(1), SILU=silu, GATHER=pairs is not None, TOPK=top_k, FLAT=flat,
-                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups, num_warps=warps)
+                  FLOOR=ACT_SCALE_FLOOR, QMAX=FP8_MAX, GROUP=BLOCK, GROUPS=groups, num_warps=WARPS)
     if pairs is not None:
         return q, s
     return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], kb)

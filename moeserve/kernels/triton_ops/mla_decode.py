@@ -19,6 +19,7 @@ from moeserve.kernels.triton_ops.direct_launch import DirectLauncher
 
 BLOCK_H = 16  # query heads per program: tl.dot's smallest M
 MAX_SPLITS = 128  # batch 1 at 4,096 tokens: 128 programs of 32 rows (64 left the H200 at 162 GB/s)
+BLOCK_N = 32  # cache rows a loop step
 
 
 @triton.jit
@@ -118,9 +119,8 @@ def plan_splits(batch: int, heads: int, length: int, block_n: int, num_sms: int)
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, v_dim: int,
-               scale: float, q_rope: torch.Tensor | None = None, block_n: int = 32, num_warps: int = 4,
-               num_stages: int = 3) -> torch.Tensor:
-    """Same signature as moeserve.kernels.mla_decode.mla_decode_reference (plus the launch configuration)."""
+               scale: float, q_rope: torch.Tensor | None = None) -> torch.Tensor:
+    """Same signature as moeserve.kernels.mla_decode.mla_decode_reference."""
     if q_rope is None:
         q, q_rope = q[..., :v_dim], q[..., v_dim:]
     B, H = q.shape[:2]
@@ -137,17 +137,18 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, seq_le
     out = q.new_empty(B, H, v_dim)
     if B == 0:
         return out
-    splits, split_len = plan_splits(B, H, L, block_n, _num_sms(q.device))
+    splits, split_len = plan_splits(B, H, L, BLOCK_N, _num_sms(q.device))
     part = torch.empty(B, H, splits, v_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     # tl.dot needs K >= 16: a narrower part (tiny test models' rope of 8) is padded with masked zeros
     bv, br = max(16, triton.next_power_of_2(v_dim)), max(16, triton.next_power_of_2(D - v_dim))
     _SPLIT((B, triton.cdiv(H, BLOCK_H), splits), q, q_rope, cache, slots, seq_lens, part, lse, H, split_len,
            float(scale), q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-           slots.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), V_DIM=v_dim, ROPE_DIM=D - v_dim, BLOCK_V=bv, BLOCK_R=br,
-           BLOCK_H=BLOCK_H, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+           slots.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+           V_DIM=v_dim, ROPE_DIM=D - v_dim, BLOCK_V=bv, BLOCK_R=br,
+           BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            UPCAST=not q.is_cuda and q.dtype != torch.float32,  # only under TRITON_INTERPRET (CPU tensors)
-           num_warps=num_warps, num_stages=num_stages)
+           num_warps=4, num_stages=3)
     _COMBINE((B, H), part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
              lse.stride(1), out.stride(0), out.stride(1), V_DIM=v_dim, BLOCK_V=bv,
              BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

@@ -6,7 +6,7 @@ At decode sizes the work is a few million multiply-adds, so the time is latency:
 how many loop steps each waits on. A program takes one expert and a quarter of the tokens (up to 16), and sums a
 [BLOCK_T, 1, BLOCK_H] product over H in steps of TILE / BLOCK_T, so V2-Lite's gate at batch 1 is 64 programs of one
 step each. A `tl.dot` tile (16 rows at least) left most of the GPU idle and looped over H in small steps; larger
-expert blocks measured slower too (benchmark/experiments/bench_router.py on an H200).
+expert blocks measured slower too (on an H200: benchmark/results/).
 
 At prefill sizes (`router_logits_split`, bf16 x) the work is a GEMM worth the tensor cores: each fp32 weight tile is
 split in registers into three bf16 parts, hi + mid + lo, which sum to it exactly (each part holds the next 8 bits
@@ -74,21 +74,15 @@ def _router_logits_split_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, stride
 _SPLIT_KERNEL = DirectLauncher(_router_logits_split_kernel)
 
 
-def blocks(T: int, E: int, H: int) -> tuple[int, int, int]:
+def blocks(T: int, H: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_H): a quarter of the tokens a program (1 to 16), one expert, H in steps that fill
-    a TILE-element product. (E is the caller's; the choice does not depend on it.)"""
+    a TILE-element product (at least 16, at most H's next power of 2)."""
     block_t = min(max(triton.next_power_of_2(max(T, 1)) // 4, 1), 16)
-    return block_t, 1, block_h(block_t, 1, H)
+    return block_t, 1, max(min(TILE // block_t, triton.next_power_of_2(H)), 16)
 
 
-def block_h(block_t: int, block_e: int, H: int) -> int:
-    """The H step that fills a TILE-element product (at least 16, at most H's next power of 2)."""
-    return max(min(TILE // (block_t * block_e), triton.next_power_of_2(H)), 16)
-
-
-def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Same signature as moeserve.kernels.router_gemm.router_logits_reference (x 2-D, w float32). block: (BLOCK_T,
-    BLOCK_E, BLOCK_H) in place of `blocks`' choice (benchmark/experiments/bench_router.py compares them)."""
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Same signature as moeserve.kernels.router_gemm.router_logits_reference (x 2-D, w float32)."""
     T, H = x.shape
     E = w.shape[0]
     if w.shape[1] != H or w.dtype != torch.float32:
@@ -98,7 +92,7 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, block: tuple[int, int, int] 
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    block_t, block_e, block_h = block or blocks(T, E, H)
+    block_t, block_e, block_h = blocks(T, H)
     _KERNEL((triton.cdiv(E, block_e), triton.cdiv(T, block_t)), x, w, out, T, E, H, x.stride(0), w.stride(0),
             out.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, num_stages=2)
     return out
@@ -111,10 +105,9 @@ def split_blocks(T: int, E: int) -> tuple[int, int, int]:
     return (min(t_max, max(16, triton.next_power_of_2(T))), min(64, max(16, triton.next_power_of_2(E))), 64)
 
 
-def router_logits_split(x: torch.Tensor, w: torch.Tensor,
-                        block: tuple[int, int, int] | None = None) -> torch.Tensor:
+def router_logits_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """router_logits on the tensor cores for bf16 x (module docstring): same signature and result as the
-    reference, up to the order of fp32 additions. block: (BLOCK_T, BLOCK_E, BLOCK_K) in place of `split_blocks`'."""
+    reference, up to the order of fp32 additions."""
     T, H = x.shape
     E = w.shape[0]
     if w.shape[1] != H or w.dtype != torch.float32 or x.dtype != torch.bfloat16:
@@ -125,7 +118,7 @@ def router_logits_split(x: torch.Tensor, w: torch.Tensor,
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    block_t, block_e, block_k = block or split_blocks(T, E)
+    block_t, block_e, block_k = split_blocks(T, E)
     _SPLIT_KERNEL((triton.cdiv(T, block_t), triton.cdiv(E, block_e)), x, w, out, T, E, H, x.stride(0), w.stride(0),
                   out.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
                   UPCAST=not x.is_cuda,  # only under TRITON_INTERPRET (CPU tensors)
