@@ -236,6 +236,10 @@ class ServerArgs:
     # --- CUDA graphs, torch.compile ---
     disable_cuda_graph: bool = _flag(False, "Run without CUDA graphs: decode and (piecewise) extend steps eagerly.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+    enable_static_shape_decode: bool = _flag(
+        False, "With several DP groups, decode steps where every group runs one agreed padded batch size (an idle "
+        "group too), as the CUDA graphs do; always on where decode CUDA graphs run. This flag runs the same padded "
+        "steps eagerly where they do not (a CPU, --disable-cuda-graph).")
     cuda_graph_bs: list[int] | None = _flag(
         None, "The decode batch sizes captured in CUDA graphs, as SGLang's list (--cuda-graph-bs 1 2 4 8 256); the "
         "largest becomes --cuda-graph-max-bs. Default: buckets up to --cuda-graph-max-bs.", nargs="+")

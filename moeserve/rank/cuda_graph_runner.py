@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
+from moeserve.rank.static_shape import pad_decode, static_ready
 
 logger = logging.getLogger(__name__)
 K, V = TypeVar("K"), TypeVar("V")
@@ -69,10 +70,11 @@ class CudaGraphRunner:
     """Captures and replays the model's decode forward for one rank."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], kv_pool, max_bs: int, max_len: int,
-                 device: torch.device, sizes: list[int] | None = None):
+                 device: torch.device, sizes: list[int] | None = None, groups: int = 1):
         self.forward = forward  # the model's forward (or its compiled form): what is captured
         self.kv_pool = kv_pool
         self.device = device
+        self.groups = groups  # DP groups: a step's header is [padded size] * groups (rank/static_shape.py)
         self.bs_buckets = batch_buckets(max_bs, sizes)
         self.len_buckets = length_buckets(max_len)
         self.max_bs, self.max_len = self.bs_buckets[-1], self.len_buckets[-1]
@@ -96,12 +98,15 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (decode batch sizes %s x lengths %s) in %.1f s, %.2f GiB",
                     sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets, seconds, gib)
 
+    def ready(self, batch: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape decode step (rank/static_shape.py)."""
+        return static_ready(batch, self.max_bs, self.max_len)
+
     def can_run(self, batch: ForwardBatch) -> bool:
-        # NOTE: with several DP groups, ranks would need to agree on one padded batch size (and an idle rank on
-        # the dispatch rounds); until the header carries that, multi-group steps run eagerly.
-        one_group = batch.global_num_tokens is None or len(batch.global_num_tokens) == 1
-        return (one_group and batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and batch.decode_slots is not None
-                and batch.decode_slots.shape[1] <= self.max_len and not batch.return_all_logits)
+        # several DP groups: only at the padded size all ranks agreed on (an idle group runs padding rows only)
+        if self.groups > 1:
+            return batch.static_bs is not None and self.ready(batch)
+        return batch.mode.is_decode and self.ready(batch)
 
     @torch.inference_mode(False)  # plain tensors, like the scheduler's batches (what a compiled forward expects)
     def _static_batch(self, bs: int, length: int) -> ForwardBatch:
@@ -113,7 +118,7 @@ class CudaGraphRunner:
             kv_indptr=self.arange[: bs + 1] * length, qo_indptr=self.arange[: bs + 1], kv_pool=self.kv_pool,
             seq_lens_cpu=[length] * bs, extend_lens_cpu=[1] * bs, prefix_lens_cpu=[length - 1] * bs,
             logits_indices=self.arange[:bs], decode_slots=self.decode_slots[:bs, :length],
-            global_num_tokens=[bs],  # the dispatch rounds of a low-latency EP step follow the padded size
+            global_num_tokens=[bs] * self.groups,  # the dispatch rounds of a low-latency EP step follow the padded size
         )
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -138,14 +143,15 @@ class CudaGraphRunner:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] of a decode batch whose tensors are already on the device."""
         b = batch.batch_size
-        length_needed = batch.decode_slots.shape[1]
-        bs = self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
+        bs = batch.static_bs or self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
+        length_needed = batch.decode_slots.shape[1] if b else 1  # an idle group: padding rows only
         length = self.len_buckets[bisect.bisect_left(self.len_buckets, length_needed)]
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
-        self.decode_slots[:b, :length_needed].copy_(batch.decode_slots)
+        if b:
+            self.input_ids[:b].copy_(batch.input_ids)
+            self.positions[:b].copy_(batch.positions)
+            self.seq_lens[:b].copy_(batch.seq_lens)
+            self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+            self.decode_slots[:b, :length_needed].copy_(batch.decode_slots)
         if b < bs:  # padding rows: token 0 at position 0, one cached token in the scratch slot
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
@@ -157,7 +163,7 @@ class CudaGraphRunner:
             self.graphs[key] = try_capture(self._capture, key, "CUDA graphs")
         entry = self.graphs[key]
         if entry is None:
-            return self.forward(batch)
+            return self.forward(pad_decode(batch, bs, self.groups) if self.groups > 1 else batch)
         graph, logits = entry
         graph.replay()
         return logits[:b]
