@@ -75,6 +75,7 @@ class CudaGraphRunner:
         self.kv_pool = kv_pool
         self.device = device
         self.groups = groups  # DP groups: a step's header is [padded size] * groups (rank/static_shape.py)
+        self.num_steps = 0  # steps run (replayed or, where a capture failed, padded eagerly)
         self.bs_buckets = batch_buckets(max_bs, sizes)
         self.len_buckets = length_buckets(max_len)
         self.max_bs, self.max_len = self.bs_buckets[-1], self.len_buckets[-1]
@@ -142,6 +143,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] of a decode batch whose tensors are already on the device."""
+        self.num_steps += 1
         b = batch.batch_size
         bs = batch.static_bs or self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
         length_needed = batch.decode_slots.shape[1] if b else 1  # an idle group: padding rows only

@@ -176,6 +176,13 @@ class ModelRunner:
                 batch_buckets(min(a.cuda_graph_max_bs, a.max_running_requests), a.cuda_graph_bs), a.num_dp_groups)
         return [r for r in (self.static_decode, self.piecewise, self.compiled) if r is not None]
 
+    def step_counts(self) -> dict[str, int]:
+        """Steps run, by kind (LoadOut.step_counts)."""
+        out = {"static_decode": self.static_decode.num_steps} if self.static_decode is not None else {}
+        for (n, tbo), count in sorted(getattr(self.model, "tbo_steps", {}).items()):
+            out[f"{'tbo' if tbo else 'no_tbo'} {n}"] = count
+        return out
+
     def memory_line(self) -> str:
         """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""
         ep, a = self.ep, self.args

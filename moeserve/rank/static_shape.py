@@ -72,6 +72,7 @@ class StaticShapeDecode:
         self.forward = forward
         self.groups = groups
         self.bs_buckets = bs_buckets  # the decode graphs' (cuda_graph_runner.batch_buckets)
+        self.num_steps = 0  # padded steps run
         self.max_bs = self.bs_buckets[-1]
 
     def capture_all(self, progress: bool = True) -> None:
@@ -84,6 +85,7 @@ class StaticShapeDecode:
         return batch.static_bs is not None and self.ready(batch)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.num_steps += 1
         return self.forward(pad_decode(batch, batch.static_bs, self.groups))
 
 
