@@ -95,6 +95,8 @@ def test_two_batch_overlap_is_decided_per_step_from_the_header(tiny_checkpoint, 
                   tbo_token_threshold=threshold)
     outs = eng.generate(input_ids=_prompts(), sampling_params=GREEDY, data_parallel_rank=[0] + [1] * 7)
     assert [o["output_ids"] for o in outs] == ref
+    # one request alone: its decode steps (1 token, the other group idle at the padded size 1) do not overlap
+    assert eng.generate(input_ids=_prompts()[0], sampling_params=GREEDY, data_parallel_rank=0)["output_ids"] == ref[0]
     for load in eng.get_load():
         steps = {k: v for k, v in load.step_counts.items() if k != "static_decode"}
         tokens = {int(k.split()[1]): k.split()[0] for k in steps}
@@ -102,3 +104,4 @@ def test_two_batch_overlap_is_decided_per_step_from_the_header(tiny_checkpoint, 
         assert "tbo" in tokens.values() and "no_tbo" in tokens.values(), steps  # both kinds of step ran
         # the decode steps of 1 beside 7 requests run padded to the bucket 8: they overlap (7 alone would not)
         assert steps.get("tbo 8", 0) >= GREEDY["max_new_tokens"] - 1, steps
+        assert steps.get("no_tbo 1", 0) >= GREEDY["max_new_tokens"] - 1, steps
