@@ -22,12 +22,13 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 
 
 def padded_size(global_num_tokens: list[int], buckets: list[int]) -> int | None:
-    """The bucket of the largest group's batch, or None when it is larger than every bucket or nobody runs."""
-    top = max(global_num_tokens, default=0)
+    """The bucket of the largest group's batch (requests of DECODE_LEN tokens), or None when it is larger than every
+    bucket or nobody runs."""
+    top = -(-max(global_num_tokens, default=0) // DECODE_LEN)
     if top <= 0 or top > buckets[-1]:
         return None
     return buckets[bisect.bisect_left(buckets, top)]
@@ -42,24 +43,27 @@ def static_ready(batch: ForwardBatch | None, max_bs: int, max_len: int | None = 
 
 
 def pad_decode(batch: ForwardBatch, size: int, groups: int) -> ForwardBatch:
-    """`batch` (a decode batch, or IDLE) with padding rows up to `size` requests; its header [size] * groups. The
-    logits rows stay the real requests' (the padding rows are never sampled)."""
-    b, pad = batch.batch_size, size - batch.batch_size
+    """`batch` (a decode batch, or IDLE) with padding requests up to `size` (DECODE_LEN tokens each, all cached in
+    the scratch slot 0); its header [size * DECODE_LEN] * groups. The logits rows stay the real requests' (the
+    padding is never sampled)."""
+    pad = size - batch.batch_size
     dev = batch.input_ids.device
     i64 = dict(dtype=torch.int64, device=dev)
-    zeros, ones = torch.zeros(pad, **i64), torch.ones(pad, **i64)
+    zeros, lens = torch.zeros(pad, **i64), torch.full((pad,), DECODE_LEN, **i64)
+    tokens = torch.zeros(pad * DECODE_LEN, **i64)  # token 0 at position 0, each padding token
     width = batch.decode_slots.shape[1] if batch.decode_slots is not None else 1
     slots = batch.decode_slots if batch.decode_slots is not None else torch.zeros(0, width, **i64)
     return ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=torch.cat([batch.input_ids, zeros]),
-        positions=torch.cat([batch.positions, zeros]), seq_lens=torch.cat([batch.seq_lens, ones]),
-        extend_lens=torch.cat([batch.extend_lens, ones]), prefix_lens=torch.cat([batch.prefix_lens, zeros]),
-        out_cache_loc=torch.cat([batch.out_cache_loc, zeros]), kv_indices=torch.cat([batch.kv_indices, zeros]),
-        kv_indptr=torch.cat([batch.kv_indptr, batch.kv_indptr[-1:] + torch.arange(1, pad + 1, **i64)]),
-        qo_indptr=torch.arange(size + 1, **i64), kv_pool=batch.kv_pool,
-        seq_lens_cpu=[*batch.seq_lens_cpu, *[1] * pad], extend_lens_cpu=[*batch.extend_lens_cpu, *[1] * pad],
-        prefix_lens_cpu=[*batch.prefix_lens_cpu, *[0] * pad], global_num_tokens=[size] * groups,
-        any_extend=False, logits_indices=torch.arange(b, **i64),
+        mode=ForwardMode.DECODE, input_ids=torch.cat([batch.input_ids, tokens]),
+        positions=torch.cat([batch.positions, tokens]), seq_lens=torch.cat([batch.seq_lens, lens]),
+        extend_lens=torch.cat([batch.extend_lens, lens]), prefix_lens=torch.cat([batch.prefix_lens, zeros]),
+        out_cache_loc=torch.cat([batch.out_cache_loc, tokens]), kv_indices=torch.cat([batch.kv_indices, tokens]),
+        kv_indptr=torch.cat([batch.kv_indptr, batch.kv_indptr[-1:] + DECODE_LEN * torch.arange(1, pad + 1, **i64)]),
+        qo_indptr=torch.cat([batch.qo_indptr, batch.qo_indptr[-1:] + DECODE_LEN * torch.arange(1, pad + 1, **i64)]),
+        kv_pool=batch.kv_pool, seq_lens_cpu=[*batch.seq_lens_cpu, *[DECODE_LEN] * pad],
+        extend_lens_cpu=[*batch.extend_lens_cpu, *[DECODE_LEN] * pad],
+        prefix_lens_cpu=[*batch.prefix_lens_cpu, *[0] * pad],
+        global_num_tokens=[size * DECODE_LEN] * groups, any_extend=False, logits_indices=batch.logits_indices,
         decode_slots=torch.cat([slots, torch.zeros(pad, width, **i64)]),
     )
 
