@@ -334,6 +334,9 @@ class ServerArgs:
             raise ValueError(f"--moe-dense-tp-size {self.moe_dense_tp_size}: moeserve's dense MLPs run replicated, "
                              "each rank on its own DP group's tokens (--moe-dense-tp-size 1); a tensor-parallel dense "
                              "MLP is not written: leave the flag out or pass 1")
+        if self.enable_static_shape_decode and self.tp_size == 1:
+            raise ValueError("--enable-static-shape-decode pads the decode steps of several ranks to one size they agree "
+                             "on; one rank has nothing to agree: leave the flag out (CUDA graphs pad its steps)")
         if self.enable_dp_lm_head and not self.enable_dp_attention:
             raise ValueError("--enable-dp-lm-head splits the LM head over each attention-TP group of DP attention: "
                              "it needs --enable-dp-attention")

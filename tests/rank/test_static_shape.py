@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.rank.cuda_graph_runner import batch_buckets
 from moeserve.rank.rank_sync import StepHeader
@@ -49,3 +51,9 @@ def test_pad_decode_keeps_the_real_rows_and_pads_into_the_scratch_slot():
     assert torch.equal(out.logits_indices, fb.logits_indices)  # padding never reaches the LM head or sampling
     idle = pad_decode(ForwardBatch.idle(), 4, groups=2)
     assert idle.batch_size == 4 and idle.logits_indices.numel() == 0 and not idle.kv_indices.any()
+
+
+def test_the_flag_is_refused_on_one_rank():
+    with pytest.raises(ValueError, match="--enable-static-shape-decode"):
+        ServerArgs.from_kwargs(model_path="x", enable_static_shape_decode=True)
+    assert ServerArgs.from_kwargs(model_path="x", tp_size=2, enable_static_shape_decode=True).enable_static_shape_decode
