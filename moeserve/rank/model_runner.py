@@ -176,6 +176,11 @@ class ModelRunner:
                 batch_buckets(min(a.cuda_graph_max_bs, a.max_running_requests), a.cuda_graph_bs), a.num_dp_groups)
         return [r for r in (self.static_decode, self.piecewise, self.compiled) if r is not None]
 
+    def static_ready(self, fb: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape decode step (rank/static_shape.py). Not while the expert
+        recorder counts: its counts would include the padding rows."""
+        return self.static_decode is not None and self.expert_recorder is None and self.static_decode.ready(fb)
+
     def step_counts(self) -> dict[str, int]:
         """Steps run, by kind (LoadOut.step_counts)."""
         out = {"static_decode": self.static_decode.num_steps} if self.static_decode is not None else {}

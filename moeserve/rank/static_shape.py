@@ -7,9 +7,9 @@ graph buckets (cuda_graph_runner.batch_buckets). Every group, an idle one includ
 step's header is [P] * groups. The agreement needs every rank able to run the step this way (`static_ready`): all
 decode or idle, none larger than the largest bucket; otherwise the step runs eagerly with the exact sizes.
 
-Padding rows decode token 0 at position 0 with one cached token in the scratch slot 0 (which no request owns), as
-the graph runner's padding does. They never reach sampling (logits of the real rows only), the expert recorder
-(its rows are the batch's own) or a request's KV.
+Padding rows decode token 0 at position 0 with their cached tokens in the scratch slot 0 (which no request owns),
+as the graph runner's padding does. They never reach sampling (logits of the real rows only) or a request's KV; with
+the expert-distribution recorder on, no rank is ready (ModelRunner.static_ready), since it would count them.
 
 On a GPU the CUDA graph runner runs these steps; on a CPU (or without graphs), `StaticShapeDecode` runs the same
 padded step eagerly, behind `--enable-static-shape-decode`, so that CPU tests prove the tokens and collectives.

@@ -162,7 +162,7 @@ def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb:
     static = runner.static_decode if runner is not None else None
     header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
                                   bool(batch is not None and batch.mode.is_extend), stop, eplb,
-                                  static is not None and static.ready(fb))
+                                  runner is not None and runner.static_ready(fb))
     if fb is not None:
         fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
         fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
