@@ -249,6 +249,10 @@ class ServerArgs:
     # --- CUDA graphs, torch.compile ---
     disable_cuda_graph: bool = _flag(False, "Run without CUDA graphs: decode and (piecewise) extend steps eagerly.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph.")
+    enable_static_shape_decode: bool = _flag(
+        False, "With several DP groups, decode steps where every group runs one agreed padded batch size (an idle "
+        "group too), as the CUDA graphs do; always on where decode CUDA graphs run. This flag runs the same padded "
+        "steps eagerly where they do not (a CPU, --disable-cuda-graph).")
     cuda_graph_bs: list[int] | None = _flag(
         None, "The decode batch sizes captured in CUDA graphs, as SGLang's list (--cuda-graph-bs 1 2 4 8 256); the "
         "largest becomes --cuda-graph-max-bs. Default: buckets up to --cuda-graph-max-bs.", nargs="+")
@@ -343,6 +347,9 @@ class ServerArgs:
             raise ValueError(f"--moe-dense-tp-size {self.moe_dense_tp_size}: moeserve's dense MLPs run replicated, "
                              "each rank on its own DP group's tokens (--moe-dense-tp-size 1); a tensor-parallel dense "
                              "MLP is not written: leave the flag out or pass 1")
+        if self.enable_static_shape_decode and self.tp_size == 1:
+            raise ValueError("--enable-static-shape-decode pads the decode steps of several ranks to one size they agree "
+                             "on; one rank has nothing to agree: leave the flag out (CUDA graphs pad its steps)")
         if self.enable_dp_lm_head and not self.enable_dp_attention:
             raise ValueError("--enable-dp-lm-head splits the LM head over each attention-TP group of DP attention: "
                              "it needs --enable-dp-attention")

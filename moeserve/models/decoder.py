@@ -19,6 +19,7 @@ A model's whole input is a ForwardBatch; its output is float32 logits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Generator
 
 import torch
@@ -135,6 +136,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(type(self), config, self.rotary, options)
         self._make_lm_head(config, options.dp_lm_head)
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
+        self.tbo_steps: Counter[tuple[int, bool]] = Counter()  # (largest group's tokens, overlapped): steps
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -147,9 +149,12 @@ class CausalLM(nn.Module):
         rope = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
-        if (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
-                                              get_parallel_state().world_size)
-                and not (h.is_cuda and torch.cuda.is_current_stream_capturing())):
+        tbo = (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
+                                                 get_parallel_state().world_size)
+               and not (h.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if self.tbo_enabled:  # the decision per step, as /get_load's step_counts shows it
+            self.tbo_steps[max(batch.global_num_tokens or [batch.num_tokens]), tbo] += 1
+        if tbo:
             return run_two_batch_overlap(self.model.layers, batch, h, rope)
         meta = AttentionMetadata.build(batch, rope)
         meta.pieces = pieces

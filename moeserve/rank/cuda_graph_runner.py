@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
+from moeserve.rank.static_shape import pad_decode, static_ready
 
 logger = logging.getLogger(__name__)
 K, V = TypeVar("K"), TypeVar("V")
@@ -69,10 +70,12 @@ class CudaGraphRunner:
     """Captures and replays the model's decode forward for one rank."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], kv_pool, max_bs: int, max_len: int,
-                 device: torch.device, sizes: list[int] | None = None):
+                 device: torch.device, sizes: list[int] | None = None, groups: int = 1):
         self.forward = forward  # the model's forward (or its compiled form): what is captured
         self.kv_pool = kv_pool
         self.device = device
+        self.groups = groups  # DP groups: a step's header is [padded size] * groups (rank/static_shape.py)
+        self.num_steps = 0  # steps run (replayed or, where a capture failed, padded eagerly)
         self.bs_buckets = batch_buckets(max_bs, sizes)
         self.len_buckets = length_buckets(max_len)
         self.max_bs, self.max_len = self.bs_buckets[-1], self.len_buckets[-1]
@@ -98,12 +101,15 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (decode batch sizes %s x lengths %s) in %.1f s, %.2f GiB",
                     sum(g is not None for g in self.graphs.values()), self.bs_buckets, self.len_buckets, seconds, gib)
 
+    def ready(self, batch: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape decode step (rank/static_shape.py)."""
+        return static_ready(batch, self.max_bs, self.max_len)
+
     def can_run(self, batch: ForwardBatch) -> bool:
-        # NOTE: with several DP groups, ranks would need to agree on one padded batch size (and an idle rank on
-        # the dispatch rounds); until the header carries that, multi-group steps run eagerly.
-        one_group = batch.global_num_tokens is None or len(batch.global_num_tokens) == 1
-        return (one_group and batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs and batch.decode_slots is not None
-                and batch.decode_slots.shape[1] <= self.max_len and not batch.return_all_logits)
+        # several DP groups: only at the padded size all ranks agreed on (an idle group runs padding rows only)
+        if self.groups > 1:
+            return batch.static_bs is not None and self.ready(batch)
+        return batch.mode.is_decode and self.ready(batch)
 
     @torch.inference_mode(False)  # plain tensors, like the scheduler's batches (what a compiled forward expects)
     def _static_batch(self, bs: int, length: int) -> ForwardBatch:
@@ -116,7 +122,7 @@ class CudaGraphRunner:
             qo_indptr=self.qo_indptr[: bs + 1], kv_pool=self.kv_pool, seq_lens_cpu=[length] * bs,
             extend_lens_cpu=[DECODE_LEN] * bs, prefix_lens_cpu=[length - DECODE_LEN] * bs,
             logits_indices=self.last_rows[:bs], decode_slots=self.decode_slots[:bs, :length],
-            global_num_tokens=[n],  # the dispatch rounds of a low-latency EP step follow the padded size
+            global_num_tokens=[n] * self.groups,  # the dispatch rounds of a low-latency EP step: the padded size
         )
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -140,16 +146,18 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] (each request's last token) of a decode batch whose tensors are already on the device."""
+        self.num_steps += 1
         b = batch.batch_size
         n = b * DECODE_LEN  # tokens
-        length_needed = batch.decode_slots.shape[1]
-        bs = self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
+        bs = batch.static_bs or self.bs_buckets[bisect.bisect_left(self.bs_buckets, b)]
+        length_needed = batch.decode_slots.shape[1] if b else 1  # an idle group: padding rows only
         length = self.len_buckets[bisect.bisect_left(self.len_buckets, length_needed)]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.decode_slots[:b, :length_needed].copy_(batch.decode_slots)
+        if b:
+            self.input_ids[:n].copy_(batch.input_ids)
+            self.positions[:n].copy_(batch.positions)
+            self.seq_lens[:b].copy_(batch.seq_lens)
+            self.out_cache_loc[:n].copy_(batch.out_cache_loc)
+            self.decode_slots[:b, :length_needed].copy_(batch.decode_slots)
         if b < bs:  # padding requests: token 0 at position 0, DECODE_LEN cached tokens in the scratch slot
             self.input_ids[n:bs * DECODE_LEN].zero_()
             self.positions[n:bs * DECODE_LEN].zero_()
@@ -161,7 +169,7 @@ class CudaGraphRunner:
             self.graphs[key] = try_capture(self._capture, key, "CUDA graphs")
         entry = self.graphs[key]
         if entry is None:
-            return self.forward(batch)
+            return self.forward(pad_decode(batch, bs, self.groups) if self.groups > 1 else batch)
         graph, logits = entry
         graph.replay()
         return logits[:b]

@@ -71,12 +71,17 @@ class LoadOut:
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
     disagg: dict[str, Any] | None = None  # PD mode: requests per state, KV transfers (disagg/stats.py)
+    # steps this group ran, by kind: "static_decode" (padded to the agreed size, rank/static_shape.py), and with
+    # --enable-two-batch-overlap "tbo N" / "no_tbo N" (steps whose largest group had N tokens, overlapped or not)
+    step_counts: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("eplb", "disagg")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("eplb", "disagg", "step_counts")}
         if self.disagg is not None:
             out["disagg"] = self.disagg
+        if self.step_counts:
+            out["step_counts"] = self.step_counts
         return out
 
 

@@ -149,7 +149,8 @@ class ModelRunner:
             uncaptured = [self.compiled] if self.compiled is not None else []
             self.graph_runner = CudaGraphRunner(
                 lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
-                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device, a.cuda_graph_bs)
+                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device, a.cuda_graph_bs,
+                a.num_dp_groups)
             if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
                 logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
                             "would include the padding tokens): extend steps run eagerly")
@@ -165,7 +166,28 @@ class ModelRunner:
                                  a.max_prefill_tokens)
                 self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device,
                                                       self.graph_runner.pool)
-        return [r for r in (self.graph_runner, self.piecewise, self.compiled) if r is not None]
+        # the static-shape decode step (rank/static_shape.py): the decode graphs, else the padded step eagerly
+        self.static_decode = self.graph_runner
+        if self.graph_runner is None and a.enable_static_shape_decode:
+            from moeserve.rank.cuda_graph_runner import batch_buckets
+            from moeserve.rank.static_shape import StaticShapeDecode
+
+            self.static_decode = StaticShapeDecode(
+                lambda fb: self._run_first(self.runners[1:], fb),
+                batch_buckets(min(a.cuda_graph_max_bs, a.max_running_requests), a.cuda_graph_bs), a.num_dp_groups)
+        return [r for r in (self.static_decode, self.piecewise, self.compiled) if r is not None]
+
+    def static_ready(self, fb: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape decode step (rank/static_shape.py). Not while the expert
+        recorder counts: its counts would include the padding rows."""
+        return self.static_decode is not None and self.expert_recorder is None and self.static_decode.ready(fb)
+
+    def step_counts(self) -> dict[str, int]:
+        """Steps run, by kind (LoadOut.step_counts)."""
+        out = {"static_decode": self.static_decode.num_steps} if self.static_decode is not None else {}
+        for (n, tbo), count in sorted(getattr(self.model, "tbo_steps", {}).items()):
+            out[f"{'tbo' if tbo else 'no_tbo'} {n}"] = count
+        return out
 
     def memory_line(self) -> str:
         """The start-up memory line of this rank (SGLang's 'Memory pool end' / 'Load weight end' lines in one)."""

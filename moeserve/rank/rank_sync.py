@@ -2,8 +2,9 @@
 
 Every rank of an attention TP group runs the same scheduler on the same messages: the group's leader (attention
 TP rank 0) reads the ZeroMQ socket and broadcasts what it got. Before each forward, all ranks exchange a small
-header (tokens this step, is it a prefill, the rebalancer's state) because MoE layers are collective: a rank with nothing to do runs an
-IDLE batch, and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
+header (tokens this step, is it a prefill, the rebalancer's state, can it run a static-shape decode) because MoE
+layers are collective: a rank with nothing to do runs an IDLE batch (or, in a static-shape decode step, the agreed
+padded batch: rank/static_shape.py), and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
 group's schedulers never diverge.
 """
 
@@ -29,6 +30,15 @@ class StepHeader:
     any_extend: bool  # some group prefills (all2all `auto` picks normal dispatch)
     any_stop: bool  # some rank is shutting down: every rank leaves its loop at this step
     eplb: list[int]  # each rank's online-rebalancer status (moeserve/eplb/rebalancer.py)
+    all_static: bool = False  # every rank can run a static-shape decode step (rank/static_shape.py)
+
+    def padded_decode_size(self, buckets: list[int]) -> int | None:
+        """The batch size every DP group runs this decode step (padded), or None: the step runs eagerly."""
+        from moeserve.rank.static_shape import padded_size
+
+        if not self.all_static or self.any_extend:
+            return None
+        return padded_size(self.global_num_tokens, buckets)
 
 
 class RankSync:
@@ -61,16 +71,17 @@ class RankSync:
         return parts
 
     def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False,
-                        eplb: int = 0) -> StepHeader:
-        """Every rank's part of this step's header, the same on all ranks (see StepHeader)."""
+                        eplb: int = 0, static_ok: bool = False) -> StepHeader:
+        """Every rank's part of this step's header, the same on all ranks (see StepHeader). static_ok: this rank
+        can run its part of a static-shape decode step."""
         if not self.multi:
-            return StepHeader([num_tokens], is_extend, stop, [eplb])
-        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb], dtype=torch.int64)
-        out = torch.zeros(self.state.world_size * 4, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+            return StepHeader([num_tokens], is_extend, stop, [eplb], static_ok)
+        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb, int(static_ok)], dtype=torch.int64)
+        out = torch.zeros(self.state.world_size * 5, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
         _all_gather(out, t, group=self.state.world_cpu_group)
-        out = out.view(self.state.world_size, 4)
+        out = out.view(self.state.world_size, 5)
         return StepHeader(out[:: self.group_size, 0].tolist(), bool(out[:, 1].any()), bool(out[:, 2].any()),
-                          out[:, 3].tolist())
+                          out[:, 3].tolist(), bool(out[:, 4].all()))
 
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""

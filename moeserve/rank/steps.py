@@ -144,7 +144,7 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
     eplb = runner.rebalancer
     if sync is not None and sync.multi:
         batch = None if stop else scheduler.schedule()
-        header = group_header(sync, batch, stop, eplb.status() if eplb is not None else 0)
+        header = group_header(sync, batch, stop, eplb.status() if eplb is not None else 0, runner)
         if header.any_stop:
             return None
         if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
@@ -163,21 +163,29 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
     return resolve_step(scheduler, launch_step(scheduler, runner, batch), sync)
 
 
-def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb: int = 0) -> StepHeader:
-    """Several ranks: this step's header, exchanged by all; the batch (if any) learns every group's tokens."""
+def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb: int = 0,
+                 runner: ModelRunner | None = None) -> StepHeader:
+    """Several ranks: this step's header, exchanged by all; the batch (if any) learns every group's tokens (and
+    the padded size of a static-shape decode step, rank/static_shape.py)."""
     fb = batch.forward if batch is not None else None
+    static = runner.static_decode if runner is not None else None
     header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
-                                  bool(batch is not None and batch.mode.is_extend), stop, eplb)
+                                  bool(batch is not None and batch.mode.is_extend), stop, eplb,
+                                  runner is not None and runner.static_ready(fb))
     if fb is not None:
         fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+        fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
     return header
 
 
 def join_idle(runner: ModelRunner, header: StepHeader) -> None:
-    """A rank with nothing to run joins the MoE collectives with an IDLE batch, when some other group runs."""
+    """A rank with nothing to run joins the MoE collectives with an IDLE batch, when some other group runs (in a
+    static-shape decode step, with the agreed number of padding rows)."""
     if any(header.global_num_tokens):
         fb = ForwardBatch.idle()
         fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+        static = runner.static_decode
+        fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
         runner.forward(fb)
 
 
@@ -223,7 +231,7 @@ class StepPipeline:
             outs, prev = resolve_step(self.scheduler, prev), None
         batch = None if stop else self.scheduler.schedule()
         if multi:  # the header goes round while the device may still run the step before
-            header = group_header(self.sync, batch, stop)
+            header = group_header(self.sync, batch, stop, runner=self.runner)
             if header.any_stop:
                 return None
             if batch is None:

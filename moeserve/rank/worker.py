@@ -252,6 +252,7 @@ class WorkerLoop:
         load = self.scheduler.get_load()
         if self.runner.rebalancer is not None and self.sync.state.rank == 0:
             load.eplb = self.runner.rebalancer.snapshot()
+        load.step_counts = self.runner.step_counts()
         return load
 
     def _expert_distribution(self, action: str) -> ExpertDistributionOut:

@@ -53,14 +53,20 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  top_logprobs_num: int = 0, stream: bool = False, rid: str | list[str] | None = None,
-                 logprob_start_len: int = -1):
+                 logprob_start_len: int = -1, data_parallel_rank: int | list[int | None] | None = None):
         """Generate for one prompt (returns a dict) or a list (returns a list of dicts, in order).
+        data_parallel_rank: the DP group to run in (default: the least loaded), one for all or one per prompt.
 
         With stream=True (one prompt), returns an iterator of output chunks. With return_logprob and
         logprob_start_len >= 0, meta_info also holds the prompt's input_token_logprobs from that position.
         """
         objs, batched = self._inputs(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                      stream, rid, logprob_start_len)
+        groups = data_parallel_rank if isinstance(data_parallel_rank, list) else [data_parallel_rank] * len(objs)
+        if len(groups) != len(objs):
+            raise ValueError(f"{len(objs)} prompts but {len(groups)} data_parallel_rank values")
+        for obj, group in zip(objs, groups, strict=True):
+            obj.data_parallel_rank = group
         if stream:
             if batched:
                 raise ValueError("stream=True takes one prompt")
