@@ -1,0 +1,85 @@
+"""Tensor-parallel MoE (--tp-size N --ep-size 1) on 2 and 4 CPU ranks (gloo): every expert's intermediate dimension
+split over the ranks, partial outputs all-reduced. Greedy tokens and logits equal one rank's and transformers'."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.models.harness import ATOL, RTOL, Runner, hf_logits, random_tokens
+
+pytestmark = pytest.mark.slow
+NAMES = ("v3_groups", "mixtral")  # DeepSeek-style (shared experts, expert groups) and Mixtral-style
+STEPS = 6
+
+
+def _greedy(runner: Runner) -> tuple[list[list[int]], torch.Tensor]:
+    """Two prompts extended together, then STEPS greedy decode steps -> (tokens per prompt, every step's logits)."""
+    prompts = {"a": random_tokens(9, 1), "b": random_tokens(4, 2)}
+    logits = runner.extend(list(prompts.items()), return_all_logits=False)
+    seen, toks = [logits], {r: [int(t)] for r, t in zip(prompts, logits.argmax(-1), strict=True)}
+    for _ in range(STEPS):
+        logits = runner.decode([(r, t[-1]) for r, t in toks.items()])
+        seen.append(logits)
+        for r, t in zip(toks, logits.argmax(-1), strict=True):
+            toks[r].append(int(t))
+    return [prompts[r] + toks[r] for r in prompts], torch.cat(seen)
+
+
+def _rank(rank: int, world: int, port: int, paths: list[str], queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from moeserve.layers.moe.layer import MoE
+    from moeserve.parallel.state import init_parallel_state
+
+    init_parallel_state(world, rank, dp_size=1, ep_size=1)
+    try:
+        out = []
+        for p in paths:
+            runner = Runner(p, tp_size=world, ep_size=1)
+            moe = next(m for m in runner.model.modules() if isinstance(m, MoE))
+            assert moe.experts.intermediate_size * world == moe.experts.full_intermediate_size  # split
+            toks, logits = _greedy(runner)
+            out.append((toks, logits.tolist()))
+    except Exception:
+        queue.put(traceback.format_exc())  # the test fails now, not at its deadline
+        raise
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_moe_equals_one_rank_and_transformers(world, tiny_checkpoint, hf_model):
+    paths = [tiny_checkpoint(n) for n in NAMES]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, paths, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    outs = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode is None:
+            p.kill()
+    assert not isinstance(outs, str), outs
+    assert all(p.exitcode == 0 for p in procs)
+    for name, path, (toks, logits) in zip(NAMES, paths, outs, strict=True):
+        ref_toks, ref_logits = _greedy(Runner(path))
+        assert toks == ref_toks, name
+        torch.testing.assert_close(torch.tensor(logits), ref_logits, atol=ATOL, rtol=RTOL, msg=name)
+        hf = hf_model(name)
+        for seq in toks:  # transformers' greedy choice at every generated position
+            want = hf_logits(hf, seq[:-1]).argmax(-1)[-STEPS - 1:]
+            assert seq[-STEPS - 1:] == want.tolist(), name
