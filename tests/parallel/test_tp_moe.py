@@ -83,3 +83,13 @@ def test_tp_moe_equals_one_rank_and_transformers(world, tiny_checkpoint, hf_mode
         for seq in toks:  # transformers' greedy choice at every generated position
             want = hf_logits(hf, seq[:-1]).argmax(-1)[-STEPS - 1:]
             assert seq[-STEPS - 1:] == want.tolist(), name
+
+
+def test_tp_moe_refuses_eplb():
+    from moeserve.args import ServerArgs
+
+    for extra in (dict(enable_eplb=True), dict(ep_num_redundant_experts=2)):
+        with pytest.raises(ValueError, match="tensor-parallel MoE"):
+            ServerArgs(model_path="x", tp_size=2, ep_size=1, **extra)
+    assert ServerArgs(model_path="x", tp_size=2, ep_size=1).tp_moe
+    assert not ServerArgs(model_path="x", tp_size=2, ep_size=1, enable_dp_attention=True, dp_size=2).tp_moe
