@@ -159,8 +159,8 @@ class ServerArgs:
     dp_size: int = _flag(1, "Attention data-parallel groups (with --enable-dp-attention).")
     ep_size: int | None = _flag(
         None, "Expert-parallel size of MoE layers: the tp size (the default), or 1: with --tp-size N and no DP "
-        "attention a tensor-parallel MoE (every expert's intermediate dimension split over the N ranks, bf16/fp32 "
-        "weights); with DP attention every rank keeps whole experts for its own group's tokens.")
+        "attention a tensor-parallel MoE (every expert's intermediate dimension split over the N ranks, FP8 on "
+        "whole 128-row blocks); with DP attention every rank keeps whole experts for its own group's tokens.")
     enable_dp_attention: bool = _flag(False, "Data-parallel attention: dp_size groups with their own requests.")
     nnodes: int = _flag(1, "Nodes of this server.")
     node_rank: int = _flag(0, "This node's rank.")

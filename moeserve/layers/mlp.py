@@ -22,7 +22,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.hidden_size = hidden_size
-        self.tp_size = tp_size
+        self.tp_size, self.tp_rank = tp_size, tp_rank
         self.full_intermediate_size = intermediate_size  # in the checkpoint
         self.rows = shard(intermediate_size, tp_size, tp_rank)  # this rank's part of it
         self.intermediate_size = intermediate_size = intermediate_size // tp_size

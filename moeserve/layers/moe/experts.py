@@ -42,7 +42,7 @@ class Experts(nn.Module):
         self.use_cpu_kernel = False  # decided by process_weights_after_loading, as are the grouped GEMMs:
         self.gemm, self.gemm_masked = moe_gemm_reference, moe_gemm_masked_reference  # Triton's where they run
         self.hidden_size = hidden_size
-        self.tp_size = tp_size  # > 1: a tensor-parallel MoE, this rank holds `rows` of every expert
+        self.tp_size, self.tp_rank = tp_size, tp_rank  # tp_size > 1: a tensor-parallel MoE, `rows` of every expert
         self.full_intermediate_size = intermediate_size  # I, in the checkpoint
         self.rows = shard(intermediate_size, tp_size, tp_rank)  # this rank's part of I
         self.intermediate_size = intermediate_size // tp_size
