@@ -170,7 +170,10 @@ class ServerArgs:
     # --- parallelism ---
     tp_size: int = _flag(1, "Ranks (GPUs or CPU processes) of this server.")
     dp_size: int = _flag(1, "Attention data-parallel groups (with --enable-dp-attention).")
-    ep_size: int | None = _flag(None, "Expert-parallel size of MoE layers (default: tp size).")
+    ep_size: int | None = _flag(
+        None, "Expert-parallel size of MoE layers: the tp size (the default), or 1: with --tp-size N and no DP "
+        "attention a tensor-parallel MoE (every expert's intermediate dimension split over the N ranks, FP8 on "
+        "whole 128-row blocks); with DP attention every rank keeps whole experts for its own group's tokens.")
     enable_dp_attention: bool = _flag(False, "Data-parallel attention: dp_size groups with their own requests.")
     nnodes: int = _flag(1, "Nodes of this server.")
     node_rank: int = _flag(0, "This node's rank.")
@@ -358,6 +361,10 @@ class ServerArgs:
                              "file: its low-latency buffers are sized by --ep-max-tokens-per-rank")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size must equal --tp-size ({self.tp_size}) or be 1, got {self.ep_size}")
+        if self.tp_moe and (self.enable_eplb or self.ep_num_redundant_experts):
+            raise ValueError("--enable-eplb and --ep-num-redundant-experts move experts between EP ranks; a "
+                             "tensor-parallel MoE (--ep-size 1, --tp-size > 1) holds every expert on every rank: "
+                             "use --ep-size equal to --tp-size")
         if self.tp_size % self.nnodes:
             raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -421,6 +428,11 @@ class ServerArgs:
     def num_dp_groups(self) -> int:
         """Attention groups, each with its own requests and KV cache: dp_size with DP attention, else 1."""
         return self.dp_size if self.enable_dp_attention else 1
+
+    @property
+    def tp_moe(self) -> bool:
+        """A tensor-parallel MoE: each expert's intermediate dimension split over the tp_size ranks (layers/moe)."""
+        return self.ep_size == 1 and self.tp_size > 1 and not self.enable_dp_attention
 
     @property
     def attn_tp_size(self) -> int:

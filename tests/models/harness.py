@@ -8,6 +8,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.loader import load_model
+from moeserve.parallel.state import get_parallel_state
 
 ATOL = RTOL = 1e-4  # fp32 parity with transformers
 
@@ -22,7 +23,8 @@ class Runner:
         self.device = torch.device(device)
         self.model, self.config = load_model(args, self.device, show_progress=False)
         kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed" in n)
-        self.pool = make_kv_pool(self.config, num_slots, 1, kv_dtype, self.device)
+        self.pool = make_kv_pool(self.config, num_slots, 1, kv_dtype, self.device,
+                                 attn_tp_size=get_parallel_state().attn_tp_size)
         gen = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
         self.slots: dict[object, list[int]] = {}

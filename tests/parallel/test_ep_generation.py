@@ -6,7 +6,8 @@ transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations:
 (tp 2) / DP attention (tp 2, dp 2) x allgather / all2all normal / all2all low_latency (ep_max_tokens_per_rank 4, so
 prefill steps run several rounds) / all2all auto x two-batch overlap off / on; plus the default backend `none`
 (allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2), and --enable-mixed-chunk with small chunks
-(prompt chunks beside the running decodes) under attention TP and under DP attention with two-batch overlap.
+(prompt chunks beside the running decodes) under attention TP and under DP attention with two-batch overlap; and
+--ep-size 1 (a tensor-parallel MoE under attention TP, whole experts per rank under DP attention).
 With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
 lone request (one group busy, the other stepping IDLE batches) must match too.
 """
@@ -51,6 +52,11 @@ CASES += [
      dict(**ATTN["dp2"], **BACKENDS["a2a_auto"], **TBO["tbo_on"], **MIXED_CHUNK)),
     ("v3_groups", "tp4-dp2-a2a_auto",
      dict(tp_size=4, enable_dp_attention=True, dp_size=2, **{k: v for k, v in BACKENDS["a2a_auto"].items()})),
+    # --ep-size 1: a tensor-parallel MoE (each expert's intermediate dimension split, tests/parallel/test_tp_moe.py)
+    # through the server's ranks, with two-batch overlap too; with DP attention, whole experts per DP rank
+    ("v3_groups", "attn_tp2-tp_moe", dict(tp_size=2, ep_size=1)),
+    ("mixtral", "attn_tp2-tp_moe-tbo_on", dict(tp_size=2, ep_size=1, **TBO["tbo_on"])),
+    ("v3_groups", "dp2-ep1", dict(**ATTN["dp2"], ep_size=1)),
 ]
 
 _REF: dict[str, tuple[list[list[int]], list[list[float]]]] = {}

@@ -3,7 +3,9 @@
     expert_e(x) = W2_e · (silu(W1_e x) * (W3_e x))
 
 Checkpoints store each expert separately (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `w1/w3/w2`); the
-loader fuses them, reading only the experts this rank holds.
+loader fuses them, reading only the experts this rank holds. In a tensor-parallel MoE (--ep-size 1, --tp-size N)
+a rank holds every expert's rows `rows` of the intermediate dimension (I / N of them): gate and up rows, down
+columns; its output is a partial sum, which the MoE layer all-reduces.
 
 The kernels (--moe-runner-backend) are chosen once the weights are in, on their device: on the CPU the
 moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM; on CUDA the Triton
@@ -22,7 +24,7 @@ from moeserve.ep.stats import local_tally, record_local_tokens
 from moeserve.kernels import cpu_experts
 from moeserve.kernels.moe_gemm import moe_gemm, moe_gemm_masked, moe_gemm_masked_reference, moe_gemm_reference
 from moeserve.kernels.triton_available import triton_importable
-from moeserve.layers.weights import WeightSpec
+from moeserve.layers.weights import WeightSpec, shard
 
 RUNNER_BACKENDS = ("auto", "grouped_gemm", "cpu_kernel", "triton")  # --moe-runner-backend: see the module doc
 
@@ -34,18 +36,21 @@ class Experts(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
                  checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 runner_backend: str = "auto"):
+                 runner_backend: str = "auto", tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.runner_backend = runner_backend
         self.use_cpu_kernel = False  # decided by process_weights_after_loading, as are the grouped GEMMs:
         self.gemm, self.gemm_masked = moe_gemm_reference, moe_gemm_masked_reference  # Triton's where they run
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.tp_size, self.tp_rank = tp_size, tp_rank  # tp_size > 1: a tensor-parallel MoE, `rows` of every expert
+        self.full_intermediate_size = intermediate_size  # I, in the checkpoint
+        self.rows = shard(intermediate_size, tp_size, tp_rank)  # this rank's part of I
+        self.intermediate_size = intermediate_size // tp_size
         self.num_experts = num_experts  # logical experts in the checkpoint
         self.expert_ids = list(expert_ids)
         self.num_local_experts = len(self.expert_ids)
         self.checkpoint_names = checkpoint_names
-        E, inter, H = self.num_local_experts, intermediate_size, hidden_size
+        E, inter, H = self.num_local_experts, self.intermediate_size, hidden_size
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
 
@@ -125,15 +130,16 @@ class Experts(nn.Module):
         return tuple(f"{prefix}.{logical}.{n}.weight" for n in self.checkpoint_names)
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
-        """Every expert's three tensors; those of experts this rank does not hold are expected but skipped."""
-        inter, H = self.intermediate_size, self.hidden_size
+        """Every expert's three tensors (this rank's rows of I); those of experts this rank does not hold are
+        expected but skipped."""
+        full, inter, H, rows = self.full_intermediate_size, self.intermediate_size, self.hidden_size, self.rows
         held = set(self.expert_ids)
         for logical in range(self.num_experts):
             keys = self.expert_keys(prefix, logical)
             if logical not in held:
-                yield from (WeightSpec(k, s, None) for k, s in zip(keys, ((inter, H), (inter, H), (H, inter)), strict=True))
+                yield from (WeightSpec(k, s, None) for k, s in zip(keys, ((full, H), (full, H), (H, full)), strict=True))
                 continue
             for slot in (i for i, e in enumerate(self.expert_ids) if e == logical):  # replicas: every slot
-                yield WeightSpec(keys[0], (inter, H), f"{prefix}.w13", dst=(slot, slice(0, inter)))
-                yield WeightSpec(keys[1], (inter, H), f"{prefix}.w13", dst=(slot, slice(inter, 2 * inter)))
-                yield WeightSpec(keys[2], (H, inter), f"{prefix}.w2", dst=(slot,))
+                yield WeightSpec(keys[0], (full, H), f"{prefix}.w13", src=(rows,), dst=(slot, slice(0, inter)))
+                yield WeightSpec(keys[1], (full, H), f"{prefix}.w13", src=(rows,), dst=(slot, slice(inter, 2 * inter)))
+                yield WeightSpec(keys[2], (H, full), f"{prefix}.w2", src=(slice(None), rows), dst=(slot,))

@@ -5,6 +5,10 @@
 gate (the model's, router.py) -> physical slots (placement.py) -> dispatch -> this rank's experts -> combine, + S(x).
 `forward` runs the stages `dispatch`, `compute`, `combine`; two-batch overlap (moeserve/models/tbo.py) interleaves
 them with another micro-batch's. On one CPU rank, few rows per expert (decode) take one kernel: `forward_fused_cpu`.
+
+Tensor-parallel MoE (--ep-size 1 with --tp-size N, no DP attention): every rank holds every expert's I / N rows of
+the intermediate dimension (and the shared experts' likewise), runs them on all the tokens (the same on every
+rank), and the partial outputs are summed by one all-reduce over the TP group, as a row-parallel linear's are.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.moe.placement import LayerPlacement
 from moeserve.layers.moe.token_split import TokenSplit
+from moeserve.parallel.comm import all_reduce
 from moeserve.parallel.state import get_parallel_state
 
 if TYPE_CHECKING:
@@ -73,6 +78,13 @@ class MoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = gate  # x [T, H] -> (logical topk_ids [T, k] int64, topk_weights [T, k] fp32)
         num_physical = config.num_experts + options.num_redundant_experts
+        # NOTE: with DP attention and --ep-size 1 each rank keeps every whole expert for its own DP group's tokens
+        self.tp_group = ps.attn_tp_group if ps.ep_size == 1 and ps.dp_size == 1 and ps.world_size > 1 else None
+        tp_size, tp_rank = (ps.world_size, ps.rank) if self.tp_group is not None else (1, 0)
+        if config.moe_intermediate_size % tp_size:
+            raise ValueError(f"a tensor-parallel MoE (--ep-size 1) splits the experts' intermediate size "
+                             f"{config.moe_intermediate_size} over --tp-size {tp_size} ranks: it does not divide; "
+                             f"use --ep-size {tp_size}")
         if num_physical % ps.ep_size:
             raise ValueError(f"{num_physical} physical experts do not split over ep_size {ps.ep_size}")
         num_local = num_physical // ps.ep_size
@@ -81,9 +93,9 @@ class MoE(nn.Module):
         first = ps.ep_rank * num_local
         self.experts = Experts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                self.placement.slots[first:first + num_local], expert_names,
-                               runner_backend=options.runner_backend)
+                               runner_backend=options.runner_backend, tp_size=tp_size, tp_rank=tp_rank)
         self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, tp_size, tp_rank)
             if config.num_shared_experts else None
         )
         # --enable-shared-experts-fusion: at load the shared MLP becomes num_shared_experts more local slots
@@ -127,7 +139,7 @@ class MoE(nn.Module):
         d = self.dispatchers[mb]
         shared = self._shared_out(self.split.own(x))
         y = d.combine_b() if shared is None else d.combine_b_plus(shared)
-        return self.split.gather(y, x.shape[0])
+        return self.split.gather(all_reduce(y, self.tp_group), x.shape[0])
 
     def forward_fused_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """forward on one CPU rank: routing straight into one kernel call (grouping the pairs by expert, the
@@ -136,7 +148,7 @@ class MoE(nn.Module):
         y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
         record_local_tokens(counts[:self.experts.num_local_experts])
         shared = self._shared_out(x)
-        return y + shared if shared is not None else y
+        return all_reduce(y + shared if shared is not None else y, self.tp_group)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate -> (recorder) -> physical slots: (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""

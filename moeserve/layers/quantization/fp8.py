@@ -35,10 +35,10 @@ def to_fp8(model: nn.Module, activation_dtype: torch.dtype) -> None:
 
 def _twin(name: str, module: nn.Module, activation_dtype: torch.dtype) -> nn.Module:
     if isinstance(module, Experts):
-        return Fp8Experts(module.hidden_size, module.intermediate_size, module.num_experts, module.expert_ids,
-                          module.checkpoint_names, module.runner_backend, activation_dtype)
+        return Fp8Experts(module.hidden_size, module.full_intermediate_size, module.num_experts, module.expert_ids,
+                          module.checkpoint_names, module.runner_backend, activation_dtype, module.tp_size, module.tp_rank)
     if isinstance(module, GatedMLP):
-        return Fp8GatedMLP(module.hidden_size, module.intermediate_size, activation_dtype)
+        return Fp8GatedMLP(module.hidden_size, module.full_intermediate_size, activation_dtype, module.tp_size, module.tp_rank)
     try:
         return fp8_twin(module, activation_dtype)
     except ValueError as e:

@@ -41,8 +41,8 @@ from moeserve.kernels.fp8_quant import (
 from moeserve.kernels.grouped_gemm import grouped_gemm
 from moeserve.layers.moe.experts import Experts
 from moeserve.layers.quantization.fp8_linear import SCALE_SUFFIX
-from moeserve.layers.quantization.fp8_mlp import fp8_param, scale_param
-from moeserve.layers.weights import WeightSpec
+from moeserve.layers.quantization.fp8_mlp import check_tp_blocks, fp8_param, scale_param
+from moeserve.layers.weights import WeightSpec, block_slice
 
 
 class Fp8Experts(Experts):
@@ -53,9 +53,12 @@ class Fp8Experts(Experts):
     slot_params = ("w13", "w13_scale_inv", "w2", "w2_scale_inv")
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, expert_ids: Sequence[int],
-                 checkpoint_names: tuple[str, str, str], runner_backend: str, activation_dtype: torch.dtype):
-        super().__init__(hidden_size, intermediate_size, num_experts, expert_ids, checkpoint_names, runner_backend)
-        E, H, inter = self.num_local_experts, hidden_size, intermediate_size
+                 checkpoint_names: tuple[str, str, str], runner_backend: str, activation_dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(hidden_size, intermediate_size, num_experts, expert_ids, checkpoint_names, runner_backend,
+                         tp_size, tp_rank)
+        E, H, inter = self.num_local_experts, hidden_size, self.intermediate_size
+        check_tp_blocks("the routed experts", self)
         self.padded_intermediate = ip = num_blocks(inter) * BLOCK
         self.w13 = fp8_param(E, 2 * ip, H)
         self.w13_scale_inv = scale_param(E, 2 * ip // BLOCK, num_blocks(H))
@@ -121,9 +124,11 @@ class Fp8Experts(Experts):
         """Every expert's three weights and their scales; those of experts this rank does not hold are expected but
         skipped."""
         inter, H, ip = self.intermediate_size, self.hidden_size, self.padded_intermediate
-        ib, hb = num_blocks(inter), num_blocks(H)
-        shapes = ((inter, H), (inter, H), (H, inter))
+        full, rows = self.full_intermediate_size, self.rows  # a tensor-parallel MoE reads rows (whole blocks) of I
+        ib, hb, block_rows = num_blocks(full), num_blocks(H), block_slice(rows, full, BLOCK)
+        shapes = ((full, H), (full, H), (H, full))
         scale_shapes = ((ib, hb), (ib, hb), (hb, ib))
+        ib = num_blocks(inter)
         held = set(self.expert_ids)
         for logical in range(self.num_experts):
             keys = self.expert_keys(prefix, logical)
@@ -133,8 +138,11 @@ class Fp8Experts(Experts):
                 continue
             for slot in (i for i, e in enumerate(self.expert_ids) if e == logical):  # replicas: every slot
                 for j, start in enumerate((0, ip)):  # gate, up
-                    yield WeightSpec(keys[j], shapes[j], f"{prefix}.w13", dst=(slot, slice(start, start + inter)))
-                    yield WeightSpec(scale_keys[j], scale_shapes[j], f"{prefix}.w13_scale_inv",
+                    yield WeightSpec(keys[j], shapes[j], f"{prefix}.w13", src=(rows,),
+                                     dst=(slot, slice(start, start + inter)))
+                    yield WeightSpec(scale_keys[j], scale_shapes[j], f"{prefix}.w13_scale_inv", src=(block_rows,),
                                      dst=(slot, slice(start // BLOCK, start // BLOCK + ib)))
-                yield WeightSpec(keys[2], shapes[2], f"{prefix}.w2", dst=(slot, slice(None), slice(0, inter)))
-                yield WeightSpec(scale_keys[2], scale_shapes[2], f"{prefix}.w2_scale_inv", dst=(slot,))
+                yield WeightSpec(keys[2], shapes[2], f"{prefix}.w2", src=(slice(None), rows),
+                                 dst=(slot, slice(None), slice(0, inter)))
+                yield WeightSpec(scale_keys[2], scale_shapes[2], f"{prefix}.w2_scale_inv",
+                                 src=(slice(None), block_rows), dst=(slot,))

@@ -28,7 +28,7 @@ from moeserve.kernels.fp8_quant import (
 )
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.quantization.fp8_linear import SCALE_SUFFIX
-from moeserve.layers.weights import WeightSpec
+from moeserve.layers.weights import WeightSpec, block_slice
 
 
 def fp8_param(*shape: int) -> nn.Parameter:
@@ -39,17 +39,27 @@ def scale_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
+def check_tp_blocks(what: str, layer: GatedMLP | nn.Module) -> None:
+    """A tensor-parallel MoE splits I on whole 128-row scale blocks (a block has one scale), or is refused."""
+    if layer.tp_size > 1 and layer.intermediate_size % BLOCK:
+        raise ValueError(f"FP8 weights: a tensor-parallel MoE (--ep-size 1) splits {what}' intermediate size "
+                         f"{layer.full_intermediate_size} into {layer.intermediate_size} rows a rank, not whole "
+                         f"{BLOCK}-row scale blocks: choose a --tp-size that does, or --ep-size equal to --tp-size")
+
+
 class Fp8GatedMLP(GatedMLP):
     """gate_up_proj [2I', H] e4m3 + gate_up_proj_scale_inv [2I'/128, ceil(H/128)], down_proj [H, I'] e4m3 +
     down_proj_scale_inv [ceil(H/128), I'/128]; checkpoint keys as DeepSeek's (`*.weight`, `*.weight_scale_inv`)."""
 
     fp32_params = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation_dtype: torch.dtype = torch.float32):
-        super().__init__(hidden_size, intermediate_size)
+    def __init__(self, hidden_size: int, intermediate_size: int, activation_dtype: torch.dtype = torch.float32,
+                 tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(hidden_size, intermediate_size, tp_size, tp_rank)
+        check_tp_blocks("the shared experts", self)
         self.activation_dtype = activation_dtype
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU: (gate_up, down) dequantized
-        H, inter = hidden_size, intermediate_size
+        H, inter = hidden_size, self.intermediate_size
         self.padded_intermediate = ip = num_blocks(inter) * BLOCK
         self.gate_up_proj = fp8_param(2 * ip, H)
         self.gate_up_proj_scale_inv = scale_param(2 * ip // BLOCK, num_blocks(H))
@@ -94,11 +104,14 @@ class Fp8GatedMLP(GatedMLP):
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         inter, H, ip = self.intermediate_size, self.hidden_size, self.padded_intermediate
-        ib, hb = num_blocks(inter), num_blocks(H)
+        full, rows = self.full_intermediate_size, self.rows  # rows of I (whole blocks) in a tensor-parallel MoE
+        fb, hb, ib, block_rows = num_blocks(full), num_blocks(H), num_blocks(inter), block_slice(rows, full, BLOCK)
         for name, start in (("gate_proj", 0), ("up_proj", ip)):
-            yield WeightSpec(f"{prefix}.{name}.weight", (inter, H), f"{prefix}.gate_up_proj",
+            yield WeightSpec(f"{prefix}.{name}.weight", (full, H), f"{prefix}.gate_up_proj", src=(rows,),
                              dst=(slice(start, start + inter),))
-            yield WeightSpec(f"{prefix}.{name}.weight{SCALE_SUFFIX}", (ib, hb), f"{prefix}.gate_up_proj_scale_inv",
-                             dst=(slice(start // BLOCK, start // BLOCK + ib),))
-        yield WeightSpec(f"{prefix}.down_proj.weight", (H, inter), f"{prefix}.down_proj", dst=(slice(None), slice(0, inter)))
-        yield WeightSpec(f"{prefix}.down_proj.weight{SCALE_SUFFIX}", (hb, ib), f"{prefix}.down_proj_scale_inv")
+            yield WeightSpec(f"{prefix}.{name}.weight{SCALE_SUFFIX}", (fb, hb), f"{prefix}.gate_up_proj_scale_inv",
+                             src=(block_rows,), dst=(slice(start // BLOCK, start // BLOCK + ib),))
+        yield WeightSpec(f"{prefix}.down_proj.weight", (H, full), f"{prefix}.down_proj", src=(slice(None), rows),
+                         dst=(slice(None), slice(0, inter)))
+        yield WeightSpec(f"{prefix}.down_proj.weight{SCALE_SUFFIX}", (hb, fb), f"{prefix}.down_proj_scale_inv",
+                         src=(slice(None), block_rows))
