@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeserve.text.parsers.markers import held_back
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -29,13 +31,6 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "qwen3": ReasoningFormat(starts_in_reasoning=False, thinking_kwarg="enable_thinking"),
 }
 
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of text could be the start of tag (held back until the next delta)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -63,7 +58,7 @@ class ReasoningParser:
         if self.in_reasoning:
             end = self.buf.find(THINK_END)
             if end < 0:
-                keep = _held(self.buf, THINK_END)
+                keep = held_back(self.buf, THINK_END)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
             reasoning, self.buf, self.in_reasoning = self.buf[:end], self.buf[end + len(THINK_END):], False

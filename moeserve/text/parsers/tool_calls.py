@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.text.parsers.markers import held_back
+
 logger = logging.getLogger(__name__)
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -50,12 +52,6 @@ TOOL_CALL_PARSERS: dict[str, ToolCallFormat] = {
 }
 
 
-def _held(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
 
 class ToolCallParser:
     """One output's text -> (content, OpenAI tool-call deltas), delta by delta."""
@@ -76,7 +72,7 @@ class ToolCallParser:
             if self.state == "content":
                 at = self.buf.find(CALLS_BEGIN)
                 if at < 0:
-                    keep = _held(self.buf, CALLS_BEGIN)
+                    keep = held_back(self.buf, CALLS_BEGIN)
                     content += self.buf[:len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     return content, calls
