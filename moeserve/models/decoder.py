@@ -16,7 +16,7 @@ A model's whole input is a ForwardBatch; its output is float32 logits.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 from torch import nn
@@ -132,6 +132,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
+        # the recorder's on_pass_begin (moeserve/eplb/recorder.py), told which rows of a pass are real tokens
+        self._mark_real_rows: Callable[[torch.Tensor | None], None] | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
@@ -142,6 +144,9 @@ class CausalLM(nn.Module):
         every layer's attention runs through (moeserve/rank/piecewise_graph_runner.py)."""
         rope = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
+        if self._mark_real_rows is not None:  # padding rows (CUDA graphs) write to the scratch slot 0
+            real = batch.out_cache_loc != 0 if batch.out_cache_loc is not None else None
+            self._mark_real_rows(None if real is None else self.moe_layers()[0].split.own(real))
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
         if (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
                                               get_parallel_state().world_size)
@@ -172,6 +177,8 @@ class CausalLM(nn.Module):
         return [d for m in self.moe_layers() for d in m.dispatchers]
 
     def set_expert_recorder(self, recorder: ExpertRecorder | None) -> None:
-        """Every MoE layer reports its chosen logical experts to `recorder` (None: stop)."""
+        """Every MoE layer reports its chosen logical experts to `recorder` (None: stop); a recorder with
+        on_pass_begin (moeserve/eplb/recorder.py) is told before each pass which rows are real tokens."""
+        self._mark_real_rows = getattr(recorder, "on_pass_begin", None)
         for m in self.moe_layers():
             m.set_recorder(recorder)
