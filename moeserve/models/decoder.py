@@ -132,6 +132,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
+        for moe in self.moe_layers():
+            moe.gate.fake = options.fake_routing
         # the recorder's on_pass_begin (moeserve/eplb/recorder.py), told which rows of a pass are real tokens
         self._mark_real_rows: Callable[[torch.Tensor | None], None] | None = None
 
