@@ -30,6 +30,7 @@ from moeserve.layers.attention.ops import AttentionMetadata, PieceSplitter
 from moeserve.layers.linear import Embedding, Linear
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.layer import ExpertRecorder, MoE
+from moeserve.layers.moe.token_split import TokenSplit
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.options import ModelOptions
@@ -134,8 +135,10 @@ class CausalLM(nn.Module):
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
         for moe in self.moe_layers():
             moe.gate.fake = options.fake_routing
-        # the recorder's on_pass_begin (moeserve/eplb/recorder.py), told which rows of a pass are real tokens
+        # the recorder's on_pass_begin (moeserve/eplb/recorder.py), told which rows of a pass are real tokens, and
+        # the MoE layers' token split (the rows this rank routes)
         self._mark_real_rows: Callable[[torch.Tensor | None], None] | None = None
+        self._moe_split: TokenSplit | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
@@ -148,7 +151,7 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)
         if self._mark_real_rows is not None:  # padding rows (CUDA graphs) write to the scratch slot 0
             real = batch.out_cache_loc != 0 if batch.out_cache_loc is not None else None
-            self._mark_real_rows(None if real is None else self.moe_layers()[0].split.own(real))
+            self._mark_real_rows(None if real is None else self._moe_split.own(real))
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
         if (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
                                               get_parallel_state().world_size)
@@ -182,5 +185,6 @@ class CausalLM(nn.Module):
         """Every MoE layer reports its chosen logical experts to `recorder` (None: stop); a recorder with
         on_pass_begin (moeserve/eplb/recorder.py) is told before each pass which rows are real tokens."""
         self._mark_real_rows = getattr(recorder, "on_pass_begin", None)
+        self._moe_split = self.moe_layers()[0].split if self.moe_layers() else None
         for m in self.moe_layers():
             m.set_recorder(recorder)
