@@ -102,6 +102,12 @@ def node_shared_tensor(numel: int, dtype: torch.dtype, fill: Callable[[torch.Ten
     writer = node[0]
     path = SHM_DIR / f"moeserve-experts-{hosts[writer][1]}"  # type: ignore[index]  # the writer's nonce
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    shm = os.statvfs(SHM_DIR)
+    if shm.f_bavail * shm.f_frsize < nbytes:  # writing past a full tmpfs would kill the writer with SIGBUS
+        raise ValueError(
+            f"--eplb-expert-weights memory keeps {nbytes / 2**30:.2f} GiB of experts in {SHM_DIR}, which has "
+            f"{shm.f_bavail * shm.f_frsize / 2**30:.2f} GiB free: enlarge it (docker run --shm-size) or pass "
+            "--eplb-expert-weights mmap")
     try:
         if me == writer:
             with open(path, "wb") as f:

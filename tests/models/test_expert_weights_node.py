@@ -59,3 +59,17 @@ def test_one_host_copy_per_node(tmp_path, hosts):
     assert len(set().union(*inode_of_node.values())) == len(nodes)  # one copy per node, not per rank
     left = {f for f in set(os.listdir(expert_weights.SHM_DIR)) - before if f.startswith("moeserve-experts-")}
     assert not left
+
+
+def test_a_full_shm_is_refused_by_name(monkeypatch, tmp_path):
+    """Too little room in /dev/shm: a clear error before anything is written (a write past a full tmpfs is a
+    SIGBUS)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        real = os.statvfs(expert_weights.SHM_DIR)
+        monkeypatch.setattr(expert_weights.os, "statvfs", lambda _: os.statvfs_result(
+            (real.f_bsize, real.f_frsize, real.f_blocks, 0, 0, *real[5:])))
+        with pytest.raises(ValueError, match="eplb-expert-weights mmap"):
+            expert_weights.node_shared_tensor(NUMEL, torch.float32, lambda flat: None, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
