@@ -222,7 +222,9 @@ class ServerArgs:
         "moeserve.eplb (physical_to_logical_map) or a recorder dump (logical_count) to plan one from.")
     ep_dispatch_algorithm: str = _flag(
         "static", "How a token picks among an expert's replicas: static (each rank's table: a replica on its own "
-        "GPU, else its node, else spread) or dynamic (at random, so a hot expert's replicas share its load).",
+        "GPU, else its node, else spread), dynamic (at random, so a hot expert's replicas share its load) or fake "
+        "(every token routed to k experts uniformly at random, replicas as static: the balance perfect EPLB would "
+        "reach; the outputs are meaningless).",
         DISPATCH_ALGORITHMS)
     expert_distribution_recorder_mode: str | None = _flag(
         None, "Record expert load (start/stop/dump endpoints): stat (counts per MoE layer and expert), per_pass "

@@ -27,7 +27,9 @@ from moeserve.eplb.algorithm import (
 
 __all__ = ["ExpertLocation"]
 
-DISPATCH_ALGORITHMS = ("static", "dynamic")  # --ep-dispatch-algorithm: select_physical's modes
+# --ep-dispatch-algorithm: select_physical's modes, and fake (SGLang's name): the router picks k experts uniformly at
+# random (layers/moe/router.py), slots as static; a bound on what balancing can buy, with meaningless outputs
+DISPATCH_ALGORITHMS = ("static", "dynamic", "fake")
 
 
 @dataclass(eq=False)
@@ -265,7 +267,7 @@ class ExpertLocation:
                                              self.logical_to_all_physical_map_num_valid[layers][i], u[i])
                                for i in range(ids.shape[0])])
         else:
-            raise ValueError(f"mode must be {' or '.join(map(repr, DISPATCH_ALGORITHMS))}, not {mode!r}")
+            raise ValueError(f"mode must be 'static' or 'dynamic', not {mode!r}")
         out = out.view_as(ids)
         return out[0] if layer is not None else out
 

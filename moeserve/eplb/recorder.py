@@ -15,6 +15,10 @@ Modes, each a superset of the one before:
              lock-step), what `moeserve eplb analyze` plots over time;
 - per_token: also every routed token's experts, `topk_ids` [tokens, layers, k] with `forward_pass_id` [tokens]:
              a ring of the last `buffer_size` tokens.
+Only real rows count: the model marks them before its layers run (`on_pass_begin`, from out_cache_loc != 0:
+the padding rows of CUDA graphs and piecewise graphs write to the scratch KV slot 0, which no request owns), and the
+layers' adds are weighted by that mask on the device (no host sync, captured like the add). Start-up warm-ups and
+captures run inside `not_counting()`, which puts the counts back as they were.
 The model runner calls `on_pass_end(rows)` after every forward pass (outside CUDA graphs), with the rows this
 rank's MoE layers routed. The dump (TokenizerManager.dump_expert_distribution) is a .pt file written under
 `expert_distribution_dir()` unless the offline Engine gives a path; its `logical_count` is what `moeserve eplb` and
@@ -23,7 +27,8 @@ ExpertLocation.load read (SGLang's stat dump has the same key).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,6 +57,7 @@ class ExpertDistributionRecorder:
         self.layer_index = {layer: i for i, layer in enumerate(moe_layers)}
         num_layers = len(moe_layers)
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self._valid: torch.Tensor | None = None  # [T] int64 1 for a real row of the pass in progress, 0 for padding
         self.pass_id = 0  # forward passes ended so far (the same on every rank)
         self._start: tuple[torch.Tensor, int] | None = None  # (counts, pass id) when recording started
         self._window: tuple[torch.Tensor, int, int] | None = None  # the last stopped window: counts, passes
@@ -67,13 +73,23 @@ class ExpertDistributionRecorder:
             self._tokens_seen = 0
 
     # ------------------------------------------------------------------ the hot path
+    def on_pass_begin(self, valid_rows: torch.Tensor | None) -> None:
+        """valid_rows [T] bool on the device: which of the rows this rank's MoE layers route in the coming forward
+        are real tokens (None: all of them). Inside the forward, possibly a CUDA graph."""
+        self._valid = None if valid_rows is None else valid_rows.to(torch.int64)
+
     def on_select_experts(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """topk_ids [T, k] logical ids of one MoE layer (inside the forward, possibly a CUDA graph)."""
         i = self.layer_index.get(layer_id)
         if i is None or topk_ids.device != self.counts.device:  # another model's layer (tests build several)
             return
         ids = topk_ids.reshape(-1)
-        self.counts[i].scatter_add_(0, ids, torch.ones_like(ids))
+        valid = self._valid
+        if valid is not None and valid.shape[0] == topk_ids.shape[0]:  # NOTE: a two-batch-overlap micro-batch
+            weights = valid[:, None].expand(topk_ids.shape).reshape(-1)  # routes part of them; eager: no padding
+        else:
+            weights = torch.ones_like(ids)
+        self.counts[i].scatter_add_(0, ids, weights)
         if self.mode == "per_token" and topk_ids.shape[0]:
             self._step_ids[: topk_ids.shape[0], i].copy_(topk_ids)
 
@@ -92,6 +108,16 @@ class ExpertDistributionRecorder:
                 torch.arange(first, first + n, out=self._token_seq[dst:dst + n])
             self._tokens_seen += rows
         self.pass_id += 1
+
+    @contextmanager
+    def not_counting(self) -> Iterator[None]:
+        """Forward passes inside (start-up warm-ups, CUDA-graph captures) leave the counts as they were."""
+        saved = self.counts.clone()
+        try:
+            yield
+        finally:
+            self.counts.copy_(saved)  # in place: captured graphs and the rebalancer hold this tensor
+            self._valid = None
 
     # ------------------------------------------------------------------ the window
     def start(self) -> None:

@@ -20,7 +20,7 @@ A model's whole input is a ForwardBatch; its output is float32 logits.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from moeserve.layers.attention.ops import AttentionMetadata, PieceSplitter
 from moeserve.layers.linear import ColumnParallelLinear, Embedding, Linear
 from moeserve.layers.mlp import GatedMLP
 from moeserve.layers.moe.layer import ExpertRecorder, MoE
+from moeserve.layers.moe.token_split import TokenSplit
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.weights import shard
@@ -138,6 +139,12 @@ class CausalLM(nn.Module):
         self.tbo_enabled, self.tbo_threshold = options.two_batch_overlap, options.tbo_token_threshold
         self.tbo_steps: Counter[tuple[int, bool]] = Counter()  # (largest group's tokens, overlapped): steps
         self.expert_location = options.moe.placement  # the placement in force (None: trivial); EPLB updates it
+        for moe in self.moe_layers():
+            moe.gate.fake = options.fake_routing
+        # the recorder's on_pass_begin (moeserve/eplb/recorder.py), told which rows of a pass are real tokens, and
+        # the MoE layers' token split (the rows this rank routes)
+        self._mark_real_rows: Callable[[torch.Tensor | None], None] | None = None
+        self._moe_split: TokenSplit | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits float32 [len(batch.logits_indices), V], or [T, V] with batch.return_all_logits."""
@@ -148,6 +155,9 @@ class CausalLM(nn.Module):
         every layer's attention runs through (moeserve/rank/piecewise_graph_runner.py)."""
         rope = self.rotary(batch.positions)
         h = self.model.embed_tokens(batch.input_ids)
+        if self._mark_real_rows is not None:  # padding rows (CUDA graphs) write to the scratch slot 0
+            real = batch.out_cache_loc != 0 if batch.out_cache_loc is not None else None
+            self._mark_real_rows(None if real is None else self._moe_split.own(real))
         # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
         tbo = (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
                                                  get_parallel_state().world_size)
@@ -205,6 +215,9 @@ class CausalLM(nn.Module):
         return [d for m in self.moe_layers() for d in m.dispatchers]
 
     def set_expert_recorder(self, recorder: ExpertRecorder | None) -> None:
-        """Every MoE layer reports its chosen logical experts to `recorder` (None: stop)."""
+        """Every MoE layer reports its chosen logical experts to `recorder` (None: stop); a recorder with
+        on_pass_begin (moeserve/eplb/recorder.py) is told before each pass which rows are real tokens."""
+        self._mark_real_rows = getattr(recorder, "on_pass_begin", None)
+        self._moe_split = self.moe_layers()[0].split if self.moe_layers() else None
         for m in self.moe_layers():
             m.set_recorder(recorder)

@@ -31,6 +31,7 @@ class ModelOptions:
     two_batch_overlap: bool = False  # --enable-two-batch-overlap
     tbo_token_threshold: int = 64  # --tbo-token-threshold: steps with fewer tokens (on every rank) do not overlap
     dp_lm_head: bool = False  # --enable-dp-lm-head: the LM head split by vocabulary over the attention-TP group
+    fake_routing: bool = False  # --ep-dispatch-algorithm fake: the gates pick experts uniformly at random
 
 
 def rebalance_options(args: ServerArgs, config: ModelConfig) -> RebalanceOptions:
@@ -91,8 +92,13 @@ def model_options(args: ServerArgs, config: ModelConfig, device: torch.device | 
                      two_batch_overlap=args.enable_two_batch_overlap,
                      dynamic_dispatch=args.ep_dispatch_algorithm == "dynamic", rebalance=args.enable_eplb,
                      fuse_shared_experts=fuse_shared_experts(args, config, device))
+    fake_routing = args.ep_dispatch_algorithm == "fake"
+    if fake_routing:
+        logger.warning("--ep-dispatch-algorithm fake: every token goes to experts picked uniformly at random, to "
+                       "measure the balance perfect EPLB would reach; the outputs are meaningless")
     return ModelOptions(moe=moe, two_batch_overlap=args.enable_two_batch_overlap,
-                        tbo_token_threshold=args.tbo_token_threshold, dp_lm_head=args.enable_dp_lm_head)
+                        tbo_token_threshold=args.tbo_token_threshold, dp_lm_head=args.enable_dp_lm_head,
+                        fake_routing=fake_routing)
 
 
 def expert_location(config: ModelConfig, args: ServerArgs, ep_size: int) -> ExpertLocation | None:

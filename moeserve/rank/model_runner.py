@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -129,8 +130,9 @@ class ModelRunner:
         self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device)
                            if self.expert_recorder is not None else None)
         self.runners = self._graph_runners()
-        for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
-            runner.capture_all(progress=get_parallel_state().rank == 0)
+        with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
+            for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
+                runner.capture_all(progress=get_parallel_state().rank == 0)
         logger.info("%s", self.memory_line())
 
     def _graph_runners(self) -> list[GraphRunner]:
@@ -151,10 +153,7 @@ class ModelRunner:
                 lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
                 min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device, a.cuda_graph_bs,
                 a.num_dp_groups)
-            if not a.disable_piecewise_cuda_graph and self.expert_recorder is not None:
-                logger.info("piecewise CUDA graphs are off with the expert-distribution recorder (its counts "
-                            "would include the padding tokens): extend steps run eagerly")
-            elif not a.disable_piecewise_cuda_graph and not self.ep.extend_graph_safe:
+            if not a.disable_piecewise_cuda_graph and not self.ep.extend_graph_safe:
                 logger.info("piecewise CUDA graphs are off with %s: its extend steps read the split counts back to "
                             "the host; extend steps run eagerly", self.ep.backend_desc)
             elif not a.disable_piecewise_cuda_graph:

@@ -105,3 +105,43 @@ def test_sweep_end_to_end(counts: np.ndarray, tmp_path) -> None:
     assert len(data["rows"]) == len(rows) and data["settings"] == {"note": "test"}
     assert paths["csv"].read_text().splitlines()[0].startswith("nodes,gpus_per_node")
     assert not any(math.isnan(r.eplb_held_out) for r in rows)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "deepseek"])
+def test_held_out_is_the_next_windows_balancedness(algorithm: str) -> None:
+    """On drifting loads, the held-out number of each algorithm is the balancedness the placement planned on span
+    k reaches on the steps of span k+1, recomputed here by hand (numpy, slot by slot)."""
+    from moeserve.eplb.algorithm import rebalance_experts, rebalance_experts_reference
+
+    spec = WorkloadSpec(num_layers=2, num_experts=16, num_steps=30, tokens_per_step=128, topk=2,
+                        dist="lognormal", num_groups=4, drift=0.2, seed=3)
+    counts = generate(spec)
+    nodes, gpn, redundant, chunks = 1, 4, 4, 3
+    # one simulated step per recorded step: tokens_per_gpu * GPUs = the recorded step's tokens
+    rows = simulate(counts, topk=2, num_groups=4, nodes_grid=(nodes,), gpus_per_node_grid=(gpn,),
+                    redundant_grid=(redundant,), tokens_per_gpu_grid=(128 // gpn,), holdout_chunks=chunks,
+                    max_batches=1000, progress=False)
+    (row,) = rows
+    plan = {"auto": rebalance_experts, "deepseek": rebalance_experts_reference}[algorithm]
+    spans = np.array_split(np.arange(counts.shape[0]), chunks)
+    means, maxima, worst = 0.0, 0.0, []
+    per_layer = np.zeros((2, counts.shape[1]))
+    for k in range(1, chunks):
+        phy2log, _, logcnt = plan(torch.as_tensor(counts[spans[k - 1]].sum(0), dtype=torch.float32),
+                                  16 + redundant, 4, nodes, gpn)
+        phy2log, logcnt = phy2log.numpy(), logcnt.numpy()
+        per_gpu = (16 + redundant) // gpn
+        for step in spans[k]:
+            for layer in range(counts.shape[1]):
+                share = counts[step, layer] / logcnt[layer]  # each replica takes an even share
+                loads = [sum(share[phy2log[layer, s]] for s in range(g * per_gpu, (g + 1) * per_gpu))
+                         for g in range(gpn)]
+                means, maxima = means + np.mean(loads), maxima + max(loads)
+                per_layer[:, layer] += (np.mean(loads), max(loads))
+    worst = min(per_layer[0] / per_layer[1])
+    name = "eplb" if algorithm == "auto" else "deepseek"
+    assert row.heldout_batches == sum(len(s) for s in spans[1:])
+    assert getattr(row, f"{name}_held_out") == pytest.approx(means / maxima, rel=1e-5)
+    assert getattr(row, f"{name}_held_out_worst_layer") == pytest.approx(worst, rel=1e-5)
+    # the loads drift: a placement does better on the window it was planned on than on the next one
+    assert getattr(row, f"{name}_in_sample") > getattr(row, f"{name}_held_out")

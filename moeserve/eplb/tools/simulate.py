@@ -14,7 +14,9 @@ Method (the SGLang blog's simulator, redone here):
    `rebalance_experts` (DeepSeek's contract) with R = E + redundant slots, R/P slots per GPU, each expert's
    load split evenly over its replicas. In-sample: planned on the whole recording. Held out: the recording
    is cut into `holdout_chunks` equal spans of time; the placement planned on span k is scored on the
-   simulated steps whose midpoint lies in span k+1 (as a server that rebalances every span would run).
+   simulated steps whose midpoint lies in span k+1 (as a server that rebalances every span would run): on
+   drifting loads (workloads.py's `drift`) the number that says what a rebalance buys. Both --eplb-algorithm
+   choices are planned and scored: moeserve's (auto) and DeepSeek's reference policy (deepseek).
 3. Score. Per simulated step and layer the GPU loads are summed; balancedness = sum of mean GPU loads / sum
    of max GPU loads over steps and layers, so 1/balancedness is exactly the factor by which imbalance
    stretches the MoE part of the step time. The worst layer's value is reported too.
@@ -89,12 +91,13 @@ def step_time_balancedness(loads: torch.Tensor) -> tuple[float, float]:
 
 
 def plan_placement(weight: np.ndarray | torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                   num_gpus: int) -> EplbPlacement:
-    """EPLB placement planned on loads weight [L, E] (rebalance_experts, DeepSeek's contract)."""
-    from moeserve.eplb.algorithm import rebalance_experts  # written beside this module
+                   num_gpus: int, algorithm: str = "auto") -> EplbPlacement:
+    """EPLB placement planned on loads weight [L, E] by `algorithm` (an --eplb-algorithm choice: auto is
+    rebalance_experts, deepseek the reference policy; both DeepSeek's contract)."""
+    from moeserve.eplb.rebalancer import ALGORITHMS
 
     weight = torch.as_tensor(np.asarray(weight), dtype=torch.float32)
-    phy2log, _, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, _, logcnt = ALGORITHMS[algorithm](weight, num_replicas, num_groups, num_nodes, num_gpus)
     return EplbPlacement(phy2log, logcnt, num_gpus)
 
 
@@ -181,53 +184,62 @@ class SimRow:
     no_eplb_worst_layer: float
     eplb_in_sample_worst_layer: float
     eplb_held_out_worst_layer: float
+    # the same with DeepSeek's reference policy (--eplb-algorithm deepseek); eplb_* above are moeserve's (auto)
+    deepseek_in_sample: float
+    deepseek_held_out: float
+    deepseek_in_sample_worst_layer: float
+    deepseek_held_out_worst_layer: float
 
 
 class PlacementCache:
-    """EPLB placements keyed by (nodes, GPUs per node, redundant, span), planned once per key."""
+    """EPLB placements keyed by (nodes, GPUs per node, redundant, span, algorithm), planned once per key."""
 
     def __init__(self, logical_count: np.ndarray, num_groups: int, holdout_chunks: int):
         self.logical_count = logical_count
         self.num_groups = num_groups
         self.spans = np.array_split(np.arange(logical_count.shape[0]), holdout_chunks)
-        self._cache: dict[tuple[int, int, int, int], EplbPlacement] = {}
+        self._cache: dict[tuple[int, int, int, int, str], EplbPlacement] = {}
 
-    def get(self, nodes: int, gpus_per_node: int, redundant: int, span: int | None) -> EplbPlacement:
-        """The placement planned on the whole recording (span None) or on one time span."""
-        key = (nodes, gpus_per_node, redundant, -1 if span is None else span)
+    def get(self, nodes: int, gpus_per_node: int, redundant: int, span: int | None,
+            algorithm: str = "auto") -> EplbPlacement:
+        """The placement `algorithm` plans on the whole recording (span None) or on one time span."""
+        key = (nodes, gpus_per_node, redundant, -1 if span is None else span, algorithm)
         if key not in self._cache:
             steps = slice(None) if span is None else self.spans[span]
             weight = self.logical_count[steps].sum(0)
             num_experts = weight.shape[-1]
             self._cache[key] = plan_placement(weight, num_experts + redundant, self.num_groups, nodes,
-                                              nodes * gpus_per_node)
+                                              nodes * gpus_per_node, algorithm)
         return self._cache[key]
 
 
 def simulate_one(batches: np.ndarray, midpoints: np.ndarray, cache: PlacementCache, nodes: int,
                  gpus_per_node: int, redundant: int) -> dict[str, float | int]:
-    """Score one deployment on simulated steps: no EPLB, EPLB in sample, EPLB held out."""
+    """Score one deployment on simulated steps: no EPLB; then moeserve's placements (eplb_*) and DeepSeek's
+    reference's (deepseek_*), each in sample and held out (planned on span k, scored on span k+1)."""
     num_experts = batches.shape[-1]
     out: dict[str, float | int] = {}
     plain = PlainLayout(num_experts, nodes * gpus_per_node)
     out["no_eplb"], out["no_eplb_worst_layer"] = step_time_balancedness(plain.loads(batches))
-    in_sample = cache.get(nodes, gpus_per_node, redundant, None).loads(batches)
-    out["eplb_in_sample"], out["eplb_in_sample_worst_layer"] = step_time_balancedness(in_sample)
-    # held out: the placement of span k scores the simulated steps of span k+1
     span_of_step = np.zeros(cache.logical_count.shape[0], dtype=int)
     for k, steps in enumerate(cache.spans):
         span_of_step[steps] = k
     batch_span = span_of_step[np.clip(midpoints.astype(int), 0, len(span_of_step) - 1)]
-    held_loads = []
-    for k in range(1, len(cache.spans)):
-        mask = batch_span == k
-        if mask.any():
-            held_loads.append(cache.get(nodes, gpus_per_node, redundant, k - 1).loads(batches[mask]))
-    out["heldout_batches"] = int(sum(x.shape[0] for x in held_loads))
-    if held_loads:
-        out["eplb_held_out"], out["eplb_held_out_worst_layer"] = step_time_balancedness(torch.cat(held_loads))
-    else:
-        out["eplb_held_out"] = out["eplb_held_out_worst_layer"] = math.nan
+    for name, algorithm in (("eplb", "auto"), ("deepseek", "deepseek")):
+        in_sample = cache.get(nodes, gpus_per_node, redundant, None, algorithm).loads(batches)
+        out[f"{name}_in_sample"], out[f"{name}_in_sample_worst_layer"] = step_time_balancedness(in_sample)
+        held_loads = []  # the placement of span k scores the simulated steps of span k+1
+        for k in range(1, len(cache.spans)):
+            mask = batch_span == k
+            if mask.any():
+                placement = cache.get(nodes, gpus_per_node, redundant, k - 1, algorithm)
+                held_loads.append(placement.loads(batches[mask]))
+        out["heldout_batches"] = int(sum(x.shape[0] for x in held_loads))
+        if held_loads:
+            out[f"{name}_held_out"], out[f"{name}_held_out_worst_layer"] = step_time_balancedness(
+                torch.cat(held_loads))
+        else:
+            out[f"{name}_held_out"] = out[f"{name}_held_out_worst_layer"] = math.nan
     return out
 
 
@@ -285,6 +297,8 @@ TABLE_COLUMNS = (
     ("no_eplb", "no EPLB", "{:.3f}"),
     ("eplb_in_sample", "EPLB in", "{:.3f}"),
     ("eplb_held_out", "EPLB held", "{:.3f}"),
+    ("deepseek_in_sample", "DS in", "{:.3f}"),
+    ("deepseek_held_out", "DS held", "{:.3f}"),
 )
 
 
@@ -334,8 +348,9 @@ def save_figure(fig, path: Path) -> None:
 
 def plot_sweep(rows: Sequence[SimRow], path: Path) -> None:
     """Balancedness against tokens per GPU, one line per (GPUs, redundant), a panel per placement."""
-    panels = {"no_eplb": "no EPLB", "eplb_in_sample": "EPLB, in sample", "eplb_held_out": "EPLB, held out"}
-    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    panels = {"no_eplb": "no EPLB", "eplb_in_sample": "EPLB, in sample", "eplb_held_out": "EPLB, held out",
+              "deepseek_held_out": "DeepSeek's EPLB, held out"}
+    fig, axes = pyplot().subplots(1, 4, figsize=(20, 4.5), sharey=True)
     groups = sorted({(r.num_gpus, r.nodes, r.redundant) for r in rows})
     for ax, (key, title) in zip(axes, panels.items(), strict=True):
         for num_gpus, nodes, red in groups:

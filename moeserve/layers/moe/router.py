@@ -44,12 +44,16 @@ class TopKRouter(nn.Module):
                             topk_group=topk_group, renormalize=renormalize,
                             routed_scaling_factor=routed_scaling_factor)
         self.append: tuple[int, int] | None = None  # (first slot, n): fused shared experts after the top k
+        self.fake = False  # --ep-dispatch-algorithm fake: k distinct experts uniformly at random (the weights stay)
 
     def forward(self, x: torch.Tensor, append: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """append=False: without the fused shared experts' slots this call (they run apart)."""
         logits = router_logits(x, self.weight)  # [T, E] router logits in float32 (one kernel on CUDA)
-        return select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias,
-                              append=self.append if append else None, **self.variant)
+        topk_ids, topk_weights = select_experts(logits, self.top_k, correction_bias=self.e_score_correction_bias,
+                                                append=self.append if append else None, **self.variant)
+        if self.fake:  # top k of uniform noise: k distinct experts, each equally likely (no host sync)
+            topk_ids[:, :self.top_k] = torch.rand_like(logits).topk(self.top_k, dim=1).indices
+        return topk_ids, topk_weights
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         for name, p in self.named_parameters(recurse=False):

@@ -82,6 +82,8 @@ async def get_server_info(ctx: Ctx) -> Any:
         "weight_format": ctx.client.weight_format,
         "internal_states": [x.to_json() for x in ctx.client.last_load],
     })
+    if ctx.client.server_args.ep_dispatch_algorithm == "fake":  # a load test, not a model: say so
+        info["fake_dispatch"] = "experts picked uniformly at random (--ep-dispatch-algorithm fake): outputs are meaningless"
     report = next((x.eplb for x in ctx.client.last_load if x.eplb is not None), None)
     if report is not None:  # --enable-eplb: rebalances so far and the last window's balancedness
         info["eplb"] = {"rebalances": report.rebalances, "balancedness": report.balancedness}
