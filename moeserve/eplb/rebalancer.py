@@ -47,19 +47,21 @@ WORKING = 0  # nothing in flight, or still preparing
 FAILED = -1
 SKIPPED = -2  # the plan does not raise balancedness enough
 ALGORITHMS = {"auto": rebalance_experts, "deepseek": rebalance_experts_reference}  # --eplb-algorithm
-# An expert's weights, (w13 [2I, H], w2 [H, I]), of `logical` expert in the `moe_index`-th MoE layer.
-ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# An expert's per-slot tensors of `logical` expert in the `moe_index`-th MoE layer, in the order of the layer's
+# slot_weights(): (w13 [2I, H], w2 [H, I]), or for FP8 experts (w13, w13_scale_inv, w2, w2_scale_inv).
+ExpertSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 WEIGHT_SOURCES = ("memory", "mmap")  # --eplb-expert-weights: models/expert_weights.py reads each
 
 
 class RebalancedLayer(Protocol):
     """One MoE layer as the rebalancer sees it: this rank's expert slots and the maps to update."""
 
-    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E_local, 2I, H], w2 [E_local, H, I]) of this rank's slots."""
+    def slot_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's slots' tensors, each [E_local, ...]: (w13, w2), or FP8's weights with their block scales;
+        they move together."""
 
     def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
-        """Copy this layer's row of `location` into its maps, in place."""
+        """Copy this layer's row of `location` into its maps, in place (after its slots changed)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class _Rebalance:
     before: float  # measured balancedness of the window
     predicted: float  # the plan's balancedness on the window
     started: float = field(default_factory=time.perf_counter)
-    staging: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # see Rebalancer._prepare
+    # moe index -> (slots, incoming, spare): see Rebalancer._prepare
+    staging: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict)
     result: int = WORKING  # the prepare thread's outcome: 1 (ready), FAILED or SKIPPED
     error: str = ""
     executed: int = 0  # chunks executed
@@ -308,22 +312,25 @@ class Rebalancer:
         in_flight = 0
         with torch.no_grad():
             for i, moves in by_layer.items():
-                w13, w2 = self.layers[i].slot_weights()
+                weights = self.layers[i].slot_weights()
                 with torch.cuda.stream(self._serving_stream) if cuda else contextlib.nullcontext():
-                    spare = (w13.new_empty(len(moves), *w13.shape[1:]), w2.new_empty(len(moves), *w2.shape[1:]))
+                    spare = tuple(w.new_empty(len(moves), *w.shape[1:]) for w in weights)
                 with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-                    s13 = w13.new_empty(len(moves), *w13.shape[1:])
-                    s2 = w2.new_empty(len(moves), *w2.shape[1:])
+                    staged = tuple(w.new_empty(len(moves), *w.shape[1:]) for w in weights)
                     for j, m in enumerate(moves):
-                        src = (w13[m.from_slot], w2[m.from_slot]) if m.from_slot is not None else self.source(i, m.logical)
-                        s13[j].copy_(src[0], non_blocking=True)
-                        s2[j].copy_(src[1], non_blocking=True)
-                        in_flight += s13[j].nbytes + s2[j].nbytes
+                        src = (tuple(w[m.from_slot] for w in weights) if m.from_slot is not None
+                               else self.source(i, m.logical))
+                        if len(src) != len(staged):
+                            raise ValueError(f"the expert weight source gives {len(src)} tensors per expert, the "
+                                             f"layer's slots hold {len(staged)}")
+                        for dst, t in zip(staged, src, strict=True):
+                            dst[j].copy_(t, non_blocking=True)
+                            in_flight += dst[j].nbytes
                         if cuda and in_flight >= UPLOAD_BATCH_BYTES:
                             side.synchronize()
                             in_flight = 0
                     slots = torch.tensor([m.slot for m in moves], dtype=torch.int64).to(self.device)
-                job.staging[i] = (slots, s13, s2, *spare)
+                job.staging[i] = (slots, staged, spare)
             if cuda:
                 side.synchronize()
 
@@ -352,13 +359,12 @@ class Rebalancer:
         with torch.no_grad():
             for i in chunk:
                 if i in job.staging:
-                    slots, in13, in2, out13, out2 = job.staging[i]
-                    w13, w2 = self.layers[i].slot_weights()
-                    torch.index_select(w13, 0, slots, out=out13)
-                    torch.index_select(w2, 0, slots, out=out2)
-                    w13.index_copy_(0, slots, in13)
-                    w2.index_copy_(0, slots, in2)
-                    job.staging[i] = (slots, out13, out2, in13, in2)
+                    slots, incoming, outgoing = job.staging[i]
+                    for w, new, old in zip(self.layers[i].slot_weights(), incoming, outgoing, strict=True):
+                        w, new, old = _copyable(w), _copyable(new), _copyable(old)
+                        torch.index_select(w, 0, slots, out=old)
+                        w.index_copy_(0, slots, new)
+                    job.staging[i] = (slots, outgoing, incoming)
                 self.layers[i].set_placement(location, i)
             if self.device.type == "cuda":
                 self._serving_stream.synchronize()
@@ -377,8 +383,7 @@ class Rebalancer:
         job = self._job
         old, new = self.location.physical_to_logical_map, job.new.physical_to_logical_map
         moved = int((old != new).sum())  # slots that got another expert, over every rank and layer
-        w13, w2 = self.layers[0].slot_weights()
-        moved_bytes = moved * (w13[0].nbytes + w2[0].nbytes)
+        moved_bytes = moved * sum(w[0].nbytes for w in self.layers[0].slot_weights())
         self.location.update_(job.new)
         self.report.rebalances += 1
         self._log("EPLB: rebalanced %d MoE layers: balancedness %.3f -> %.3f on the window, %d experts moved "
@@ -389,4 +394,9 @@ class Rebalancer:
 
     def _injected(self, phase: str) -> bool:
         return self.options.fail is not None and self.options.fail == (phase, self.ep_rank)
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where the CPU's index_select / index_copy_ do not take its dtype (float8): the same storage."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 

@@ -1,7 +1,8 @@
 """Every routed expert's weights, available to the online rebalancer: phase 1 of EPLB (moeserve/eplb/rebalancer.py).
 
 A rank holds only its experts on the device; a rebalance can hand it any other. `expert_source` returns a function
-(moe_index, logical expert) -> (w13 [2I, H], w2 [H, I]) in the model's dtype, from one of (--eplb-expert-weights):
+(moe_index, logical expert) -> the expert's slot tensors as the layer holds them (Experts.expert_slot: (w13 [2I, H],
+w2 [H, I]) in the model's dtype, or FP8's e4m3 weights with their block scales), from one of (--eplb-expert-weights):
 - memory: every expert read from the checkpoint once, at start-up, into host memory (pinned on CUDA, so the
   upload is asynchronous): the most host memory and start-up time, the fastest prepare phase;
 - mmap:   read when needed from the memory-mapped safetensors files (the page cache is shared by the ranks of a
@@ -19,7 +20,9 @@ import torch
 from torch import nn
 
 from moeserve.eplb.rebalancer import WEIGHT_SOURCES, ExpertSource
+from moeserve.kernels.fp8_quant import FP8_DTYPE
 from moeserve.layers.moe.layer import MoE
+from moeserve.models.fp8_loading import QuantizingReader, is_scale_key
 from moeserve.models.loader import checkpoint_files, dummy_tensor, read_headers
 
 
@@ -29,24 +32,29 @@ def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str
         raise ValueError(f"--eplb-expert-weights must be one of {', '.join(WEIGHT_SOURCES)}, got {mode!r}")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     experts = layers[0][1].experts
-    dtype, device = experts.w13.dtype, experts.w13.device
+    fp8, device = experts.w13.dtype == FP8_DTYPE, experts.w13.device
     inter, hidden = experts.intermediate_size, experts.hidden_size
 
     def keys(i: int, logical: int) -> tuple[str, str, str]:
         name, moe = layers[i]
         return moe.experts.expert_keys(f"{name}.experts", logical)
 
+    # get(key): a checkpoint tensor; FP8 experts also ask for `weight_scale_inv`, quantized here (the loader's recipe)
+    # where the checkpoint has none
     if load_format == "dummy":
-        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate, up, down = (dummy_tensor(k, s, dtype, device, seed) for k, s in
-                              zip(keys(i, logical), ((inter, hidden), (inter, hidden), (hidden, inter)), strict=True))
-            return torch.cat([gate, up]), down
+        def get(key: str) -> torch.Tensor:
+            down = key.split(".")[-2] == experts.checkpoint_names[2]
+            return dummy_tensor(key, (hidden, inter) if down else (inter, hidden), torch.float32, device, seed)
+        if fp8:
+            get = QuantizingReader(get).get
     else:
         reader = _CheckpointReader(Path(model_path))
+        get = reader.get
+        if fp8 and not any(is_scale_key(k) for k in reader.files):
+            get = QuantizingReader(reader.get).get
 
-        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate, up, down = (reader.get(k).to(dtype) for k in keys(i, logical))
-            return torch.cat([gate, up]), down
+    def read(i: int, logical: int) -> tuple[torch.Tensor, ...]:
+        return layers[i][1].experts.expert_slot(get, keys(i, logical))
 
     if mode == "mmap":
         return read
@@ -54,8 +62,8 @@ def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str
     table = {}
     for i in range(len(layers)):
         for logical in range(experts.num_experts):
-            w13, w2 = (t.to("cpu", copy=True) for t in read(i, logical))
-            table[i, logical] = (w13.pin_memory(), w2.pin_memory()) if pin else (w13, w2)
+            table[i, logical] = tuple(t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True)
+                                      for t in read(i, logical))
     return lambda i, logical: table[i, logical]
 
 
