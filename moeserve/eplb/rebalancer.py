@@ -76,6 +76,7 @@ class RebalanceOptions:
     dynamic_dispatch: bool = False  # --ep-dispatch-algorithm dynamic: tokens spread over all replicas
     num_groups: int = 1  # the model's expert groups
     fail: tuple[str, int] | None = None  # --eplb-debug-fail PHASE:RANK, for tests
+    staging_max_bytes: int | None = None  # --eplb-staging-max-mb: None stages every layer at once
 
 
 @dataclass
@@ -100,9 +101,13 @@ class RebalanceReport:
     # busiest GPU, averaged over MoE layers)
     windows: list[tuple[int, float, float]] = field(default_factory=list)
     passes: int = 0  # forward passes so far
+    staging_max_bytes: int | None = None  # the cap on staged bytes (--eplb-staging-max-mb)
+    peak_staged_bytes: int = 0  # the most bytes a rebalance held in staging buffers at once, so far
 
 
 MAX_KEPT = 4096
+STAGING_FREE_SHARE = 0.05  # --eplb-staging-max-mb's default on CUDA: this share of free device memory
+STAGING_CPU_DEFAULT = 256 << 20  # and on the CPU
 UPLOAD_BATCH_BYTES = 16 << 20
 
 
@@ -126,6 +131,11 @@ class _Rebalance:
     prepare_s: float = 0.0
     stalls: list[float] = field(default_factory=list)
     from_host: bool = False  # rebalance_to(from_host=True): no device copies from this rank's own slots
+    rounds: list[range] = field(default_factory=list)  # chunk indices staged together (under the staging cap)
+    round: int = 0  # the round staged now
+    pool: torch.Tensor | None = None  # the staging bytes every round's buffers are views of
+    # moe index -> (slots, the old experts on the host): layers of finished rounds, for an abort
+    undo: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
 
 class Rebalancer:
@@ -143,7 +153,8 @@ class Rebalancer:
         self._last_counts = counts.detach().to("cpu", copy=True)
         self._job: _Rebalance | None = None
         self._thread: threading.Thread | None = None
-        self.report = RebalanceReport()
+        self.report = RebalanceReport(staging_max_bytes=options.staging_max_bytes)
+        self.staged_bytes = 0  # bytes of staging buffers held now (job.pool)
         # the stream the forward passes run on (this thread's): spare buffers come from its pool, swaps wait on it
         self._serving_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -151,7 +162,7 @@ class Rebalancer:
     def status(self) -> int:
         """This rank's code for the next header (see the header codes above)."""
         job = self._job
-        if job is None or (self._thread is not None and self._thread.is_alive()):
+        if job is None or (self._thread is not None and self._thread.is_alive()) or job.result == WORKING:
             return WORKING
         if job.result != 1:
             return job.result
@@ -175,7 +186,7 @@ class Rebalancer:
         """A copy of the report (cumulative)."""
         r = self.report
         return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s), list(r.windows),
-                               self.passes)
+                               self.passes, r.staging_max_bytes, r.peak_staged_bytes)
 
     # ------------------------------------------------------------------ 1. window
     def _check_window(self) -> None:
@@ -265,9 +276,12 @@ class Rebalancer:
         job = self._job
         try:
             job.moves = self._moves(job.new, job.from_host)
-            num_layers = self.location.num_layers
-            n = self.options.layers_per_chunk or num_layers
-            job.chunks = [range(i, min(i + n, num_layers)) for i in range(0, num_layers, n)]
+            job.chunks, job.rounds = self._chunks_and_rounds(job.moves)
+            need = max(self._round_bytes(job, r) for r in range(len(job.rounds)))
+            self.staged_bytes = need
+            self.report.peak_staged_bytes = max(self.report.peak_staged_bytes, need)
+            with torch.cuda.stream(self._serving_stream) if self.device.type == "cuda" else contextlib.nullcontext():
+                job.pool = torch.empty(need, dtype=torch.uint8, device=self.device)  # the swaps allocate nothing
             t0 = time.perf_counter()
             self._prepare(job)
             job.prepare_s = time.perf_counter() - t0
@@ -295,6 +309,43 @@ class Rebalancer:
                     moves.append(Move(i, slot, now, local))
         return moves
 
+    def _chunks_and_rounds(self, moves: list[Move]) -> tuple[list[range], list[range]]:
+        """The execute chunks (--eplb-rebalance-layers-per-chunk, cut where a chunk would stage more than the
+        cap) and the rounds: consecutive chunks that stage at most the cap together."""
+        cap, num_layers = self.options.staging_max_bytes, self.location.num_layers
+        per_layer = [0] * num_layers
+        for m in moves:
+            per_layer[m.moe_index] += 1
+        need = [self._layer_bytes(i, n) for i, n in enumerate(per_layer)]
+        if cap is not None and max(need) > cap:
+            raise RuntimeError(f"one MoE layer's moves stage {max(need) / 2**20:.1f} MiB, over --eplb-staging-max-mb "
+                               f"({cap / 2**20:.1f} MiB)")
+        n = self.options.layers_per_chunk or num_layers
+        chunks: list[range] = []
+        for i in range(num_layers):
+            if chunks and len(chunks[-1]) < n and (cap is None or sum(need[j] for j in chunks[-1]) + need[i] <= cap):
+                chunks[-1] = range(chunks[-1].start, i + 1)
+            else:
+                chunks.append(range(i, i + 1))
+        rounds: list[range] = []
+        for c, chunk in enumerate(chunks):
+            total = sum(need[i] for r in rounds[-1:] for k in r for i in chunks[k]) + sum(need[i] for i in chunk)
+            if rounds and (cap is None or total <= cap):
+                rounds[-1] = range(rounds[-1].start, c + 1)
+            else:
+                rounds.append(range(c, c + 1))
+        return chunks, rounds
+
+    def _layer_bytes(self, i: int, num_moves: int) -> int:
+        """Staging bytes of `num_moves` moves in layer i: incoming and spare buffers, each tensor aligned."""
+        return 2 * sum(_aligned(num_moves * w[0].nbytes) for w in self.layers[i].slot_weights()) if num_moves else 0
+
+    def _round_bytes(self, job: _Rebalance, r: int) -> int:
+        per_layer: dict[int, int] = {}
+        for m in job.moves:
+            per_layer[m.moe_index] = per_layer.get(m.moe_index, 0) + 1
+        return sum(self._layer_bytes(i, per_layer.get(i, 0)) for c in job.rounds[r] for i in job.chunks[c])
+
     def _prepare(self, job: _Rebalance) -> None:
         """Fill job.staging per MoE layer: its changed slots, their new experts stacked, and a spare buffer of the
         same size (a swap leaves the old experts there), on the side stream; every copy is done when this returns.
@@ -306,17 +357,19 @@ class Rebalancer:
             raise RuntimeError("injected fault (--eplb-debug-fail prepare)")
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
+        layers = {i for c in job.rounds[job.round] for i in job.chunks[c]}
         by_layer: dict[int, list[Move]] = {}
         for m in job.moves:
-            by_layer.setdefault(m.moe_index, []).append(m)
+            if m.moe_index in layers:
+                by_layer.setdefault(m.moe_index, []).append(m)
+        carve = _Carver(job.pool)
         in_flight = 0
         with torch.no_grad():
             for i, moves in by_layer.items():
                 weights = self.layers[i].slot_weights()
-                with torch.cuda.stream(self._serving_stream) if cuda else contextlib.nullcontext():
-                    spare = tuple(w.new_empty(len(moves), *w.shape[1:]) for w in weights)
+                spare = tuple(carve(w, len(moves)) for w in weights)
+                staged = tuple(carve(w, len(moves)) for w in weights)
                 with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-                    staged = tuple(w.new_empty(len(moves), *w.shape[1:]) for w in weights)
                     for j, m in enumerate(moves):
                         src = (tuple(w[m.from_slot] for w in weights) if m.from_slot is not None
                                else self.source(i, m.logical))
@@ -351,7 +404,23 @@ class Rebalancer:
             job.stalls.append(time.perf_counter() - t0)
             self.report.num_stalls += 1
             self.report.stalls_s = [*self.report.stalls_s[-(MAX_KEPT - 1):], job.stalls[-1]]
+            if job.executed == job.rounds[job.round][-1] + 1 and job.round + 1 < len(job.rounds):
+                self._next_round(job)
 
+    def _next_round(self, job: _Rebalance) -> None:
+        """Every chunk of this round executed (on every rank, the same pass): the old experts the staging buffers
+        now hold go to the host (an abort restores them from there), and the next round is prepared into the same
+        buffers, in the background."""
+        with torch.no_grad():
+            for i, (slots, old, _) in job.staging.items():
+                job.undo[i] = (slots, tuple(t.to("cpu", copy=True) for t in old))
+        job.staging, job.round, job.result = {}, job.round + 1, WORKING
+
+        def prepare() -> None:
+            self._prepare(job)
+            job.result = 1
+
+        self._run(job, prepare)
     def _swap(self, job: _Rebalance, chunk: range, location: ExpertLocation) -> None:
         """Exchange the chunk's changed slots with their staging buffers: the slots' experts go to the spare
         buffers, the staged ones into the slots, and the two buffers trade roles (a second swap undoes the first);
@@ -371,8 +440,17 @@ class Rebalancer:
 
     def _abort(self, codes: Sequence[int]) -> None:
         job = self._job
-        for c in reversed(range(job.executed)):  # the staging buffers hold the old weights of executed chunks
+        done = job.rounds[job.round][0] if job.rounds else 0  # chunks of earlier rounds: their old experts are
+        for c in reversed(range(done, job.executed)):  # on the host; this round's are in the staging buffers
             self._swap(job, job.chunks[c], self.location)
+        with torch.no_grad():
+            for i in (i for c in range(done) for i in job.chunks[c]):
+                if i in job.undo:
+                    slots, old = job.undo[i]
+                    for w, t in zip(self.layers[i].slot_weights(), old, strict=True):
+                        _copyable(w).index_copy_(0, slots, _copyable(t.to(w.device)))
+                self.layers[i].set_placement(self.location, i)
+        self.staged_bytes = 0
         failed = [r for r, c in enumerate(codes) if c == FAILED]
         why = job.error or f"rank(s) {failed} failed"
         self._log("EPLB: rebalance abandoned, the old placement serves on (%d of %d chunks undone): %s",
@@ -386,6 +464,7 @@ class Rebalancer:
         moved_bytes = moved * sum(w[0].nbytes for w in self.layers[0].slot_weights())
         self.location.update_(job.new)
         self.report.rebalances += 1
+        self.staged_bytes = 0
         self._log("EPLB: rebalanced %d MoE layers: balancedness %.3f -> %.3f on the window, %d experts moved "
                   "(%.1f MiB); plan %.0f ms, prepare %.0f ms (rank 0), execute in %d chunks, stall %.2f ms at most "
                   "per pass", self.location.num_layers, job.before, job.predicted, moved, moved_bytes / 2**20,
@@ -394,6 +473,27 @@ class Rebalancer:
 
     def _injected(self, phase: str) -> bool:
         return self.options.fail is not None and self.options.fail == (phase, self.ep_rank)
+
+
+ALIGN = 256  # bytes: every staging buffer starts at a multiple
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class _Carver:
+    """Staging buffers as views of one byte pool, in order (every round reuses the pool from its start)."""
+
+    def __init__(self, pool: torch.Tensor):
+        self.pool, self.offset = pool, 0
+
+    def __call__(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        """An uninitialized [n, *like.shape[1:]] buffer of like's dtype."""
+        nbytes = n * like[0].nbytes
+        view = self.pool[self.offset:self.offset + nbytes].view(like.dtype).view(n, *like.shape[1:])
+        self.offset += _aligned(nbytes)
+        return view
 
 
 def _copyable(t: torch.Tensor) -> torch.Tensor:
