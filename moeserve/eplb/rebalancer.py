@@ -276,7 +276,7 @@ class Rebalancer:
         job = self._job
         try:
             job.moves = self._moves(job.new, job.from_host)
-            job.chunks, job.rounds = self._chunks_and_rounds(job.moves)
+            job.chunks, job.rounds = self._chunks_and_rounds(job.new)
             need = max(self._round_bytes(job, r) for r in range(len(job.rounds)))
             self.staged_bytes = need
             self.report.peak_staged_bytes = max(self.report.peak_staged_bytes, need)
@@ -309,13 +309,13 @@ class Rebalancer:
                     moves.append(Move(i, slot, now, local))
         return moves
 
-    def _chunks_and_rounds(self, moves: list[Move]) -> tuple[list[range], list[range]]:
+    def _chunks_and_rounds(self, new: ExpertLocation) -> tuple[list[range], list[range]]:
         """The execute chunks (--eplb-rebalance-layers-per-chunk, cut where a chunk would stage more than the
-        cap) and the rounds: consecutive chunks that stage at most the cap together."""
+        cap) and the rounds: consecutive chunks that stage at most the cap together. Every rank plans the same
+        ones (lock-step), from the rank that moves the most experts in each layer."""
         cap, num_layers = self.options.staging_max_bytes, self.location.num_layers
-        per_layer = [0] * num_layers
-        for m in moves:
-            per_layer[m.moe_index] += 1
+        changed = self.location.physical_to_logical_map != new.physical_to_logical_map
+        per_layer = changed.view(num_layers, self.ep_size, -1).sum(-1).amax(-1).tolist()
         need = [self._layer_bytes(i, n) for i, n in enumerate(per_layer)]
         if cap is not None and max(need) > cap:
             raise RuntimeError(f"one MoE layer's moves stage {max(need) / 2**20:.1f} MiB, over --eplb-staging-max-mb "
