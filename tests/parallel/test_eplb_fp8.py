@@ -70,3 +70,17 @@ def test_fp8_failed_rebalance_keeps_the_old_placement(skewed_fp8, fail):
     outs, report = online._serve(skewed_fp8, eplb_debug_fail=fail, **flags, **EPLB)
     assert [o["output_ids"] for o in outs] == _without_eplb(skewed_fp8, **flags)
     assert report.rebalances == 0 and report.balancedness < 0.6  # rank 0 still holds both hot experts
+
+
+@pytest.mark.slow
+def test_fp8_rebalance_in_rounds_under_the_staging_cap(skewed_fp8):
+    """--eplb-staging-max-mb below the plan's staging: it runs in rounds (no layers-per-chunk flag: the cap cuts
+    the chunks), never above the cap, with the same tokens."""
+    flags = dict(tp_size=2, dp_size=2, deepep_mode="auto", **PARALLEL)
+    cap_mb = 1.5  # a layer's moves stage about 1.1 MiB (an expert ~200 KB in e4m3 + scales, incoming and spare)
+    outs, report = online._serve(skewed_fp8, enable_eplb=True, eplb_rebalance_num_iterations=3,
+                                 eplb_staging_max_mb=cap_mb, **flags)
+    assert [o["output_ids"] for o in outs] == _without_eplb(skewed_fp8, **flags)
+    assert report.staging_max_bytes == int(cap_mb * 2**20)
+    assert 0 < report.peak_staged_bytes <= report.staging_max_bytes
+    assert report.rebalances >= 1 and report.num_stalls >= 2 and report.balancedness >= 0.9
