@@ -212,7 +212,7 @@ class ServerArgs:
     eplb_staging_max_mb: float | None = _flag(
         None, "The most device memory (MiB) a rebalance stages at once (incoming experts and their spare buffers); "
         "a larger plan runs in rounds of layer chunks reusing the same buffers. Subtracted before the KV pool is "
-        f"sized. Default: {rebalancer.STAGING_FREE_SHARE:.0%} of free device memory on CUDA, "
+        f"sized. Default: {rebalancer.STAGING_FREE_SHARE * 100:.0f} per cent of free device memory on CUDA, "
         f"{rebalancer.STAGING_CPU_DEFAULT >> 20} MiB on the CPU.")
     eplb_debug_fail: str | None = _flag(
         None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
