@@ -248,6 +248,11 @@ class ServerArgs:
     eplb_expert_weights: str = _flag(
         "memory", "Where every expert waits on the host for a rebalance: memory (read at start-up; pinned on CUDA) "
         "or mmap (read from the memory-mapped safetensors checkpoint when needed).", rebalancer.WEIGHT_SOURCES)
+    eplb_staging_max_mb: float | None = _flag(
+        None, "The most device memory (MiB) a rebalance stages at once (incoming experts and their spare buffers); "
+        "a larger plan runs in rounds of layer chunks reusing the same buffers. Subtracted before the KV pool is "
+        f"sized. Default: {rebalancer.STAGING_FREE_SHARE * 100:.0f} per cent of free device memory on CUDA, "
+        f"{rebalancer.STAGING_CPU_DEFAULT >> 20} MiB on the CPU.")
     eplb_debug_fail: str | None = _flag(
         None, "For tests: PHASE:RANK makes that rank fail every rebalance in PHASE (prepare or execute).")
 
@@ -381,6 +386,8 @@ class ServerArgs:
             raise ValueError("--eplb-rebalance-num-iterations must be >= 1")
         if self.eplb_rebalance_layers_per_chunk is not None and self.eplb_rebalance_layers_per_chunk < 1:
             raise ValueError("--eplb-rebalance-layers-per-chunk must be >= 1")
+        if self.eplb_staging_max_mb is not None and not self.eplb_staging_max_mb > 0:
+            raise ValueError(f"--eplb-staging-max-mb must be > 0, got {self.eplb_staging_max_mb}")
         if not 0.0 <= self.eplb_min_rebalancing_utilization_threshold <= 1.0:
             raise ValueError("--eplb-min-rebalancing-utilization-threshold must be in [0, 1]")
         if self.expert_distribution_recorder_mode == "per_token" and self.enable_two_batch_overlap:

@@ -47,19 +47,21 @@ WORKING = 0  # nothing in flight, or still preparing
 FAILED = -1
 SKIPPED = -2  # the plan does not raise balancedness enough
 ALGORITHMS = {"auto": rebalance_experts, "deepseek": rebalance_experts_reference}  # --eplb-algorithm
-# An expert's weights, (w13 [2I, H], w2 [H, I]), of `logical` expert in the `moe_index`-th MoE layer.
-ExpertSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# An expert's per-slot tensors of `logical` expert in the `moe_index`-th MoE layer, in the order of the layer's
+# slot_weights(): (w13 [2I, H], w2 [H, I]), or for FP8 experts (w13, w13_scale_inv, w2, w2_scale_inv).
+ExpertSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 WEIGHT_SOURCES = ("memory", "mmap")  # --eplb-expert-weights: models/expert_weights.py reads each
 
 
 class RebalancedLayer(Protocol):
     """One MoE layer as the rebalancer sees it: this rank's expert slots and the maps to update."""
 
-    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E_local, 2I, H], w2 [E_local, H, I]) of this rank's slots."""
+    def slot_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's slots' tensors, each [E_local, ...]: (w13, w2), or FP8's weights with their block scales;
+        they move together."""
 
     def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
-        """Copy this layer's row of `location` into its maps, in place."""
+        """Copy this layer's row of `location` into its maps, in place (after its slots changed)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class RebalanceOptions:
     dynamic_dispatch: bool = False  # --ep-dispatch-algorithm dynamic: tokens spread over all replicas
     num_groups: int = 1  # the model's expert groups
     fail: tuple[str, int] | None = None  # --eplb-debug-fail PHASE:RANK, for tests
+    staging_max_bytes: int | None = None  # --eplb-staging-max-mb: None stages every layer at once
 
 
 @dataclass
@@ -98,9 +101,13 @@ class RebalanceReport:
     # busiest GPU, averaged over MoE layers)
     windows: list[tuple[int, float, float]] = field(default_factory=list)
     passes: int = 0  # forward passes so far
+    staging_max_bytes: int | None = None  # the cap on staged bytes (--eplb-staging-max-mb)
+    peak_staged_bytes: int = 0  # the most bytes a rebalance held in staging buffers at once, so far
 
 
 MAX_KEPT = 4096
+STAGING_FREE_SHARE = 0.05  # --eplb-staging-max-mb's default on CUDA: this share of free device memory
+STAGING_CPU_DEFAULT = 256 << 20  # and on the CPU
 UPLOAD_BATCH_BYTES = 16 << 20
 
 
@@ -114,7 +121,9 @@ class _Rebalance:
     before: float  # measured balancedness of the window
     predicted: float  # the plan's balancedness on the window
     started: float = field(default_factory=time.perf_counter)
-    staging: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # see Rebalancer._prepare
+    # moe index -> (slots, incoming, spare): see Rebalancer._prepare
+    staging: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict)
     result: int = WORKING  # the prepare thread's outcome: 1 (ready), FAILED or SKIPPED
     error: str = ""
     executed: int = 0  # chunks executed
@@ -122,6 +131,11 @@ class _Rebalance:
     prepare_s: float = 0.0
     stalls: list[float] = field(default_factory=list)
     from_host: bool = False  # rebalance_to(from_host=True): no device copies from this rank's own slots
+    rounds: list[range] = field(default_factory=list)  # chunk indices staged together (under the staging cap)
+    round: int = 0  # the round staged now
+    pool: torch.Tensor | None = None  # the staging bytes every round's buffers are views of
+    # moe index -> (slots, the old experts on the host): layers of finished rounds, for an abort
+    undo: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
 
 class Rebalancer:
@@ -139,7 +153,8 @@ class Rebalancer:
         self._last_counts = counts.detach().to("cpu", copy=True)
         self._job: _Rebalance | None = None
         self._thread: threading.Thread | None = None
-        self.report = RebalanceReport()
+        self.report = RebalanceReport(staging_max_bytes=options.staging_max_bytes)
+        self.staged_bytes = 0  # bytes of staging buffers held now (job.pool)
         # the stream the forward passes run on (this thread's): spare buffers come from its pool, swaps wait on it
         self._serving_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -147,7 +162,7 @@ class Rebalancer:
     def status(self) -> int:
         """This rank's code for the next header (see the header codes above)."""
         job = self._job
-        if job is None or (self._thread is not None and self._thread.is_alive()):
+        if job is None or (self._thread is not None and self._thread.is_alive()) or job.result == WORKING:
             return WORKING
         if job.result != 1:
             return job.result
@@ -171,7 +186,7 @@ class Rebalancer:
         """A copy of the report (cumulative)."""
         r = self.report
         return RebalanceReport(r.rebalances, r.balancedness, r.num_stalls, list(r.stalls_s), list(r.windows),
-                               self.passes)
+                               self.passes, r.staging_max_bytes, r.peak_staged_bytes)
 
     # ------------------------------------------------------------------ 1. window
     def _check_window(self) -> None:
@@ -261,9 +276,12 @@ class Rebalancer:
         job = self._job
         try:
             job.moves = self._moves(job.new, job.from_host)
-            num_layers = self.location.num_layers
-            n = self.options.layers_per_chunk or num_layers
-            job.chunks = [range(i, min(i + n, num_layers)) for i in range(0, num_layers, n)]
+            job.chunks, job.rounds = self._chunks_and_rounds(job.new)
+            need = max(self._round_bytes(job, r) for r in range(len(job.rounds)))
+            self.staged_bytes = need
+            self.report.peak_staged_bytes = max(self.report.peak_staged_bytes, need)
+            with torch.cuda.stream(self._serving_stream) if self.device.type == "cuda" else contextlib.nullcontext():
+                job.pool = torch.empty(need, dtype=torch.uint8, device=self.device)  # the swaps allocate nothing
             t0 = time.perf_counter()
             self._prepare(job)
             job.prepare_s = time.perf_counter() - t0
@@ -291,6 +309,43 @@ class Rebalancer:
                     moves.append(Move(i, slot, now, local))
         return moves
 
+    def _chunks_and_rounds(self, new: ExpertLocation) -> tuple[list[range], list[range]]:
+        """The execute chunks (--eplb-rebalance-layers-per-chunk, cut where a chunk would stage more than the
+        cap) and the rounds: consecutive chunks that stage at most the cap together. Every rank plans the same
+        ones (lock-step), from the rank that moves the most experts in each layer."""
+        cap, num_layers = self.options.staging_max_bytes, self.location.num_layers
+        changed = self.location.physical_to_logical_map != new.physical_to_logical_map
+        per_layer = changed.view(num_layers, self.ep_size, -1).sum(-1).amax(-1).tolist()
+        need = [self._layer_bytes(i, n) for i, n in enumerate(per_layer)]
+        if cap is not None and max(need) > cap:
+            raise RuntimeError(f"one MoE layer's moves stage {max(need) / 2**20:.1f} MiB, over --eplb-staging-max-mb "
+                               f"({cap / 2**20:.1f} MiB)")
+        n = self.options.layers_per_chunk or num_layers
+        chunks: list[range] = []
+        for i in range(num_layers):
+            if chunks and len(chunks[-1]) < n and (cap is None or sum(need[j] for j in chunks[-1]) + need[i] <= cap):
+                chunks[-1] = range(chunks[-1].start, i + 1)
+            else:
+                chunks.append(range(i, i + 1))
+        rounds: list[range] = []
+        for c, chunk in enumerate(chunks):
+            total = sum(need[i] for r in rounds[-1:] for k in r for i in chunks[k]) + sum(need[i] for i in chunk)
+            if rounds and (cap is None or total <= cap):
+                rounds[-1] = range(rounds[-1].start, c + 1)
+            else:
+                rounds.append(range(c, c + 1))
+        return chunks, rounds
+
+    def _layer_bytes(self, i: int, num_moves: int) -> int:
+        """Staging bytes of `num_moves` moves in layer i: incoming and spare buffers, each tensor aligned."""
+        return 2 * sum(_aligned(num_moves * w[0].nbytes) for w in self.layers[i].slot_weights()) if num_moves else 0
+
+    def _round_bytes(self, job: _Rebalance, r: int) -> int:
+        per_layer: dict[int, int] = {}
+        for m in job.moves:
+            per_layer[m.moe_index] = per_layer.get(m.moe_index, 0) + 1
+        return sum(self._layer_bytes(i, per_layer.get(i, 0)) for c in job.rounds[r] for i in job.chunks[c])
+
     def _prepare(self, job: _Rebalance) -> None:
         """Fill job.staging per MoE layer: its changed slots, their new experts stacked, and a spare buffer of the
         same size (a swap leaves the old experts there), on the side stream; every copy is done when this returns.
@@ -302,28 +357,33 @@ class Rebalancer:
             raise RuntimeError("injected fault (--eplb-debug-fail prepare)")
         cuda = self.device.type == "cuda"
         side = torch.cuda.Stream(self.device) if cuda else None
+        layers = {i for c in job.rounds[job.round] for i in job.chunks[c]}
         by_layer: dict[int, list[Move]] = {}
         for m in job.moves:
-            by_layer.setdefault(m.moe_index, []).append(m)
+            if m.moe_index in layers:
+                by_layer.setdefault(m.moe_index, []).append(m)
+        carve = _Carver(job.pool)
         in_flight = 0
         with torch.no_grad():
             for i, moves in by_layer.items():
-                w13, w2 = self.layers[i].slot_weights()
-                with torch.cuda.stream(self._serving_stream) if cuda else contextlib.nullcontext():
-                    spare = (w13.new_empty(len(moves), *w13.shape[1:]), w2.new_empty(len(moves), *w2.shape[1:]))
+                weights = self.layers[i].slot_weights()
+                spare = tuple(carve(w, len(moves)) for w in weights)
+                staged = tuple(carve(w, len(moves)) for w in weights)
                 with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-                    s13 = w13.new_empty(len(moves), *w13.shape[1:])
-                    s2 = w2.new_empty(len(moves), *w2.shape[1:])
                     for j, m in enumerate(moves):
-                        src = (w13[m.from_slot], w2[m.from_slot]) if m.from_slot is not None else self.source(i, m.logical)
-                        s13[j].copy_(src[0], non_blocking=True)
-                        s2[j].copy_(src[1], non_blocking=True)
-                        in_flight += s13[j].nbytes + s2[j].nbytes
+                        src = (tuple(w[m.from_slot] for w in weights) if m.from_slot is not None
+                               else self.source(i, m.logical))
+                        if len(src) != len(staged):
+                            raise ValueError(f"the expert weight source gives {len(src)} tensors per expert, the "
+                                             f"layer's slots hold {len(staged)}")
+                        for dst, t in zip(staged, src, strict=True):
+                            dst[j].copy_(t, non_blocking=True)
+                            in_flight += dst[j].nbytes
                         if cuda and in_flight >= UPLOAD_BATCH_BYTES:
                             side.synchronize()
                             in_flight = 0
                     slots = torch.tensor([m.slot for m in moves], dtype=torch.int64).to(self.device)
-                job.staging[i] = (slots, s13, s2, *spare)
+                job.staging[i] = (slots, staged, spare)
             if cuda:
                 side.synchronize()
 
@@ -344,7 +404,23 @@ class Rebalancer:
             job.stalls.append(time.perf_counter() - t0)
             self.report.num_stalls += 1
             self.report.stalls_s = [*self.report.stalls_s[-(MAX_KEPT - 1):], job.stalls[-1]]
+            if job.executed == job.rounds[job.round][-1] + 1 and job.round + 1 < len(job.rounds):
+                self._next_round(job)
 
+    def _next_round(self, job: _Rebalance) -> None:
+        """Every chunk of this round executed (on every rank, the same pass): the old experts the staging buffers
+        now hold go to the host (an abort restores them from there), and the next round is prepared into the same
+        buffers, in the background."""
+        with torch.no_grad():
+            for i, (slots, old, _) in job.staging.items():
+                job.undo[i] = (slots, tuple(t.to("cpu", copy=True) for t in old))
+        job.staging, job.round, job.result = {}, job.round + 1, WORKING
+
+        def prepare() -> None:
+            self._prepare(job)
+            job.result = 1
+
+        self._run(job, prepare)
     def _swap(self, job: _Rebalance, chunk: range, location: ExpertLocation) -> None:
         """Exchange the chunk's changed slots with their staging buffers: the slots' experts go to the spare
         buffers, the staged ones into the slots, and the two buffers trade roles (a second swap undoes the first);
@@ -352,21 +428,29 @@ class Rebalancer:
         with torch.no_grad():
             for i in chunk:
                 if i in job.staging:
-                    slots, in13, in2, out13, out2 = job.staging[i]
-                    w13, w2 = self.layers[i].slot_weights()
-                    torch.index_select(w13, 0, slots, out=out13)
-                    torch.index_select(w2, 0, slots, out=out2)
-                    w13.index_copy_(0, slots, in13)
-                    w2.index_copy_(0, slots, in2)
-                    job.staging[i] = (slots, out13, out2, in13, in2)
+                    slots, incoming, outgoing = job.staging[i]
+                    for w, new, old in zip(self.layers[i].slot_weights(), incoming, outgoing, strict=True):
+                        w, new, old = _copyable(w), _copyable(new), _copyable(old)
+                        torch.index_select(w, 0, slots, out=old)
+                        w.index_copy_(0, slots, new)
+                    job.staging[i] = (slots, outgoing, incoming)
                 self.layers[i].set_placement(location, i)
             if self.device.type == "cuda":
                 self._serving_stream.synchronize()
 
     def _abort(self, codes: Sequence[int]) -> None:
         job = self._job
-        for c in reversed(range(job.executed)):  # the staging buffers hold the old weights of executed chunks
+        done = job.rounds[job.round][0] if job.rounds else 0  # chunks of earlier rounds: their old experts are
+        for c in reversed(range(done, job.executed)):  # on the host; this round's are in the staging buffers
             self._swap(job, job.chunks[c], self.location)
+        with torch.no_grad():
+            for i in (i for c in range(done) for i in job.chunks[c]):
+                if i in job.undo:
+                    slots, old = job.undo[i]
+                    for w, t in zip(self.layers[i].slot_weights(), old, strict=True):
+                        _copyable(w).index_copy_(0, slots, _copyable(t.to(w.device)))
+                self.layers[i].set_placement(self.location, i)
+        self.staged_bytes = 0
         failed = [r for r, c in enumerate(codes) if c == FAILED]
         why = job.error or f"rank(s) {failed} failed"
         self._log("EPLB: rebalance abandoned, the old placement serves on (%d of %d chunks undone): %s",
@@ -377,10 +461,10 @@ class Rebalancer:
         job = self._job
         old, new = self.location.physical_to_logical_map, job.new.physical_to_logical_map
         moved = int((old != new).sum())  # slots that got another expert, over every rank and layer
-        w13, w2 = self.layers[0].slot_weights()
-        moved_bytes = moved * (w13[0].nbytes + w2[0].nbytes)
+        moved_bytes = moved * sum(w[0].nbytes for w in self.layers[0].slot_weights())
         self.location.update_(job.new)
         self.report.rebalances += 1
+        self.staged_bytes = 0
         self._log("EPLB: rebalanced %d MoE layers: balancedness %.3f -> %.3f on the window, %d experts moved "
                   "(%.1f MiB); plan %.0f ms, prepare %.0f ms (rank 0), execute in %d chunks, stall %.2f ms at most "
                   "per pass", self.location.num_layers, job.before, job.predicted, moved, moved_bytes / 2**20,
@@ -389,4 +473,30 @@ class Rebalancer:
 
     def _injected(self, phase: str) -> bool:
         return self.options.fail is not None and self.options.fail == (phase, self.ep_rank)
+
+
+ALIGN = 256  # bytes: every staging buffer starts at a multiple
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class _Carver:
+    """Staging buffers as views of one byte pool, in order (every round reuses the pool from its start)."""
+
+    def __init__(self, pool: torch.Tensor):
+        self.pool, self.offset = pool, 0
+
+    def __call__(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        """An uninitialized [n, *like.shape[1:]] buffer of like's dtype."""
+        nbytes = n * like[0].nbytes
+        view = self.pool[self.offset:self.offset + nbytes].view(like.dtype).view(n, *like.shape[1:])
+        self.offset += _aligned(nbytes)
+        return view
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where the CPU's index_select / index_copy_ do not take its dtype (float8): the same storage."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 

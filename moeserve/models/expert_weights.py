@@ -1,7 +1,8 @@
 """Every routed expert's weights, available to the online rebalancer: phase 1 of EPLB (moeserve/eplb/rebalancer.py).
 
 A rank holds only its experts on the device; a rebalance can hand it any other. `expert_source` returns a function
-(moe_index, logical expert) -> (w13 [2I, H], w2 [H, I]) in the model's dtype, from one of (--eplb-expert-weights):
+(moe_index, logical expert) -> the expert's slot tensors as the layer holds them (Experts.expert_slot: (w13 [2I, H],
+w2 [H, I]) in the model's dtype, or FP8's e4m3 weights with their block scales), from one of (--eplb-expert-weights):
 - memory: every expert read from the checkpoint once, at start-up, into host memory kept once per node: the node's
   first rank writes them into a shared-memory file (/dev/shm) that its other ranks map read-only, and the file is
   unlinked as soon as every rank has mapped it (a dead server leaves none behind): the most host memory and
@@ -27,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moeserve.eplb.rebalancer import WEIGHT_SOURCES, ExpertSource
+from moeserve.kernels.fp8_quant import FP8_DTYPE
 from moeserve.layers.moe.layer import MoE
+from moeserve.models.fp8_loading import QuantizingReader, is_scale_key
 from moeserve.models.loader import checkpoint_files, dummy_tensor, read_headers
 from moeserve.parallel.state import get_parallel_state
 
@@ -41,48 +44,55 @@ def expert_source(model: nn.Module, model_path: str, load_format: str, mode: str
         raise ValueError(f"--eplb-expert-weights must be one of {', '.join(WEIGHT_SOURCES)}, got {mode!r}")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     experts = layers[0][1].experts
-    dtype, device = experts.w13.dtype, experts.w13.device
+    fp8, device = experts.w13.dtype == FP8_DTYPE, experts.w13.device
     inter, hidden = experts.intermediate_size, experts.hidden_size
 
     def keys(i: int, logical: int) -> tuple[str, str, str]:
         name, moe = layers[i]
         return moe.experts.expert_keys(f"{name}.experts", logical)
 
+    # get(key): a checkpoint tensor; FP8 experts also ask for `weight_scale_inv`, quantized here (the loader's recipe)
+    # where the checkpoint has none
     if load_format == "dummy":
-        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate, up, down = (dummy_tensor(k, s, dtype, device, seed) for k, s in
-                              zip(keys(i, logical), ((inter, hidden), (inter, hidden), (hidden, inter)), strict=True))
-            return torch.cat([gate, up]), down
+        def get(key: str) -> torch.Tensor:
+            down = key.split(".")[-2] == experts.checkpoint_names[2]
+            return dummy_tensor(key, (hidden, inter) if down else (inter, hidden), torch.float32, device, seed)
+        if fp8:
+            get = QuantizingReader(get).get
     else:
         reader = _CheckpointReader(Path(model_path))
+        get = reader.get
+        if fp8 and not any(is_scale_key(k) for k in reader.files):
+            get = QuantizingReader(reader.get).get
 
-        def read(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-            gate, up, down = (reader.get(k).to(dtype) for k in keys(i, logical))
-            return torch.cat([gate, up]), down
+    def read(i: int, logical: int) -> tuple[torch.Tensor, ...]:
+        return layers[i][1].experts.expert_slot(get, keys(i, logical))
 
     if mode == "mmap":
         return read
     num_layers, num_experts = len(layers), experts.num_experts
-    per_expert = 3 * inter * hidden  # w13 [2I, H] then w2 [H, I]
+    # one expert's slot tensors, packed as bytes (each at a 64-byte boundary); every expert has the same layout
+    layout, per_expert = [], 0
+    for t in read(0, 0):
+        layout.append((per_expert, t.shape, t.dtype, t.numel() * t.element_size()))
+        per_expert += -(-layout[-1][3] // 64) * 64
 
     def fill(flat: torch.Tensor) -> None:
         for i in range(num_layers):
             for logical in range(num_experts):
-                w13, w2 = read(i, logical)
                 at = (i * num_experts + logical) * per_expert
-                flat[at:at + 2 * inter * hidden].copy_(w13.reshape(-1))
-                flat[at + 2 * inter * hidden:at + per_expert].copy_(w2.reshape(-1))
+                for (off, _, _, nbytes), t in zip(layout, read(i, logical), strict=True):
+                    flat[at + off:at + off + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
-    flat, ranks_on_node = node_shared_tensor(num_layers * num_experts * per_expert, dtype, fill,
+    flat, ranks_on_node = node_shared_tensor(num_layers * num_experts * per_expert, torch.uint8, fill,
                                              get_parallel_state().world_cpu_group)
     logger.info("EPLB expert weights (--eplb-expert-weights memory): %.2f GiB of host memory per node, one copy "
-                "shared by its %d ranks", flat.numel() * flat.element_size() / 2**30, ranks_on_node)
+                "shared by its %d ranks", flat.numel() / 2**30, ranks_on_node)
 
-    def get(i: int, logical: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_slot(i: int, logical: int) -> tuple[torch.Tensor, ...]:
         at = (i * num_experts + logical) * per_expert
-        return (flat[at:at + 2 * inter * hidden].view(2 * inter, hidden),
-                flat[at + 2 * inter * hidden:at + per_expert].view(hidden, inter))
-    return get
+        return tuple(flat[at + off:at + off + nbytes].view(dtype).view(shape) for off, shape, dtype, nbytes in layout)
+    return get_slot
 
 
 def node_shared_tensor(numel: int, dtype: torch.dtype, fill: Callable[[torch.Tensor], None],

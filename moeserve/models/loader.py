@@ -91,11 +91,7 @@ def load_model(server_args: ServerArgs, device: torch.device | str,
 
 def weight_quantization(server_args: ServerArgs, config: ModelConfig) -> Fp8Config | None:
     """The FP8 format the model runs in (the checkpoint's, or --quantization fp8's), or None."""
-    fp8 = config.fp8 or (Fp8Config() if server_args.quantization == "fp8" else None)
-    if fp8 is not None and server_args.enable_eplb:
-        raise ValueError("--enable-eplb with FP8 weights is not supported yet: the online rebalancer moves expert "
-                         "weights without their block scales; serve FP8 without --enable-eplb, or a bf16 model")
-    return fp8
+    return config.fp8 or (Fp8Config() if server_args.quantization == "fp8" else None)
 
 
 def weight_format(model: nn.Module) -> str:

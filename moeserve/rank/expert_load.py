@@ -8,12 +8,14 @@ moves experts between this rank's slots while serving goes on.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import DECODE_LEN
 from moeserve.core.model_config import ModelConfig
-from moeserve.eplb.rebalancer import Rebalancer
+from moeserve.eplb.rebalancer import STAGING_CPU_DEFAULT, STAGING_FREE_SHARE, Rebalancer
 from moeserve.eplb.recorder import ExpertDistributionRecorder
 from moeserve.models.decoder import CausalLM
 from moeserve.models.expert_weights import expert_source
@@ -37,11 +39,25 @@ def make_recorder(args: ServerArgs, config: ModelConfig, model: CausalLM,
 
 
 def make_rebalancer(args: ServerArgs, config: ModelConfig, model: CausalLM, recorder: ExpertDistributionRecorder,
-                    device: torch.device) -> Rebalancer | None:
-    """The online rebalancer of this rank (--enable-eplb), or None."""
+                    device: torch.device, staging_bytes: int | None = None) -> Rebalancer | None:
+    """The online rebalancer of this rank (--enable-eplb), or None; staging_bytes: its staging cap
+    (eplb_staging_bytes)."""
     if not args.enable_eplb or not config.moe_layers:
         return None
     ps = get_parallel_state()
     source = expert_source(model, args.model_path, args.load_format, args.eplb_expert_weights, args.random_seed)
-    return Rebalancer(model.moe_layers(), model.expert_location, source, recorder.counts,
-                      rebalance_options(args, config), ps.ep_rank, ps.world_cpu_group, device)
+    options = dataclasses.replace(rebalance_options(args, config), staging_max_bytes=staging_bytes)
+    return Rebalancer(model.moe_layers(), model.expert_location, source, recorder.counts, options, ps.ep_rank,
+                      ps.world_cpu_group, device)
+
+
+def eplb_staging_bytes(args: ServerArgs, config: ModelConfig, device: torch.device) -> int:
+    """The device memory an online rebalance may stage (--eplb-staging-max-mb, or its default: a share of the free
+    device memory on CUDA, a fixed size on the CPU); 0 without --enable-eplb."""
+    if not args.enable_eplb or not config.moe_layers:
+        return 0
+    if args.eplb_staging_max_mb is not None:
+        return int(args.eplb_staging_max_mb * 2**20)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * STAGING_FREE_SHARE)
+    return STAGING_CPU_DEFAULT

@@ -16,7 +16,7 @@ from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.state import get_parallel_state
-from moeserve.rank.expert_load import make_rebalancer, make_recorder
+from moeserve.rank.expert_load import eplb_staging_bytes, make_rebalancer, make_recorder
 from moeserve.rank.prompt_logprobs import score
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
@@ -119,6 +119,7 @@ class ModelRunner:
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
         self.vocab_size = self.config.vocab_size
+        self.eplb_staging_bytes = eplb_staging_bytes(server_args, self.config, self.device)  # before the KV pool
         self.num_pages = self._num_kv_pages()
         self.rng = random.Random(server_args.random_seed)  # seeds of unseeded requests (the same on every rank)
         self.kv_pool = make_kv_pool(self.config, self.num_pages, server_args.page_size, self.dtype, self.device,
@@ -127,7 +128,8 @@ class ModelRunner:
                               if self.ep.num_moe_layers else None)
         self.expert_recorder = make_recorder(server_args, self.config, self.model, self.device)
         self._first_moe = self.model.moe_layers()[0] if self.expert_recorder is not None else None
-        self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device)
+        self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device,
+                                           self.eplb_staging_bytes)
                            if self.expert_recorder is not None else None)
         self.runners = self._graph_runners()
         with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
@@ -198,6 +200,8 @@ class ModelRunner:
         buffers = ""
         if ep.backend not in ("none", None):
             buffers = f", EP dispatch buffers {_fmt_bytes(ep.dispatch_buffer_bytes)} ({ep.backend_desc})"
+        if self.eplb_staging_bytes:
+            buffers += f", EPLB staging at most {_fmt_bytes(self.eplb_staging_bytes)}"
         return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
                 f"{_fmt_bytes(self.weight_bytes)} {self.weight_format}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
                 f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "
@@ -233,7 +237,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # would otherwise count as used
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            budget = total * a.mem_fraction_static - used
+            budget = total * a.mem_fraction_static - used - self.eplb_staging_bytes  # a rebalance's staging
             if budget <= 0:
                 raise ValueError(
                     f"--mem-fraction-static {a.mem_fraction_static} leaves no room for the KV cache: weights and "

@@ -170,3 +170,98 @@ def test_rebalance_to_a_given_placement():
     reb.begin_pass([2, 2], forward=True)
     assert torch.equal(location.physical_to_logical_map, target.physical_to_logical_map)
     assert all(layer.holds(i) for i, layer in enumerate(layers))
+
+
+# ---------------------------------------------------------------- FP8 slots and the staging cap (issue 47)
+def _fp8_expert(layer: int, logical: int) -> tuple[torch.Tensor, ...]:
+    """A recognisable (w13 e4m3, its block scales, w2 e4m3, its block scales) for each (layer, expert)."""
+    w13, w2 = _expert(layer, logical)
+    g = torch.Generator().manual_seed(7000 + 1000 * layer + logical)
+    return (w13.to(torch.float8_e4m3fn), torch.rand(1, 1, generator=g), w2.to(torch.float8_e4m3fn),
+            torch.rand(1, 1, generator=g))
+
+
+class Fp8FakeLayer:
+    """FakeLayer's slots in FP8, each expert's weights with their scales (four tensors per slot)."""
+
+    def __init__(self, location: ExpertLocation, i: int, rank: int):
+        self.base = FakeLayer(location, i, rank)
+        self.slots = tuple(torch.stack([_fp8_expert(i, e)[k] for e in self.base.ids]) for k in range(4))
+
+    def slot_weights(self):
+        return self.slots
+
+    def set_placement(self, location: ExpertLocation, i: int) -> None:
+        self.base.set_placement(location, i)
+
+    def holds(self, i: int) -> bool:
+        return all(torch.equal(w[s].view(torch.uint8) if w.element_size() == 1 else w[s],
+                               t.view(torch.uint8) if t.element_size() == 1 else t)
+                   for s, e in enumerate(self.base.ids) for w, t in zip(self.slots, _fp8_expert(i, e), strict=True))
+
+
+def _fp8_setup(cap: int):
+    location = ExpertLocation.trivial(LAYERS, EXPERTS, EXPERTS, EP)
+    layers = [Fp8FakeLayer(location, i, 0) for i in range(LAYERS)]
+    counts = torch.zeros(LAYERS, EXPERTS, dtype=torch.int64)
+    reb = Rebalancer(layers, location, _fp8_expert, counts,
+                     RebalanceOptions(interval=2, layers_per_chunk=1, staging_max_bytes=cap), ep_rank=0, group=None,
+                     device=torch.device("cpu"))
+    return reb, layers, location, counts
+
+
+def _staged(reb: Rebalancer) -> int:
+    """The bytes of staging buffers the rebalancer holds, counted from the buffers themselves."""
+    job = reb._job
+    if job is None or job.pool is None:
+        return 0
+    for _, incoming, spare in job.staging.values():  # every buffer is a view of the pool
+        for t in (*incoming, *spare):
+            assert t.untyped_storage().data_ptr() == job.pool.untyped_storage().data_ptr()
+    return job.pool.nbytes
+
+
+CAP = 3000  # a layer stages 2 (incoming, spare) x 4 tensors x 256 bytes (aligned): one layer a round
+
+
+def test_fp8_slots_move_with_their_scales_in_rounds_under_the_cap():
+    reb, layers, location, counts = _fp8_setup(CAP)
+    old = location.physical_to_logical_map.clone()
+    _start(reb, counts)
+    rounds, passes = set(), 0
+    while reb._job is not None and passes < 50:
+        code = _wait_ready(reb)
+        assert code > 0, reb._job.error
+        assert _staged(reb) == reb.staged_bytes <= CAP and reb.report.peak_staged_bytes <= CAP
+        rounds.add(reb._job.round)
+        assert all(layer.holds(i) for i, layer in enumerate(layers))  # weights and scales follow the maps
+        reb.begin_pass([code, code], forward=True)
+        passes += 1
+    assert len(rounds) >= 2 and reb.report.rebalances == 1  # the plan did not fit the cap at once
+    assert not torch.equal(location.physical_to_logical_map, old)
+    assert all(layer.holds(i) and layer.base.ids == location.physical_to_logical_map[i, :4].tolist()
+               for i, layer in enumerate(layers))
+
+
+def test_fp8_failure_in_a_later_round_restores_every_layer():
+    reb, layers, location, counts = _fp8_setup(CAP)
+    old = location.physical_to_logical_map.clone()
+    tables = [layer.base.table.clone() for layer in layers]
+    _start(reb, counts)
+    while reb._job is not None:
+        code = _wait_ready(reb)
+        last = code == len(reb._job.chunks)  # the last chunk: the other rank's check fails
+        assert not last or reb._job.round >= 1
+        reb.begin_pass([code, FAILED if last else code], forward=True)
+    assert reb.report.rebalances == 0 and reb.staged_bytes == 0
+    assert torch.equal(location.physical_to_logical_map, old)
+    for i, layer in enumerate(layers):
+        assert layer.base.ids == old[i, :4].tolist() and layer.holds(i) and torch.equal(layer.base.table, tables[i])
+
+
+def test_a_cap_below_one_layer_fails_the_rebalance():
+    reb, layers, location, counts = _fp8_setup(1024)
+    _start(reb, counts)
+    assert _wait_ready(reb) == FAILED and "--eplb-staging-max-mb" in reb._job.error
+    reb.begin_pass([FAILED, FAILED], forward=True)
+    assert reb._job is None and all(layer.holds(i) for i, layer in enumerate(layers))

@@ -14,7 +14,7 @@ grouped GEMMs of moeserve/kernels/moe_gemm.py (SiLU-and-mul fused, tuned launch 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -124,6 +124,15 @@ class Experts(nn.Module):
         if self.w13.device.type == "cpu":
             self._cpu_layout()
         return first
+
+    def slots_changed(self) -> None:
+        """Slots were overwritten in place (an EPLB swap): nothing is derived from them here."""
+
+    def expert_slot(self, read: Callable[[str], torch.Tensor], keys: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
+        """One expert's slot_params ([2I, H], [H, I]) from `read(checkpoint key)` of its keys (expert_keys): what the
+        EPLB weight source hands the rebalancer."""
+        gate, up, down = (read(k) for k in keys)
+        return torch.cat([gate, up]).to(self.w13.dtype), down.to(self.w2.dtype)
 
     def expert_keys(self, prefix: str, logical: int) -> tuple[str, str, str]:
         """Checkpoint keys of one expert's gate, up and down projections."""

@@ -190,12 +190,15 @@ class MoE(nn.Module):
         self.recorder = recorder if self.split.active or self.split.rank == 0 else None
 
     # ------------------------------------------------------------------ what the online rebalancer moves
-    def slot_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E_local, 2I, H], w2 [E_local, H, I]): this rank's expert slots."""
-        return self.experts.w13.data, self.experts.w2.data
+    def slot_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's expert slots, the experts' slot_params in order: (w13 [E_local, 2I, H], w2 [E_local, H, I]),
+        or FP8's (w13, w13_scale_inv, w2, w2_scale_inv)."""
+        return tuple(getattr(self.experts, name).data for name in self.experts.slot_params)
 
     def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
-        """Take this layer's row of `location` into the maps, in place (CUDA graphs keep reading them)."""
+        """Take this layer's row of `location` into the maps, in place (CUDA graphs keep reading them); the slots
+        were swapped just before (the experts refresh what they derive from them)."""
+        self.experts.slots_changed()
         self.placement.update(location)
         first, n = self.placement.ep_rank * self.experts.num_local_experts, self.experts.num_local_experts
         self.experts.expert_ids = location.physical_to_logical_map[moe_index, first:first + n].tolist()

@@ -19,7 +19,7 @@ weights dequantized as well and run the same math through torch's grouped GEMM (
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -119,6 +119,26 @@ class Fp8Experts(Experts):
         """The CPU's dequantized copies (after loading, and again after add_slots: they cover the new slots)."""
         self._dense = (dequantize_weight(self.w13, self.w13_scale_inv, self._activation_dtype),
                        dequantize_weight(self.w2, self.w2_scale_inv, self._activation_dtype))
+
+    def slots_changed(self) -> None:
+        """After an EPLB swap: the CPU's dequantized copies again (the swap moved the e4m3 weights and scales)."""
+        if self._dense is not None:
+            self._cpu_layout()
+
+    def expert_slot(self, read: Callable[[str], torch.Tensor], keys: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
+        """One expert's (w13 [2I', H], w13_scale_inv, w2 [H, I'], w2_scale_inv), laid out as weight_specs loads a
+        slot, from `read` of the e4m3 weights and their `weight_scale_inv` (an unquantized checkpoint's reader
+        quantizes: fp8_loading.QuantizingReader)."""
+        inter, ip, ib = self.intermediate_size, self.padded_intermediate, num_blocks(self.intermediate_size)
+        (gate, s_gate), (up, s_up), (down, s_down) = ((read(k), read(k + SCALE_SUFFIX)) for k in keys)
+        w13 = gate.new_zeros(self.w13.shape[1:])
+        s13 = s_gate.new_zeros(self.w13_scale_inv.shape[1:])
+        for start, w, scale in ((0, gate, s_gate), (ip, up, s_up)):
+            w13[start:start + inter].copy_(w)
+            s13[start // BLOCK:start // BLOCK + ib].copy_(scale)
+        w2 = down.new_zeros(self.w2.shape[1:])
+        w2[:, :inter].copy_(down)
+        return w13, s13, w2, s_down
 
     def weight_specs(self, prefix: str) -> Iterator[WeightSpec]:
         """Every expert's three weights and their scales; those of experts this rank does not hold are expected but
