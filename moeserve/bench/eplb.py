@@ -9,11 +9,12 @@ the gate row of expert e gets d_e too, so a prompt drawn from range e routes its
 its prompts from the ranges of the experts of group p (mod the groups): the hot experts move from phase to phase,
 all on one EP rank at start, and a rebalance has something to do after every phase change.
 
-Both systems run the same prompts with the same flags and --enable-eplb. The baseline sets
+The systems run the same prompts with the same flags and --enable-eplb. The baseline sets
 --eplb-min-rebalancing-utilization-threshold 0, so it measures each window and never rebalances; the other
-rebalances every --eplb-rebalance-num-iterations passes when it pays. Figures per phase, from the windows
-rank 0 reports: the busiest GPU's routed tokens per pass (averaged over MoE layers), balancedness, and the wall
-time per forward pass.
+rebalances every --eplb-rebalance-num-iterations passes when it pays; `fake dispatch` routes every token to
+experts drawn uniformly at random (--ep-dispatch-algorithm fake), the ceiling of balancing. Figures per phase,
+from the windows rank 0 reports: the busiest GPU's routed tokens per pass (averaged over MoE layers),
+balancedness, and the wall time per forward pass.
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         base = dataclasses.replace(args, model_path=str(Path(tmp) / "model"), tokenizer_path=None,
                                    skip_tokenizer_init=True, enable_eplb=True)
         systems = {"without EPLB": dataclasses.replace(base, eplb_min_rebalancing_utilization_threshold=0.0),
-                   "online EPLB": base}
+                   "online EPLB": base,
+                   # uniform random routing (meaningless tokens): the balance a perfect EPLB would reach
+                   "fake dispatch": dataclasses.replace(base, eplb_min_rebalancing_utilization_threshold=0.0,
+                                                        ep_dispatch_algorithm="fake")}
         result = {"args": {k: v for k, v in vars(ns).items() if k in ("tp_size", "dp_size", "moe_a2a_backend",
                                                                         "eplb_rebalance_num_iterations",
                                                                         "ep_num_redundant_experts")},

@@ -46,13 +46,16 @@ def _without_eplb(path: str, **kwargs) -> list[list[int]]:
     return _REF[key]
 
 
-CASES = [(2, mode) for mode in ("normal", "low_latency", "auto")] + [(4, "auto")]
+CASES = [(2, mode, False) for mode in ("normal", "low_latency", "auto")] + [(2, "auto", True), (4, "auto", False)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "mode"), CASES, ids=[f"ep{r}-{m}" for r, m in CASES])
-def test_fp8_rebalances_keep_the_tokens_and_balance_the_load(skewed_fp8, ranks, mode):
+@pytest.mark.parametrize(("ranks", "mode", "tbo"), CASES,
+                         ids=[f"ep{r}-{m}" + ("-tbo" if t else "") for r, m, t in CASES])
+def test_fp8_rebalances_keep_the_tokens_and_balance_the_load(skewed_fp8, ranks, mode, tbo):
     flags = dict(tp_size=ranks, dp_size=ranks, deepep_mode=mode, **PARALLEL)
+    if tbo:  # two-batch overlap on every step with two or more tokens
+        flags |= dict(enable_two_batch_overlap=True, tbo_token_threshold=2)
     outs, report = online._serve(skewed_fp8, **flags, **EPLB)
     assert [o["output_ids"] for o in outs] == _without_eplb(skewed_fp8, **flags)
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
