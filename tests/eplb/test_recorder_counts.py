@@ -14,20 +14,9 @@ from tests.models.harness import Runner, random_tokens
 
 
 def _padded(runner: Runner, mode: ForwardMode, reqs: list[tuple[object, list[int]]], pad_rows: int) -> ForwardBatch:
-    """The batch of `reqs` (new tokens after each request's cache), then `pad_rows` padding requests of one token
-    each, the way CudaGraphRunner pads a decode batch (PiecewiseGraphRunner's padding tokens look the same)."""
-    ids, seq_lens, ext, loc, kv = [], [], [], [], []
-    for rid, toks in reqs:
-        new = runner._alloc(len(toks))
-        runner.slots.setdefault(rid, []).extend(new)
-        ids += toks
-        seq_lens.append(len(runner.slots[rid]))
-        ext.append(len(toks))
-        loc += new
-        kv += runner.slots[rid]
-    for _ in range(pad_rows):
-        ids.append(0), seq_lens.append(1), ext.append(1), loc.append(0), kv.append(0)
-    return ForwardBatch.build(mode, ids, seq_lens, ext, loc, kv, runner.pool)
+    """The batch of `reqs`, then `pad_rows` padding requests the way CudaGraphRunner pads a decode batch
+    (PiecewiseGraphRunner's padding tokens look the same)."""
+    return runner.batch(mode, reqs, pad_rows=pad_rows)
 
 
 @pytest.mark.parametrize("mode", RECORDER_MODES)

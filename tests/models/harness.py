@@ -33,9 +33,10 @@ class Runner:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    @torch.no_grad()
-    def extend(self, reqs: list[tuple[object, list[int]]], return_all_logits: bool = True) -> torch.Tensor:
-        """EXTEND with each request's new tokens (after whatever it has in the cache)."""
+    def batch(self, mode: ForwardMode, reqs: list[tuple[object, list[int]]], return_all_logits: bool = False,
+              pad_rows: int = 0) -> ForwardBatch:
+        """Each request's new tokens (after whatever it has in the cache) in new slots, then `pad_rows` padding
+        requests of one token each, as CudaGraphRunner pads a decode batch (token 0, position 0, scratch slot 0)."""
         ids, seq_lens, ext, loc, kv = [], [], [], [], []
         for rid, toks in reqs:
             new = self._alloc(len(toks))
@@ -45,7 +46,14 @@ class Runner:
             ext.append(len(toks))
             loc += new
             kv += self.slots[rid]
-        batch = ForwardBatch.build(ForwardMode.EXTEND, ids, seq_lens, ext, loc, kv, self.pool, return_all_logits)
+        for _ in range(pad_rows):
+            ids.append(0), seq_lens.append(1), ext.append(1), loc.append(0), kv.append(0)
+        return ForwardBatch.build(mode, ids, seq_lens, ext, loc, kv, self.pool, return_all_logits)
+
+    @torch.no_grad()
+    def extend(self, reqs: list[tuple[object, list[int]]], return_all_logits: bool = True) -> torch.Tensor:
+        """EXTEND with each request's new tokens (after whatever it has in the cache)."""
+        batch = self.batch(ForwardMode.EXTEND, reqs, return_all_logits)
         return self.model(batch.to(self.device)).cpu()
 
     @torch.no_grad()
