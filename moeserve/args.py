@@ -399,6 +399,10 @@ class ServerArgs:
             if self.ep_size > 1 or self.enable_dp_attention:
                 raise ValueError("--enable-shared-experts-fusion runs with one EP rank (--ep-size 1, no DP attention): "
                                  "the fused shared experts would have to be on every rank")
+            if self.moe_a2a_backend != "none":
+                raise ValueError("--enable-shared-experts-fusion runs with --moe-a2a-backend none: an EP "
+                                 "dispatcher's slots hold the routed top-k only (prefill-size steps run the shared "
+                                 "experts apart)")
             if self.enable_eplb or self.ep_num_redundant_experts:
                 raise ValueError("--enable-shared-experts-fusion runs without --enable-eplb and "
                                  "--ep-num-redundant-experts: the placement covers the routed experts only")

@@ -220,5 +220,7 @@ def test_fusion_default(kwargs, device, inter, fused):
     assert fuse_shared_experts(ServerArgs(model_path="x", **kwargs), config, torch.device(device)) is fused
     mixtral = SimpleNamespace(architecture="MixtralForCausalLM", num_shared_experts=0, fp8=None)
     assert not fuse_shared_experts(ServerArgs(model_path="x"), mixtral, torch.device("cuda"))
+    with pytest.raises(ValueError, match="moe-a2a-backend none"):
+        ServerArgs(model_path="x", enable_shared_experts_fusion=True, moe_a2a_backend="all2all")
     with pytest.raises(ValueError, match="contradict"):
         ServerArgs(model_path="x", enable_shared_experts_fusion=True, disable_shared_experts_fusion=True)
