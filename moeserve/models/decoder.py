@@ -158,10 +158,11 @@ class CausalLM(nn.Module):
         if self._mark_real_rows is not None:  # padding rows (CUDA graphs) write to the scratch slot 0
             real = batch.out_cache_loc != 0 if batch.out_cache_loc is not None else None
             self._mark_real_rows(None if real is None else self._moe_split.own(real))
-        # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
+        # While a CUDA graph is captured only a decode step splits (from views: core/tbo_split.py's _split_decode);
+        # an extend's split builds small host tensors, so a piecewise-captured extend runs without TBO.
         tbo = (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
                                                  get_parallel_state().world_size)
-               and not (h.is_cuda and torch.cuda.is_current_stream_capturing()))
+               and (batch.mode.is_decode or not (h.is_cuda and torch.cuda.is_current_stream_capturing())))
         if self.tbo_enabled:  # the decision per step, as /get_load's step_counts shows it
             self.tbo_steps[max(batch.global_num_tokens or [batch.num_tokens]), tbo] += 1
         if tbo:
