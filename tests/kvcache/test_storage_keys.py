@@ -6,7 +6,9 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 
+from moeserve.kvcache.kv_pool import MHAKVPool, MLAKVPool
 from moeserve.kvcache.storage.keys import KEY_BYTES, KVLayout, model_identity, next_key, page_keys
 
 LAYOUT = KVLayout(model="m" * 32, dtype="bfloat16", page_size=4, kv_layout="mla:2x(16+8)")
@@ -90,3 +92,13 @@ def test_model_identity(tmp_path):
     assert model_identity(b) != ident
     with pytest.raises(ValueError, match="config.json"):
         model_identity(tmp_path)
+
+
+def test_layout_of_pool():
+    mla = MLAKVPool(2, 4, 3, kv_lora_rank=16, qk_rope_head_dim=8, dtype=torch.bfloat16, device="cpu")
+    mha = MHAKVPool(2, 4, 3, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype=torch.bfloat16, device="cpu")
+    a = KVLayout.of_pool(mla, "m")
+    assert a == KVLayout("m", "bfloat16", 4, "mla:3x(16+8)")
+    b = KVLayout.of_pool(mha, "m", tp_rank=1, tp_size=2)
+    assert b.kv_layout == "mha:3x2x8/8" and b.tp_rank == 1 and b.root() != KVLayout.of_pool(mha, "m", 0, 2).root()
+    assert a.root() != b.root()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeserve.kvcache.kv_pool import KVPool, MHAKVPool, MLAKVPool
+
 KEY_BYTES = 16  # blake2b digest size: keys are 32 hex characters
 WEIGHT_SAMPLE_BYTES = 64 << 10  # read from each end of each weight file for the model's identity
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -56,12 +58,27 @@ class KVLayout:
     dtype: str  # the KV cache dtype, e.g. "bfloat16"
     page_size: int  # tokens per page
     kv_layout: str  # e.g. "mla:61x(512+64)" or "mha:48x8x128/128": layers and per-token shape
-    tp_rank: int = 0  # the shard this rank holds (MLA's latent is replicated: pass 0 for every rank)
+    tp_rank: int = 0  # the shard of the KV this rank holds: its rank and size in its attention-TP group
     tp_size: int = 1
     extra: str = ""  # anything else that changes KV values (online quantization of the weights, ...)
 
     def root(self) -> str:
         return _hash(b"moeserve-kv-page-v1\0", json.dumps(asdict(self), sort_keys=True).encode())
+
+    @classmethod
+    def of_pool(cls, pool: KVPool, model: str, tp_rank: int = 0, tp_size: int = 1, extra: str = "") -> KVLayout:
+        """The layout of `pool`'s pages on the rank holding shard tp_rank of tp_size."""
+        return cls(model, str(pool.dtype).removeprefix("torch."), pool.page_size, kv_layout_name(pool), tp_rank,
+                   tp_size, extra)
+
+
+def kv_layout_name(pool: KVPool) -> str:
+    """The per-token shape of `pool`'s pages over all layers, e.g. "mla:61x(512+64)" or "mha:48x4x128/128"."""
+    if isinstance(pool, MLAKVPool):
+        return f"mla:{pool.num_layers}x({pool.kv_lora_rank}+{pool.qk_rope_head_dim})"
+    if isinstance(pool, MHAKVPool):
+        return f"mha:{pool.num_layers}x{pool.num_kv_heads}x{pool.head_dim}/{pool.v_head_dim}"
+    raise TypeError(f"no storage layout for a {type(pool).__name__}")
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -74,7 +91,8 @@ def next_key(prev_key: str, page_tokens: Sequence[int] | np.ndarray) -> str:
 
 
 def page_keys(root: str, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[str]:
-    """Keys of the full pages of `tokens` (len(tokens) // page_size of them); a trailing partial page has none."""
+    """Keys of the full pages of `tokens` (len(tokens) // page_size of them); a trailing partial page has none.
+    `root` starts the chain: a layout's root(), or the key of the page just before `tokens`."""
     assert page_size > 0
     tokens = np.asarray(tokens, dtype=np.int64)
     keys: list[str] = []
