@@ -141,6 +141,7 @@ class CausalLM(nn.Module):
         super().__init__()
         options = options or ModelOptions()
         self.config = config
+        self.options = options  # what a draft model on this one runs with (models/mtp.py)
         self.rotary = RotaryEmbedding(self.rotary_dim(config), config.rope)
         self.model = DecoderModel(type(self), config, self.rotary, options)
         self._make_lm_head(config, options.dp_lm_head)

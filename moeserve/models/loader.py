@@ -300,7 +300,8 @@ _DRAFT_SHAPE_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "voca
 
 def load_mtp(server_args: ServerArgs, target: nn.Module, device: torch.device | str,
              show_progress: bool | None = None) -> MTPModel:
-    """DeepSeek's MTP layer over `target` (models/mtp.py) on `device`, weights loaded, in the target's dtype: from
+    """DeepSeek's MTP layer over `target` (models/mtp.py) on `device`, with the target's options (its dispatcher,
+    kernels, shared-experts fusion), weights loaded, in the target's dtype: from
     --speculative-draft-model-path, else from the target's own checkpoint; bf16 or FP8 as that checkpoint is (or
     --quantization fp8). Raises ValueError where the model has no MTP layer or its tensors are absent."""
     device = torch.device(device)
@@ -311,7 +312,7 @@ def load_mtp(server_args: ServerArgs, target: nn.Module, device: torch.device | 
     fp8 = weight_quantization(server_args, config)
     start = time.perf_counter()
     with torch.device("meta"):
-        mtp = MTPModel(config, model_options(server_args, target.config, device), target)
+        mtp = MTPModel(config, target.options, target)
         if fp8:
             to_fp8(mtp, dtype)
     allocate_parameters(mtp, device, dtype)
