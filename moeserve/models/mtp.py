@@ -45,6 +45,7 @@ from torch import nn
 
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.core.model_config import ModelConfig
+from moeserve.ep.base import Dispatcher
 from moeserve.kvcache.kv_pool import KVPool
 from moeserve.kvcache.kv_pool import make_kv_pool as make_pool
 from moeserve.layers.attention.ops import AttentionMetadata
@@ -149,6 +150,6 @@ class MTPModel(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def dispatchers(self) -> list:
+    def dispatchers(self) -> list[Dispatcher]:
         """The MTP layer's MoE dispatchers (built at load), for the model runner's collectives."""
         return [d for m in self.moe_layers() for d in m.dispatchers]

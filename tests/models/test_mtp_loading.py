@@ -13,11 +13,13 @@ from safetensors.torch import load_file, save_file
 import moeserve.args
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardMode
+from moeserve.core.model_config import ModelConfig
 from moeserve.kernels.fp8_quant import FP8_DTYPE
 from moeserve.layers.weights import model_weight_specs
 from moeserve.models.loader import load_model, load_mtp
+from moeserve.models.mtp import mtp_config, mtp_layer_prefix
 from moeserve.server.startup import load_model_config
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import REAL_CONFIGS, build_checkpoint
 from tests.models.harness import MTPRunner, Runner, random_tokens
 
 LAYER = "model.layers.3."  # the tiny checkpoints have 3 main layers
@@ -53,6 +55,22 @@ def test_published_layout_loads(mtp_checkpoint):
     torch.testing.assert_close(params[LAYER + "eh_proj.weight"], file[LAYER + "eh_proj.weight"], atol=0, rtol=0)
     assert mtp.target is target and not any(p is q for p in mtp.parameters() for q in target.parameters())
     assert not any(n.startswith(LAYER) for n, _ in target.named_parameters())
+
+
+def test_without_the_copies_of_embedding_and_head(mtp_checkpoint, tmp_path):
+    """The layer's copies of the embedding and head are not needed (a trained MTP layer may ship without them)."""
+    path = _edited(mtp_checkpoint, tmp_path / "no_copies", lambda t: [t.pop(k) for k in COPIES])
+    (_, mtp), (_, own) = _mtp(path), _mtp(mtp_checkpoint)
+    for (name, p), (_, q) in zip(mtp.named_parameters(), own.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
+
+
+def test_config_of_published_models():
+    """DeepSeek-V3's MTP layer (61) is an MoE layer, as its main layers from first_k_dense_replace on."""
+    v3 = ModelConfig.from_dict(REAL_CONFIGS["DeepSeek-V3"])
+    assert v3.num_mtp_layers == 1 and v3.mtp_is_moe and mtp_config(v3).moe_layers == (0,)
+    assert mtp_layer_prefix(v3) == "model.layers.61" and mtp_config(v3).num_hidden_layers == 1
+    assert ModelConfig.from_dict(REAL_CONFIGS["DeepSeek-V2-Lite"]).num_mtp_layers == 0
 
 
 def test_fp8_layout(fp8_mtp_checkpoint):
