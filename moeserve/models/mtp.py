@@ -33,7 +33,8 @@ and hidden [T, H] are row-aligned: row r pairs the token after position p_r with
 and writes the draft KV of position p_r. logits: float32 [len(logits_indices), V] (or [T, V] with
 return_all_logits) predict the token after input_ids; h_next [T, H] is every row's hidden state for the next step.
 One way to lay out the slots: the draft pool as large as the target's, a position's draft KV in the slot its target
-KV has, so the target's page tables serve both.
+KV has, so the target's page tables serve both. Its bytes per token: mtp.config.kv_bytes_per_token(dtype, attn_tp)
+(one layer's). An IDLE batch (no rows, hidden [0, H]) runs the layer's MoE collectives, as the target's does.
 """
 
 from __future__ import annotations
