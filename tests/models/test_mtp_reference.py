@@ -22,6 +22,7 @@ import transformers
 from safetensors.torch import load_file
 
 from moeserve.core.forward_batch import ForwardMode
+from tests.checkpoints import build_mtp_checkpoint
 from tests.models.harness import ATOL, RTOL, MTPRunner, Runner, random_tokens, without_activation_rounding
 
 close = dict(atol=ATOL, rtol=RTOL)
@@ -85,6 +86,18 @@ def test_one_request_random_hidden(mtp_checkpoint, reference):
     tokens, h = random_tokens(9, seed=11), _random_hidden(9, 64, seed=12)
     logits, h_next = draft.step(ForwardMode.EXTEND, [("a", tokens, h)])
     want_logits, want_h = reference.mtp(tokens, h)
+    torch.testing.assert_close(logits, want_logits, **close)
+    torch.testing.assert_close(h_next, want_h, **close)
+
+
+@pytest.mark.parametrize("name", ["v3_no_q_lora", "v3_yarn", "v2_lite", "v2_groups"])
+def test_other_deepseek_configs(name, tmp_path):
+    """Without q_lora, YaRN, and the V2 family (softmax gates, greedy and group-limited) with an MTP layer."""
+    path = build_mtp_checkpoint(name, tmp_path)
+    draft = MTPRunner(Runner(path))
+    tokens, h = random_tokens(9, seed=25), _random_hidden(9, 64, seed=26)
+    logits, h_next = draft.step(ForwardMode.EXTEND, [("a", tokens, h)])
+    want_logits, want_h = Reference(path).mtp(tokens, h)
     torch.testing.assert_close(logits, want_logits, **close)
     torch.testing.assert_close(h_next, want_h, **close)
 
