@@ -73,7 +73,7 @@ class SharedMemoryBuffers(PeerBuffers):
         total = _ALIGN + nbytes  # the first 8 bytes: this rank's barrier counter
         fd = os.open(paths[rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, total)
+            os.posix_fallocate(fd, 0, total)  # ENOSPC here, not SIGBUS at the first write, where /dev/shm is small
         finally:
             os.close(fd)
         try:
