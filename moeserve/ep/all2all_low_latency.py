@@ -24,6 +24,10 @@ dtype. The byte rows live in the same buffers as combine's rows (dispatch_b has 
 
 What is captured: every shape depends on T (static per graph), cap, R, E_local and k only; no `.item()`,
 `.tolist()`, `nonzero` or boolean indexing runs on the device path.
+
+The transport is a set of hooks (`_allocate`, `_send_dispatch`, `_receive_dispatch`, `_send_combine`,
+`_receive_combine`, `_count_bytes`): ep/symm.py replaces them with row puts into peer memory, and the rounds, the
+plan and the layout stay here, one copy for both.
 """
 
 from __future__ import annotations
