@@ -101,3 +101,40 @@ def test_symm_falls_back_to_all2all_across_hosts():
     for cls, ll, records in run_ranks(2, _fallback):
         assert (cls, ll) == ("All2AllDispatcher", "LowLatencyDispatcher")
         assert any("falls back to all2all" in r and "2 hosts" in r for r in records), records
+
+
+def _barrier_and_modes(rank: int, world: int):
+    from moeserve.ep import peer_memory
+    from moeserve.ep.registry import DispatchOptions, make_dispatcher
+
+    buffers = peer_memory.open_peer_buffers(100, "cpu", None, rank, world)
+    mine = buffers.view(rank, 0, (25,), torch.int32)
+    mine.fill_(rank + 7)
+    buffers.arrive()
+    buffers.wait()
+    seen = int(buffers.view(1 - rank, 0, (25,), torch.int32).sum())  # the other rank's fill, read here
+    timed_out = None
+    if rank == 0:  # rank 1 never arrives a second time: rank 0 gives up at the deadline
+        peer_memory.BARRIER_DEADLINE_S = 0.5
+        buffers.arrive()
+        try:
+            buffers.wait()
+        except TimeoutError as e:
+            timed_out = str(e)
+    modes = {}
+    for mode in ("auto", "normal", "low_latency"):
+        d = make_dispatcher(DispatchOptions("symm", deepep_mode=mode), 2 * world, 2, hidden_size=H, top_k=K,
+                            ep_group=None, ep_rank=rank, ep_size=world, dtype=torch.float32, device="cpu")
+        modes[mode] = (type(d).__name__, type(d.low_latency).__name__ if d.low_latency else None, d.graph_safe,
+                       d.extend_graph_safe)
+    return seen, timed_out, modes
+
+
+def test_peer_memory_barrier_has_a_deadline_and_symm_modes_are_all2alls():
+    for rank, (seen, timed_out, modes) in enumerate(run_ranks(2, _barrier_and_modes)):
+        assert seen == 25 * (8 - rank)
+        assert (timed_out is not None and "EP rank 1" in timed_out) == (rank == 0), timed_out
+        ll = "SymmLowLatencyDispatcher"
+        assert modes == {"auto": ("SymmAll2AllDispatcher", ll, True, False),
+                         "normal": ("SymmAll2AllDispatcher", None, False, False),
+                         "low_latency": ("SymmAll2AllDispatcher", ll, True, True)}
