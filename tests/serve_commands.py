@@ -51,3 +51,24 @@ def check_serve(argv: list[str]) -> ServerArgs:
     if args.model_path is not None:
         load_model_config(dataclasses.replace(args, model_path=str(shapes_of(args.model_path))))
     return args
+
+
+def flag_groups(argv: list[str]) -> dict[str, list[str]]:
+    """argv as {flag: its values}, in order (a flag's values are the words up to the next flag)."""
+    groups: dict[str, list[str]] = {}
+    flag = None
+    for word in argv:
+        if word.startswith("--"):
+            flag, _, value = word.partition("=")
+            groups[flag] = [value] if value else []
+        else:
+            assert flag is not None, f"{word!r} before any flag"
+            groups[flag].append(word)
+    return groups
+
+
+def scaled(argv: list[str], overrides: list[str], drop: tuple[str, ...]) -> list[str]:
+    """A GPU command at CPU scale: the flags in `drop` removed, those in `overrides` (flags and values) set."""
+    groups = {f: v for f, v in flag_groups(argv).items() if f not in drop}
+    groups.update(flag_groups(overrides))
+    return [word for flag, values in groups.items() for word in (flag, *values)]

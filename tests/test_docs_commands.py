@@ -13,6 +13,8 @@ Every ```bash or ```python block there follows a marker comment that says how it
                           argument parser and its layout checked against the model's shapes (tests/serve_commands.py),
                           for every node rank where the line has $NODE_RANK; a sglang-router line must take
                           only flags the router has and point at the servers of its block.
+  <!-- test: parse scaled FLAGS -->  also run at CPU scale: the embedded model, FLAGS set (e.g. --tp-size 2), and
+                          what only a GPU or a real checkpoint has dropped (SCALE_DROPS); started as `server` does.
   <!-- test: python -->   the block runs as a script.
   <!-- test: make -->     each `make TARGET` is dry-run (`make -n TARGET`).
   <!-- test: skip WHY --> not run; WHY is the reason pytest reports.
@@ -41,7 +43,7 @@ from moeserve.args import ServerArgs
 from moeserve.paths import cache_root
 from moeserve.server.launch import free_port
 from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
-from tests.serve_commands import ROOT, check_serve
+from tests.serve_commands import ROOT, check_serve, scaled
 
 DOCS = ("README.md", "docs/deploy.md")
 COMMAND_LANGS = ("bash", "sh", "shell", "python")
@@ -49,6 +51,8 @@ KINDS = ("server", "client", "parse", "python", "make", "skip")
 DOC_PORT = "30000"  # the port the docs' CPU commands use; each test runs them on a free one
 DEADLINE_S = 180  # any one command, a server's start, a server's stop
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# Dropped from a GPU command run at CPU scale: the checkpoint (the embedded model serves), the address, CUDA memory
+SCALE_DROPS = ("--model-path", "--host", "--port", "--mem-fraction-static")
 
 # Commands of first-run work under way (issue 51): (what must exist, the command that shows it, skip reason).
 PENDING_MAKE = {"test-quick": "`make test-quick` is not in the Makefile yet"}
@@ -329,3 +333,18 @@ def test_gpu_commands_parse_and_fit_the_model(block):
                 "a one-node PD server bound to a wildcard tells the other side 127.0.0.1: bind it to its address")
     for words in routers:
         check_router(words, servers)
+
+
+def scaled_blocks() -> list:
+    return [pytest.param(b, id=b.id) for b in BLOCKS if b.kind == "parse" and b.note.startswith("scaled ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", scaled_blocks())
+def test_gpu_command_runs_scaled_to_cpu_ranks(block, shell_env, tmp_path):
+    overrides = shlex.split(block.note.removeprefix("scaled "))
+    lines = [shlex.split(line, comments=True) for line in command_lines(block.text)]
+    assert len(lines) == 1 and lines[0][:2] == ["moeserve", "serve"], "a scaled block holds one `moeserve serve`"
+    argv = scaled(lines[0][2:], overrides, SCALE_DROPS)
+    server = DocServer(shlex.join(["moeserve", "serve", *argv]), shell_env, tmp_path, tmp_path / "server.log")
+    server.stop()
