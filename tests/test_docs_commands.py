@@ -14,7 +14,8 @@ Every ```bash or ```python block there follows a marker comment that says how it
                           for every node rank where the line has $NODE_RANK; a sglang-router line must take
                           only flags the router has and point at the servers of its block.
   <!-- test: parse scaled FLAGS -->  also run at CPU scale: the embedded model, FLAGS set (e.g. --tp-size 2), and
-                          what only a GPU or a real checkpoint has dropped (SCALE_DROPS); started as `server` does.
+                          what only a GPU or a real checkpoint has dropped (SCALE_DROPS); node 0 started as `server`
+                          does, the block's other nodes beside it on this machine.
   <!-- test: python -->   the block runs as a script.
   <!-- test: make -->     each `make TARGET` is dry-run (`make -n TARGET`).
   <!-- test: skip WHY --> not run; WHY is the reason pytest reports.
@@ -43,8 +44,8 @@ import pytest
 from moeserve.args import ServerArgs
 from moeserve.paths import cache_root
 from moeserve.server.launch import free_port
-from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
-from tests.serve_commands import ROOT, check_serve, scaled
+from tests.procs import descendants, free_port_block, sigterm_leaves_nothing, wait_healthy
+from tests.serve_commands import ROOT, check_serve, flag_groups, scaled
 
 DOCS = ("README.md", "docs/deploy.md")
 COMMAND_LANGS = ("bash", "sh", "shell", "python")
@@ -345,9 +346,31 @@ def scaled_blocks() -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("block", scaled_blocks())
 def test_gpu_command_runs_scaled_to_cpu_ranks(block, shell_env, tmp_path):
+    """The block's `moeserve serve` lines (one server, or one line per node of it) at CPU scale, all on this machine:
+    node 0 started as `server` blocks start theirs, probed and stopped; every other node must then exit 0."""
     overrides = shlex.split(block.note.removeprefix("scaled "))
     lines = [shlex.split(line, comments=True) for line in command_lines(block.text)]
-    assert len(lines) == 1 and lines[0][:2] == ["moeserve", "serve"], "a scaled block holds one `moeserve serve`"
-    argv = scaled(lines[0][2:], overrides, SCALE_DROPS)
-    server = DocServer(shlex.join(["moeserve", "serve", *argv]), shell_env, tmp_path, tmp_path / "server.log")
-    server.stop()
+    assert all(words[:2] == ["moeserve", "serve"] for words in lines), "a scaled block holds `moeserve serve` lines"
+    argvs = [scaled(words[2:], overrides, SCALE_DROPS) for words in lines]
+    if len(argvs) > 1:  # one line per node: they meet at a local --dist-init-addr (its next ports taken too)
+        dp = max(int(flag_groups(a).get("--dp-size", ["1"])[0]) for a in argvs)
+        local = ["--dist-init-addr", f"127.0.0.1:{free_port_block(dp + 2)}"]
+        argvs = [scaled(a, local, ()) for a in argvs]
+    node0 = [a for a in argvs if flag_groups(a).get("--node-rank", ["0"]) == ["0"]]
+    assert len(node0) == 1, "one line must be node 0"
+    others = []
+    try:
+        for i, argv in enumerate(a for a in argvs if a is not node0[0]):
+            with open(tmp_path / f"node-{i + 1}.log", "w") as log:
+                others.append(subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", *argv], env=shell_env,
+                                               cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        server = DocServer(shlex.join(["moeserve", "serve", *node0[0]]), shell_env, tmp_path,
+                           tmp_path / "server.log")
+        server.stop()
+        for proc in others:
+            assert proc.wait(timeout=DEADLINE_S) == 0, "a node did not exit cleanly after node 0 stopped"
+    finally:
+        for proc in others:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
