@@ -92,7 +92,7 @@ def serve_help() -> str:
     return out.stdout
 
 
-def test_statuses_are_the_tables_three(serve_help):
+def test_statuses_are_the_tables_three():
     bad = [(feature, status) for feature, _, status in readme_features() if status not in STATUSES]
     assert not bad, f"status must be one of {STATUSES}: {bad}"
 
