@@ -36,8 +36,9 @@ SAME_PIECES = {
     "Structured outputs": ["structured outputs' token mask on CUDA"],
     "Watchdog": ["`--watchdog-timeout`"],
     "DeepEP": ["DeepEP"],
-    "Piecewise CUDA graphs with several DP groups": ["piecewise CUDA graphs for prefill/mixed steps",
-                                                     "two-batch overlap inside a captured decode graph"],
+    "Piecewise CUDA graphs with several DP groups": ["piecewise CUDA graphs for prefill/mixed steps"],
+    "Two-batch overlap inside captured decode steps": ["two-batch overlap inside a captured decode graph"],
+    "Low-latency dispatch whose bytes scale": ["symm dispatch"],
 }
 
 
