@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from moeserve.server.http.server import port_busy_reason
 
 
@@ -40,6 +42,18 @@ def test_a_busy_port_exits_non_zero_before_the_model_loads():
     assert f":{port}" in r.stderr and "Traceback" not in r.stderr
     assert "rank" not in r.stderr.lower() and "loading" not in r.stderr.lower(), r.stderr[-2000:]
     assert elapsed < 60
+
+
+@pytest.mark.parametrize("what", ["missing", "no_config"])
+def test_a_wrong_model_path_is_one_line(tmp_path, what):
+    path = tmp_path / "nowhere" if what == "missing" else tmp_path
+    r = _serve("--model-path", str(path))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(path) in errors[0], r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2, r.stderr  # the error, and a short usage line
+    assert ("does not exist" if what == "missing" else "config.json") in errors[0]
 
 
 def test_a_bind_that_fails_after_loading_still_exits_non_zero():
