@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moeserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, sharegpt_requests
+from moeserve.help_text import DefaultsOnceHelpFormatter
 
 BACKENDS = {  # name -> (endpoint, kind)
     "moeserve": ("/generate", "native"),
@@ -263,7 +264,7 @@ def format_report(summary: dict[str, Any], backend: str, request_rate: float, ma
 # command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeserve bench serving", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsOnceHelpFormatter)
     p.add_argument("--backend", choices=list(BACKENDS), default="moeserve",
                    help="moeserve/sglang: native /generate; openai: /v1/completions; openai-chat: "
                         "/v1/chat/completions")
