@@ -19,10 +19,16 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moeserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, sharegpt_requests
+from moeserve.bench.datasets import (
+    BenchRequest,
+    random_requests,
+    served_prompt_len,
+    shared_prefix_requests,
+    sharegpt_requests,
+)
 from moeserve.help_text import DefaultsOnceHelpFormatter
 
 BACKENDS = {  # name -> (endpoint, kind)
@@ -392,11 +398,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         tokenizer = load_tokenizer(tokenizer_path)
-        reqs = load_requests(args, tokenizer)
+        # Counted as the server will (BOS, or the chat template), so that this header and the table agree.
+        chat = BACKENDS[args.backend][1] == "chat"
+        reqs = [replace(r, prompt_len=served_prompt_len(tokenizer, r.prompt, chat))
+                for r in load_requests(args, tokenizer)]
     except (ValueError, OSError) as e:
         print(f"dataset: {e}", file=sys.stderr)
         return 2
-    print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens, "
+    print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens "
+          f"({'chat template' if chat else 'BOS'} included, as the server counts them), "
           f"{sum(r.output_len for r in reqs)} output tokens -> {base_url}{BACKENDS[args.backend][0]}")
 
     results, duration = asyncio.run(run_benchmark(

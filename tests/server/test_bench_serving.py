@@ -92,6 +92,9 @@ def test_run_against_fake_server(base_url, fake, tmp_path, backend, capsys):
     assert summary["total_output_tokens"] == sum(r["expected_output_len"] for r in record["requests"])
     assert summary["ttft_ms"]["mean"] > 0 and summary["e2e_ms"]["p99"] >= summary["e2e_ms"]["median"]
     assert record["config"]["tokenizer"] == default_model_path()  # asked from /get_model_info
+    # The header's prompt tokens are the table's: both count as the server does (BOS, or the chat template).
+    header = next(line for line in printed.splitlines() if "prompt tokens" in line)
+    assert int(header.split(", ")[1].split()[0]) == summary["total_input_tokens"], (header, summary)
     if backend != "moeserve":
         assert record["config"]["model"] == "fake-model"
 
