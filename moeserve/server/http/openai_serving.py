@@ -388,7 +388,14 @@ async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBod
     def events(subs: list[SubRequest], firsts: list[dict | None]) -> AsyncIterator[str]:
         return _stream(ctx, req, subs, firsts, request_id, chat)
 
-    return await serve(ctx, request, inputs, req.stream, respond, events)
+    try:
+        return await serve(ctx, request, inputs, req.stream, respond, events)
+    except APIError as e:
+        if e.param != "max_new_tokens":
+            raise
+        # The engine's name for it; this request said max_tokens (or max_completion_tokens).
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise APIError(e.message.replace("max_new_tokens", field), e.status, param=field, code=e.code) from None
 
 
 def _prompt_texts(ctx: ServerContext, req: CompletionRequest) -> list[str]:
