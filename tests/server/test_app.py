@@ -264,7 +264,9 @@ def test_info_endpoints(http, fake):
                      "kv_used_tokens": 0, "kv_total_tokens": 1000, "num_cached_tokens": 0}]
     r = http.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
-    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 512
+    assert card["id"] == card["root"] == "fake-model"  # the served name, not the server's /models/fake
     assert http.get("/version").json()["version"]
 
 

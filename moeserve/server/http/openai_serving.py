@@ -366,7 +366,8 @@ async def chat_completions(request: Request, ctx: Ctx) -> Any:
 async def list_models(ctx: Ctx) -> Any:
     return {"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
-        "root": ctx.client.server_args.model_path, "max_model_len": ctx.context_length,
+        # root: the served name, as SGLang's is; never the server's own path (the embedded model's is the install's)
+        "root": ctx.model_name, "max_model_len": ctx.context_length,
     }]}
 
 
