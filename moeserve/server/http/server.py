@@ -63,7 +63,7 @@ def run_server(server_args: ServerArgs) -> int:
         logger.info("interrupted; shutting down")
     except SystemExit as e:
         # Our SIGTERM handler raises SystemExit(128 + signum): a stop, exit 0. Any other SystemExit is a start-up
-        # that failed (uvicorn exits 1 when it cannot bind): a supervisor must see it.
+        # that failed (uvicorn exits 3 when it cannot bind): a supervisor must see it.
         if isinstance(e.code, int) and e.code - 128 in (signal.SIGTERM, signal.SIGINT):
             logger.info("interrupted; shutting down")
         else:
