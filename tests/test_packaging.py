@@ -115,3 +115,17 @@ def test_install_torch_falls_back_with_a_message_when_the_index_is_unreachable(f
     out, pip = _install_torch(fake_python, "http://127.0.0.1:9")  # the discard port: nothing listens
     assert "cannot be reached" in out and "CUDA build" in out
     assert pip.split() == ["-m", "pip", "install", "-q", "torch==2.13.0"]
+
+
+def test_teardown_reports_after_the_summary_are_silenced():
+    """conftest.py's pytest_unconfigure: what writes to stderr at interpreter exit (libtriton's nanobind leak
+    report) is dropped once Triton was loaded, so that the summary ends the test command's output."""
+    import sys
+
+    code = ("import atexit, os, sys; atexit.register(lambda: os.write(2, b'nanobind: leaked 3 instances!\\n')); "
+            "import triton; import tests.conftest as c; c.pytest_unconfigure(None); print('summary', flush=True); "
+            "sys.stderr.write('still shown before exit\\n')")
+    env = {k: v for k, v in os.environ.items() if k != "MOESERVE_TEST_TEARDOWN_STDERR"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout == "summary\n", r
+    assert "still shown before exit" in r.stderr and "leaked" not in r.stderr, r.stderr
