@@ -29,6 +29,7 @@ def test_port_busy_reason_names_the_port():
         port = sock.getsockname()[1]
         reason = port_busy_reason("127.0.0.1", port)
         assert reason is not None and f"127.0.0.1:{port}" in reason and "--port" in reason
+        assert "address already in use" in reason  # what tests/disagg/pd_procs.py retries on
     assert port_busy_reason("127.0.0.1", port) is None  # free again once closed
 
 

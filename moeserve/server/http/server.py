@@ -90,8 +90,9 @@ def port_busy_reason(host: str, port: int) -> str | None:
         try:
             sock.bind(address)
         except OSError as e:
-            return (f"cannot listen on {host}:{port}: {e.strerror}; is another server running there? "
-                    "Stop it or pass another --port")
+            # lower case, as uvicorn's own bind error (tests/disagg/pd_procs.py retries on "address already in use")
+            return (f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}; is another server running "
+                    "there? Stop it or pass another --port")
     return None
 
 
