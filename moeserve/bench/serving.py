@@ -507,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(tokenizer_path)
         # Counted as the server will (BOS, or the chat template), so that this header and the table agree.
         chat = BACKENDS[args.backend][1] == "chat"
-        reqs = [replace(r, prompt_len=served_prompt_len(tokenizer, r.prompt, chat))
-                for r in load_requests(args, tokenizer)]
+        reqs = load_requests(args, tokenizer)
+        if args.dataset != "multiturn":  # a conversation's prompts grow with its answers: counted as sent
+            reqs = [replace(r, prompt_len=served_prompt_len(tokenizer, r.prompt, chat)) for r in reqs]
     except (ValueError, OSError) as e:
         print(f"dataset: {e}", file=sys.stderr)
         return 2
