@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import sysconfig
@@ -222,12 +221,12 @@ def chained_drafts(main, mtp, seq: torch.Tensor, depth: int, device: torch.devic
     # Step by step: step j's queries need step j-1's output as their hidden; the cache part (step 1 of every
     # start) is recomputed each time, which keeps this one plain forward over the growing sequence.
     h_in = hidden[:, :n]
-    tokens, positions = [], []
+    tokens, positions, prev = [], [], None
     for j in range(depth):
         ids = torch.cat([seq[:, 1 + j:], torch.zeros(B, j, dtype=seq.dtype, device=device)], dim=1)[:, :n]
         tokens.append(ids)
         positions.append(torch.arange(n, device=device) + j)
-        if j > 0:
+        if prev is not None:
             h_in = torch.cat([h_in, prev], dim=1)
         embeds = main.model.embed_tokens(torch.cat(tokens, dim=1))
         pos = torch.cat(positions)
