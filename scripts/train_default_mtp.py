@@ -415,8 +415,11 @@ def write_model(out: Path, result: dict, args: argparse.Namespace) -> None:
     chain = chain_report(main, shipped, windows, args.chain_prompts, args.chain_prompt_len, args.chain_tokens, device)
     print(f"written checkpoint, read back: held-out agreement {ev['agreement']:.4f} over {ev['tokens']} tokens, "
           f"accept length {chain['accept_length']} (k: tokens per verify step)", flush=True)
+    import transformers
+
     record = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": vars(args),
-              "torch": torch.__version__, "device_name": device_name(args.device)} | result["record"] | {
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "device_name": device_name(args.device)} | result["record"] | {
         "shipped_heldout_agreement": round(ev["agreement"], 4), "shipped_heldout_kl": round(ev["kl"], 4),
         "shipped_heldout_tokens": ev["tokens"], "greedy_chain": chain,
         "mtp_tensors": sorted(k for k in weights if k.startswith(f"model.layers.{layer}."))}
