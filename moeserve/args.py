@@ -21,6 +21,7 @@ from moeserve.ep.registry import REFUSED_BACKENDS
 from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
+from moeserve.kernels import cpu_isa
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -147,6 +148,12 @@ class ServerArgs:
     kv_cache_bytes: int | None = _flag(None, "CPU: KV pool budget in bytes (default 1 GiB).")
     page_size: int = _flag(1, "Tokens per KV page.")
     disable_radix_cache: bool = _flag(False, "Turn off prefix sharing between requests.")
+
+    # --- CPU kernels ---
+    cpu_isa: str = _flag(
+        "auto", "Instruction set of moeserve's C++ CPU kernels: amx (AMX tiles for the bf16 experts, AVX-512 BF16), "
+        "avx512, avx2, or auto (the best this CPU has, logged at start). An ISA the CPU lacks is refused.",
+        cpu_isa.CHOICES)
 
     # --- scheduling ---
     max_running_requests: int = _flag(256, "Most requests decoding at once.")
@@ -330,6 +337,7 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
+        cpu_isa.check(self.cpu_isa)
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
                     "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs",
                     "piecewise_cuda_graph_max_tokens", "decode_log_interval"]
