@@ -46,23 +46,23 @@ inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 // y[r, 8v + l] = sum_k x[r, k] * w[k, 8v + l] for R rows and NV vectors of columns; x rows ldx apart, w rows ldw.
 template <int R, int NV, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* y, int64_t ldy) {
-  f32x8 acc[R][NV];
+  f32v acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = f32x8{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = f32v{};
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * ldw;
     // Rows of a transposed weight matrix are far apart (one page or more in large models), out of reach of the
     // hardware prefetcher, which stays inside a page: ask for the row kAhead steps down.
     for (int v = 0; v < NV; v += 64 / int(kLanes * sizeof(W))) __builtin_prefetch(wk + kAhead * ldw + v * kLanes);
-    f32x8 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load8(wk + v * kLanes);
+    f32v wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = loadv(wk + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const f32x8 xb = f32x8{} + x[r * ldx + k];
+      const f32v xb = f32v{} + x[r * ldx + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += xb * wv[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store8(y + r * ldy + v * kLanes, acc[r][v]);
+    for (int v = 0; v < NV; ++v) storev(y + r * ldy + v * kLanes, acc[r][v]);
 }
 
 // The columns [0, n) of y = x · w for R rows: NV-vector tiles, then one vector at a time, then scalars.
@@ -80,10 +80,22 @@ inline void tiles(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t 
     }
 }
 
-// tiles for a run-time row count R in 1..kRows, with 8 accumulators (6 for R = 3).
+// tiles for a run-time row count R in 1..kRows, with 8 accumulators (6 for R = 3) of 8 lanes; of 16 lanes
+// (AVX-512's 32 registers) 8 to 16, a tile at most kCols wide.
 template <typename W>
 inline void matmul_rows(int R, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* y,
                         int64_t ldy, int64_t n) {
+  if (kLanes == 16) {
+    switch (R) {
+      case 6: tiles<6, 2>(x, ldx, w, ldw, K, y, ldy, n); break;
+      case 5: tiles<5, 2>(x, ldx, w, ldw, K, y, ldy, n); break;
+      case 4: tiles<4, 4>(x, ldx, w, ldw, K, y, ldy, n); break;
+      case 3: tiles<3, 4>(x, ldx, w, ldw, K, y, ldy, n); break;
+      case 2: tiles<2, 4>(x, ldx, w, ldw, K, y, ldy, n); break;
+      default: tiles<1, 4>(x, ldx, w, ldw, K, y, ldy, n); break;
+    }
+    return;
+  }
   switch (R) {
     case 6: tiles<6, 2>(x, ldx, w, ldw, K, y, ldy, n); break;
     case 5: tiles<5, 2>(x, ldx, w, ldw, K, y, ldy, n); break;
