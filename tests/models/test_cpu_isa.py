@@ -144,3 +144,16 @@ def test_an_isa_the_cpu_lacks_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="--cpu-isa amx: this CPU lacks amx_tile, amx_bf16"):
         ServerArgs(cpu_isa="amx")
     assert cpu_isa.check("avx2") is None
+
+
+def test_compiled_call_with_the_amx_copy(isa):
+    """Under torch.compile the packed weights go through the custom op's optional arguments."""
+    gen = torch.Generator().manual_seed(9)
+    w13, w2 = _weights(gen, 4, 64, 32, torch.bfloat16)
+    packed = cpu_experts.pack(w13, w2)
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    ids = torch.randint(0, 4, (6, 2), generator=gen)
+    weights = torch.rand(6, 2, generator=gen)
+    fn = torch.compile(lambda *a: cpu_experts.cpu_moe_local(*a, packed)[0] * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x, ids, weights, w13, w2), cpu_experts.cpu_moe_local(x, ids, weights, w13, w2,
+                                                                                      packed)[0] * 2)
