@@ -22,6 +22,7 @@ from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.help_text import with_default
+from moeserve.kernels import cpu_isa
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -162,6 +163,12 @@ class ServerArgs:
     kv_cache_bytes: int | None = _flag(None, "CPU: KV pool budget in bytes (default 1 GiB).")
     page_size: int = _flag(1, "Tokens per KV page.")
     disable_radix_cache: bool = _flag(False, "Turn off prefix sharing between requests.")
+
+    # --- CPU kernels ---
+    cpu_isa: str = _flag(
+        "auto", "Instruction set of moeserve's C++ CPU kernels: amx (AMX tiles for the bf16 experts, AVX-512 BF16), "
+        "avx512, avx2, or auto (the best this CPU has, logged at start). An ISA the CPU lacks is refused.",
+        cpu_isa.CHOICES)
 
     # --- scheduling ---
     max_running_requests: int = _flag(256, "Most requests decoding at once.")
@@ -367,6 +374,7 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
+        cpu_isa.check(self.cpu_isa)
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
                     "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs",
                     "piecewise_cuda_graph_max_tokens", "decode_log_interval"]
@@ -605,7 +613,7 @@ SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurr
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model_path", "tokenizer_path", "served_model_name", "dtype", "load_format", "context_length",
               "quantization", "grammar_backend", "reasoning_parser", "tool_call_parser", "skip_tokenizer_init",
-              "random_seed", "trust_remote_code", "device"),
+              "random_seed", "trust_remote_code", "device", "cpu_isa"),
     "parallelism": ("tp_size", "dp_size", "ep_size", "enable_dp_attention", "nnodes", "node_rank", "dist_init_addr",
                     "dist_port", "dist_timeout", "moe_dense_tp_size", "enable_dp_lm_head"),
     "EP and EPLB": ("moe_a2a_backend", "deepep_mode", "enable_deepep_moe", "deepep_config", "moe_runner_backend",
