@@ -28,6 +28,10 @@ from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+# --hicache-* choices, SGLang's names
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
 TRANSFER_BACKENDS = {"mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
                      "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend")}
@@ -147,6 +151,25 @@ class ServerArgs:
     kv_cache_bytes: int | None = _flag(None, "CPU: KV pool budget in bytes (default 1 GiB).")
     page_size: int = _flag(1, "Tokens per KV page.")
     disable_radix_cache: bool = _flag(False, "Turn off prefix sharing between requests.")
+
+    # hierarchical KV cache
+    enable_hierarchical_cache: bool = _flag(
+        False, "Keep prefix-cache pages that leave the device KV pool in a host memory pool (pinned on CUDA), still "
+        "indexed by the prefix cache; a later match loads them back before the request's prefill.")
+    hicache_ratio: float = _flag(2.0, "Host KV pool size as a multiple of the device KV pool.")
+    hicache_size: int = _flag(0, "Host KV pool size in GB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = _flag(
+        "write_through", "When device pages are copied to host: write_through (when a sequence enters the prefix "
+        "cache), write_through_selective (when a later request first reuses them), write_back (when they are "
+        "evicted from the device).", HICACHE_WRITE_POLICIES)
+    hicache_storage_backend: str | None = _flag(
+        None, "A storage tier below host memory: file or mooncake. Not wired into the prefix cache yet: refused.",
+        (None, *HICACHE_STORAGE_BACKENDS))
+    hicache_storage_prefetch_policy: str = _flag(
+        "best_effort", "When a prefetch from storage stops: best_effort, wait_complete, timeout (with "
+        "--hicache-storage-backend only).", HICACHE_PREFETCH_POLICIES)
+    hicache_storage_backend_extra_config: str | None = _flag(
+        None, "The storage backend's settings as a JSON string (with --hicache-storage-backend only).")
 
     # --- scheduling ---
     max_running_requests: int = _flag(256, "Most requests decoding at once.")
@@ -407,6 +430,7 @@ class ServerArgs:
                 raise ValueError("--enable-shared-experts-fusion runs without --enable-eplb and "
                                  "--ep-num-redundant-experts: the placement covers the routed experts only")
         self._check_disaggregation()
+        self._check_hierarchical_cache()
         if self.enable_mixed_chunk and self.disagg.enabled:
             raise ValueError(f"--enable-mixed-chunk does nothing with --disaggregation-mode {self.disaggregation_mode}: "
                              "a prefill server has no running decodes and a decode server runs no prefill")
@@ -417,6 +441,28 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")
+
+    def _check_hierarchical_cache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            changed = [n for n in HICACHE_DEFAULTS if getattr(self, n) != HICACHE_DEFAULTS[n]]
+            if changed:
+                raise ValueError(f"--{_dash(changed[0])} takes effect only with --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache keeps the prefix cache's pages in host memory: it needs "
+                             "the prefix cache (drop --disable-radix-cache)")
+        raise ValueError("--enable-hierarchical-cache: the host tier is not in the scheduler yet")
+        if self.disagg.is_decode:
+            raise ValueError("--enable-hierarchical-cache with --disaggregation-mode decode: a decode server keeps no "
+                             "prefix cache (its KV comes from prefill); enable it on the prefill server")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0 (GB)")
+        if self.hicache_storage_backend is not None:
+            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend}: the storage tier is not "
+                             "wired into the prefix cache yet; run with the host tier only (drop the flag)")
+        changed = [n for n in HICACHE_STORAGE_DEFAULTS if getattr(self, n) != HICACHE_STORAGE_DEFAULTS[n]]
+        if changed:
+            raise ValueError(f"--{_dash(changed[0])} takes effect only with --hicache-storage-backend")
 
     def _check_disaggregation(self) -> None:
         if not self.disagg.enabled:
@@ -517,6 +563,9 @@ class ServerArgs:
 # PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
 PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
                     if f.name.startswith("disaggregation_") and f.name != "disaggregation_mode"}
+# --hicache-* flags that matter only with --enable-hierarchical-cache, and the storage ones only with a backend
+HICACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs) if f.name.startswith("hicache_")}
+HICACHE_STORAGE_DEFAULTS = {n: d for n, d in HICACHE_DEFAULTS.items() if n.startswith("hicache_storage_")}
 # Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
                     "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "api_key_all_routes",
