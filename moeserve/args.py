@@ -21,6 +21,7 @@ from moeserve.ep.registry import REFUSED_BACKENDS
 from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
+from moeserve.kvcache.hiradix_cache import WRITE_POLICIES as HICACHE_WRITE_POLICIES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -29,7 +30,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # --hicache-* choices, SGLang's names
-HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
@@ -451,7 +451,6 @@ class ServerArgs:
         if self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache keeps the prefix cache's pages in host memory: it needs "
                              "the prefix cache (drop --disable-radix-cache)")
-        raise ValueError("--enable-hierarchical-cache: the host tier is not in the scheduler yet")
         if self.disagg.is_decode:
             raise ValueError("--enable-hierarchical-cache with --disaggregation-mode decode: a decode server keeps no "
                              "prefix cache (its KV comes from prefill); enable it on the prefill server")

@@ -12,8 +12,9 @@ from moeserve.disagg.decode import DecodeRooms
 from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.prefill import PrefillRooms
-from moeserve.disagg.transfer.base import TransferBackend, kv_buffers
+from moeserve.disagg.transfer.base import TransferBackend
 from moeserve.disagg.transfer.registry import backend_class
+from moeserve.kvcache.kv_pool import kv_buffers
 from moeserve.rank.io_struct import FinishReason
 from moeserve.rank.request import Req
 

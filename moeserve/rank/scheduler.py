@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ import torch
 from moeserve.args import PDRole, ServerArgs
 from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBackend
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
-from moeserve.kvcache import PageAllocator, make_prefix_cache
+from moeserve.kvcache import HostKVPool, PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.pd_host import PDHost
@@ -32,6 +33,9 @@ from moeserve.rank.prompt_logprobs import scored_positions
 from moeserve.rank.request import Req
 from moeserve.rank.scheduled_batch import ScheduledBatch, SchedulerStats
 from moeserve.rank.step_results import StepResults
+
+if TYPE_CHECKING:
+    from moeserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,9 @@ class Scheduler(PDHost, StepResults):
     """
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
-                 eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None):
+                 eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None,
+                 kv_pool: KVPool | None = None):
+        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to."""
         self.args = server_args
         self.dp_rank = dp_rank
         self.page_size = server_args.page_size
@@ -56,7 +62,16 @@ class Scheduler(PDHost, StepResults):
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
         no_cache = server_args.disable_radix_cache or self.pd_role is PDRole.DECODE
-        self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size)
+        self.host_pool = None
+        if server_args.enable_hierarchical_cache and not no_cache:
+            assert kv_pool is not None, "the hierarchical cache needs the device KV pool"
+            host_pages = HostKVPool.num_pages_for(kv_pool, server_args.hicache_ratio, server_args.hicache_size)
+            self.host_pool = HostKVPool(kv_pool, host_pages)
+            logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", host_pages * self.page_size,
+                        self.host_pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
+                        server_args.hicache_write_policy)
+        self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
+                                       server_args.hicache_write_policy)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -275,7 +290,7 @@ class Scheduler(PDHost, StepResults):
 
     def _waiting_in_order(self) -> list[Req]:
         if self.args.schedule_policy == "lpm":
-            return sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(r.fill_ids).slots))
+            return sorted(self.waiting, key=lambda r: -self.cache.match_len(r.fill_ids))
         return list(self.waiting)
 
     def _acquire_row_and_prefix(self, req: Req) -> bool:
@@ -290,13 +305,15 @@ class Scheduler(PDHost, StepResults):
         if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
             usable = min(usable, req.next_scored_position)
         usable = usable // self.page_size * self.page_size
-        slots, node = self.cache.match_prefix(fill[:usable])
-        self.cache.lock(node)
-        req.last_node = node
-        req.prefix_len = req.kv_len = len(slots)
-        self.req_table.write(row, 0, slots)
+        match = self.cache.match_prefix(fill[:usable])
+        self.cache.lock(match.node)
+        req.last_node = match.node
+        req.prefix_len = req.kv_len = len(match.slots)
+        self.req_table.write(row, 0, match.slots)
         if req.num_retractions == 0:
             req.cached_tokens = req.prefix_len
+            if self.host_pool is not None:
+                req.cached_tokens_details = {"device": req.prefix_len - match.host_tokens, "host": match.host_tokens}
         return True
 
     def _schedule_decode(self) -> ScheduledBatch | None:

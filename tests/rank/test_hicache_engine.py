@@ -1,0 +1,139 @@
+"""The hierarchical KV cache through the real scheduler and model runner (CPU): two-turn conversations whose
+histories do not fit the device pool give the same greedy tokens with the host tier on and off, and with it on
+the second turns are served from the host tier (cached_tokens_details). Also with chunked prefill, prompt
+logprobs, and 64 conversations with aborts while their KV is being loaded back: no wrong token, and every device
+and host page comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moeserve.kvcache import HiRadixCache
+from moeserve.rank.io_struct import GenerateReq
+from moeserve.rank.sampling_params import SamplingParams
+from tests.checkpoints import VOCAB, build_checkpoint
+from tests.rank.inprocess import InProcessEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    paths: dict[str, str | None] = {"default": None}
+
+    def get(name: str) -> str | None:
+        if name not in paths:
+            paths[name] = build_checkpoint(name, tmp_path_factory.mktemp(name))
+        return paths[name]
+
+    return get
+
+
+def _first_turns(seed: int, n: int, system: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, VOCAB) for _ in range(system)]  # a system prompt every conversation starts with
+    return [shared + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(24, 40))] for _ in range(n)]
+
+
+def _two_turns(eng: InProcessEngine, firsts: list[list[int]], seed: int, **kw) -> tuple[list[dict], list[dict]]:
+    one = eng.run(firsts, GREEDY, **kw)
+    rng = random.Random(seed)
+    seconds = [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
+    return one, eng.run(seconds, GREEDY, **kw)
+
+
+def _accounted(eng: InProcessEngine) -> None:
+    """Every device page is free or in the cache unlocked; every host page free or held by a tree node."""
+    s = eng.scheduler
+    cache = s.cache
+    assert isinstance(cache, HiRadixCache)
+    assert cache.protected_size == 0
+    assert s.allocator.num_free_pages * s.page_size + cache.evictable_size == s.allocator.num_pages * s.page_size
+    held = sum(len(n.host_value) for n in cache._nodes() if n.host_value is not None)
+    assert s.host_pool.allocator.num_free_pages * s.page_size + held == s.host_pool.num_pages * s.page_size
+
+
+def _engine(model_path, name: str, hierarchical: bool, **kw) -> InProcessEngine:
+    extra = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy=kw.pop("policy", "write_through")) \
+        if hierarchical else {}
+    return InProcessEngine(model_path=model_path(name), dtype="float32", max_total_tokens=96, page_size=2,
+                           max_running_requests=4, **extra, **kw)
+
+
+@pytest.mark.parametrize(("name", "policy"), [("default", "write_through"), ("v3_q_lora", "write_back"),
+                                              ("qwen3_moe", "write_through"), ("default", "write_through_selective")])
+def test_second_turns_hit_host_and_tokens_match(model_path, name, policy):
+    firsts = _first_turns(48, 6)
+    off = _two_turns(_engine(model_path, name, False), firsts, 1)
+    eng = _engine(model_path, name, True, policy=policy)
+    on = _two_turns(eng, firsts, 1)
+    for a, b in zip(off[0] + off[1], on[0] + on[1], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+    # histories of 6 x ~45 tokens against a 96-token device pool (and 384 on host): the second turns find theirs on the host
+    details = [r["cached_tokens_details"] for r in on[1]]
+    assert all(d["device"] + d["host"] == r["cached_tokens"] for d, r in zip(details, on[1], strict=True))
+    if policy == "write_through_selective":  # a history is copied to host once reused: none was, in turn one
+        assert sum(r["cached_tokens"] for r in on[1]) >= sum(r["cached_tokens"] for r in off[1])
+    else:
+        assert sum(d["host"] for d in details) > 0
+        assert sum(r["cached_tokens"] for r in on[1]) > sum(r["cached_tokens"] for r in off[1])
+    _accounted(eng)
+
+
+def test_chunked_prefill_and_prompt_logprobs(model_path):
+    firsts = _first_turns(7, 5)
+    kw = dict(return_logprob=True, logprob_start_len=30)
+    off = _two_turns(_engine(model_path, "v3_q_lora", False, chunked_prefill_size=8), firsts, 2, **kw)
+    eng = _engine(model_path, "v3_q_lora", True, chunked_prefill_size=8)
+    on = _two_turns(eng, firsts, 2, **kw)
+    for a, b in zip(off[0] + off[1], on[0] + on[1], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        torch.testing.assert_close(torch.tensor(a["input_logprobs"][1:]), torch.tensor(b["input_logprobs"][1:]))
+    assert sum(r["cached_tokens_details"]["host"] for r in on[1]) > 0
+    _accounted(eng)
+
+
+def test_64_conversations_with_aborts_during_load_back(model_path):
+    firsts = _first_turns(64, 64)
+    reference = _two_turns(_engine(model_path, "default", False), firsts, 3)[1]
+    eng = _engine(model_path, "default", True, policy="write_back")
+    one = eng.run(firsts, GREEDY)
+    rng = random.Random(3)
+    seconds = [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
+    s = eng.scheduler
+    rids = [f"turn2-{i}" for i in range(64)]
+    for rid, p in zip(rids, seconds, strict=True):
+        s.add_request(GenerateReq(rid, p, GREEDY))
+    outs: dict[str, list[int]] = {rid: [] for rid in rids}
+    finished: dict[str, str] = {}
+    aborted = set(random.Random(5).sample(rids, 20))
+    host_hits = 0
+    for step in range(5000):
+        for o in eng.steps.step() + s.drain_pending():
+            outs[o.rid].extend(o.new_token_ids)
+            if o.cached_tokens_details and o.finish_reason is None:
+                host_hits = max(host_hits, o.cached_tokens_details["host"])
+            if o.finish_reason is not None:
+                finished[o.rid] = o.finish_reason.type
+        # abort requests right after their admission (their prefix just loaded back) or while they wait
+        for rid in [r for r in aborted if r in s.reqs]:
+            req = s.reqs[rid]
+            if req.row is not None or step % 7 == 3:
+                s.abort(rid)
+        if len(finished) == 64:
+            break
+    else:
+        raise AssertionError("requests did not finish (deadline: 5000 steps)")
+    eng.steps.flush()
+    assert host_hits > 0
+    for i, rid in enumerate(rids):
+        if finished[rid] == "abort":
+            assert rid in aborted
+            assert outs[rid] == reference[i]["output_ids"][: len(outs[rid])]
+        else:
+            assert outs[rid] == reference[i]["output_ids"], f"conversation {i}: wrong tokens"
+    assert sum(v == "abort" for v in finished.values()) >= 10
+    _accounted(eng)
