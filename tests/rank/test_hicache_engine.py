@@ -32,10 +32,10 @@ def model_path(tmp_path_factory):
     return get
 
 
-def _first_turns(seed: int, n: int, system: int = 8) -> list[list[int]]:
+def _first_turns(seed: int, n: int, system: int = 8, lengths: tuple[int, int] = (24, 40)) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(2, VOCAB) for _ in range(system)]  # a system prompt every conversation starts with
-    return [shared + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(24, 40))] for _ in range(n)]
+    return [shared + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(*lengths))] for _ in range(n)]
 
 
 def _two_turns(eng: InProcessEngine, firsts: list[list[int]], seed: int, **kw) -> tuple[list[dict], list[dict]]:
@@ -57,10 +57,10 @@ def _accounted(eng: InProcessEngine) -> None:
 
 
 def _engine(model_path, name: str, hierarchical: bool, **kw) -> InProcessEngine:
-    extra = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy=kw.pop("policy", "write_through")) \
-        if hierarchical else {}
-    return InProcessEngine(model_path=model_path(name), dtype="float32", max_total_tokens=96, page_size=2,
-                           max_running_requests=4, **extra, **kw)
+    extra = dict(enable_hierarchical_cache=True, hicache_ratio=kw.pop("hicache_ratio", 4.0),
+                 hicache_write_policy=kw.pop("policy", "write_through")) if hierarchical else {}
+    kw = dict(max_total_tokens=96, page_size=2, max_running_requests=4) | kw
+    return InProcessEngine(model_path=model_path(name), dtype="float32", **extra, **kw)
 
 
 @pytest.mark.parametrize(("name", "policy"), [("default", "write_through"), ("v3_q_lora", "write_back"),
@@ -97,9 +97,11 @@ def test_chunked_prefill_and_prompt_logprobs(model_path):
 
 
 def test_64_conversations_with_aborts_during_load_back(model_path):
-    firsts = _first_turns(64, 64)
-    reference = _two_turns(_engine(model_path, "default", False), firsts, 3)[1]
-    eng = _engine(model_path, "default", True, policy="write_back")
+    firsts = _first_turns(64, 64, system=4, lengths=(10, 20))
+    # a 256-token device pool, a host pool (8 x) that holds every history: 64 x ~26 tokens
+    kw = dict(max_running_requests=16, max_total_tokens=256)
+    reference = _two_turns(_engine(model_path, "v3_q_lora", False, **kw), firsts, 3)[1]
+    eng = _engine(model_path, "v3_q_lora", True, policy="write_back", hicache_ratio=8.0, **kw)
     one = eng.run(firsts, GREEDY)
     rng = random.Random(3)
     seconds = [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
@@ -111,10 +113,11 @@ def test_64_conversations_with_aborts_during_load_back(model_path):
     finished: dict[str, str] = {}
     aborted = set(random.Random(5).sample(rids, 20))
     host_hits = 0
+    kinds = [0, 0]  # aborts while waiting, after admission (the prefix loaded back, its prefill in flight)
     for step in range(5000):
         for o in eng.steps.step() + s.drain_pending():
             outs[o.rid].extend(o.new_token_ids)
-            if o.cached_tokens_details and o.finish_reason is None:
+            if o.cached_tokens_details:
                 host_hits = max(host_hits, o.cached_tokens_details["host"])
             if o.finish_reason is not None:
                 finished[o.rid] = o.finish_reason.type
@@ -122,6 +125,7 @@ def test_64_conversations_with_aborts_during_load_back(model_path):
         for rid in [r for r in aborted if r in s.reqs]:
             req = s.reqs[rid]
             if req.row is not None or step % 7 == 3:
+                kinds[req.row is not None] += 1
                 s.abort(rid)
         if len(finished) == 64:
             break
@@ -135,5 +139,5 @@ def test_64_conversations_with_aborts_during_load_back(model_path):
             assert outs[rid] == reference[i]["output_ids"][: len(outs[rid])]
         else:
             assert outs[rid] == reference[i]["output_ids"], f"conversation {i}: wrong tokens"
-    assert sum(v == "abort" for v in finished.values()) >= 10
+    assert sum(v == "abort" for v in finished.values()) >= 10 and min(kinds) > 0, kinds
     _accounted(eng)
