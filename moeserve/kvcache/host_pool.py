@@ -7,6 +7,7 @@ return only once the bytes have arrived: a device page may be freed, or a host p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,12 @@ class HostKVPool:
             page_bytes = device_pool.bytes_per_token * device_pool.page_size
             return max(1, size_gb * (1 << 30) // page_bytes)
         return max(1, int(device_pool.num_pages * ratio))
+
+    def report(self) -> dict[str, int | float]:
+        """Tokens held and total, and the traffic since start (LoadOut.hicache, the /metrics counters)."""
+        used = self.num_pages - self.allocator.num_free_pages
+        return {"host_used_tokens": used * self.page_size, "host_total_tokens": self.num_pages * self.page_size,
+                **dataclasses.asdict(self.traffic)}
 
     @property
     def total_bytes(self) -> int:

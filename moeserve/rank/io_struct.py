@@ -71,6 +71,9 @@ class LoadOut:
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
     disagg: dict[str, Any] | None = None  # PD mode: requests per state, KV transfers (disagg/stats.py)
+    # --enable-hierarchical-cache: the host tier's tokens held and total, and its traffic since start
+    # (HostKVPool.report: bytes_to_host, bytes_to_device, load_back_seconds)
+    hicache: dict[str, Any] | None = None
     # steps this group ran, by kind: "static_decode" (padded to the agreed size, rank/static_shape.py), and with
     # --enable-two-batch-overlap "tbo N" / "no_tbo N" (steps whose largest group had N tokens, overlapped or not)
     step_counts: dict[str, int] = field(default_factory=dict)

@@ -186,6 +186,7 @@ class Scheduler(PDHost, StepResults):
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
             num_cached_tokens=self.cache.total_size,
             disagg=self.pd.stats.to_json() if self.pd is not None else None,
+            hicache=self.host_pool.report() if self.host_pool is not None else None,
         )
 
     def has_work(self) -> bool:
