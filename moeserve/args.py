@@ -22,6 +22,8 @@ from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.kvcache.hiradix_cache import WRITE_POLICIES as HICACHE_WRITE_POLICIES
+from moeserve.kvcache.storage.registry import BACKEND_NAMES as HICACHE_STORAGE_BACKENDS
+from moeserve.kvcache.storage_tier import PREFETCH_POLICIES as HICACHE_PREFETCH_POLICIES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -30,8 +32,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # --hicache-* choices, SGLang's names
-HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
-HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
 TRANSFER_BACKENDS = {"mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
                      "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend")}
@@ -177,13 +177,16 @@ class ServerArgs:
         "cache), write_through_selective (when a later request first reuses them), write_back (when they are "
         "evicted from the device).", HICACHE_WRITE_POLICIES)
     hicache_storage_backend: str | None = _flag(
-        None, "A storage tier below host memory: file or mooncake. Not wired into the prefix cache yet: refused.",
-        (None, *HICACHE_STORAGE_BACKENDS))
+        None, "A storage tier below host memory, pages keyed by their prefix's content: file (a directory; a "
+        "restarted server finds its pages) or mooncake (Mooncake's store, where installed). Every host copy is "
+        "written there; a match reads the pages that continue it.", (None, *HICACHE_STORAGE_BACKENDS))
     hicache_storage_prefetch_policy: str = _flag(
-        "best_effort", "When a prefetch from storage stops: best_effort, wait_complete, timeout (with "
-        "--hicache-storage-backend only).", HICACHE_PREFETCH_POLICIES)
+        "best_effort", "How long a match reads from storage: the read runs in the scheduler before the request's "
+        "prefill, so best_effort and wait_complete take every stored page; timeout stops at 0.5 s + 0.25 s per "
+        "1,024 tokens.", HICACHE_PREFETCH_POLICIES)
     hicache_storage_backend_extra_config: str | None = _flag(
-        None, "The storage backend's settings as a JSON string (with --hicache-storage-backend only).")
+        None, "The storage backend's settings as a JSON object, e.g. '{\"path\": \"/data/kv\", \"max_bytes\": "
+        "100000000000}' for file (default directory: $MOESERVE_CACHE/kv_storage).")
 
     # --- scheduling ---
     max_running_requests: int = _flag(256, "Most requests decoding at once.")
@@ -527,12 +530,15 @@ class ServerArgs:
                              "prefix cache (its KV comes from prefill); enable it on the prefill server")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0 (GB)")
-        if self.hicache_storage_backend is not None:
-            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend}: the storage tier is not "
-                             "wired into the prefix cache yet; run with the host tier only (drop the flag)")
-        changed = [n for n in HICACHE_STORAGE_DEFAULTS if getattr(self, n) != HICACHE_STORAGE_DEFAULTS[n]]
-        if changed:
-            raise ValueError(f"--{_dash(changed[0])} takes effect only with --hicache-storage-backend")
+        if self.hicache_storage_backend is None:
+            changed = [n for n in HICACHE_STORAGE_DEFAULTS if getattr(self, n) != HICACHE_STORAGE_DEFAULTS[n]]
+            if changed:
+                raise ValueError(f"--{_dash(changed[0])} takes effect only with --hicache-storage-backend")
+        elif self.attn_tp_size > 1:
+            raise ValueError(f"--hicache-storage-backend with an attention-TP group of {self.attn_tp_size} ranks: "
+                             "each rank's scheduler would read its own shard's pages and could find different ones; "
+                             "run storage with one rank per attention group (--tp-size 1, or DP attention with "
+                             "--dp-size equal to --tp-size)")
 
     def _check_disaggregation(self) -> None:
         if not self.disagg.enabled:

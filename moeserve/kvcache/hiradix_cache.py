@@ -26,17 +26,20 @@ from moeserve.kvcache.host_pool import HostKVPool
 from moeserve.kvcache.page_allocator import PageAllocator
 from moeserve.kvcache.prefix_cache import PrefixMatch
 from moeserve.kvcache.radix_cache import RadixCache, TreeNode
+from moeserve.kvcache.storage_tier import StorageTier
 
-TIERS = ("device", "host")  # cached_tokens_details' keys, the Prometheus tier label
+TIERS = ("device", "host", "storage")  # cached_tokens_details' keys, the Prometheus tier label
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # --hicache-write-policy
 
 
 class HiRadixCache(RadixCache):
     """RadixCache whose evicted pages go down to a host pool and come back on a match."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str):
+    def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
+                 storage: StorageTier | None = None):
         self.host = host
         self.write_policy = write_policy
+        self.storage = storage  # below host: every host copy made here is written there; a match reads from it
         super().__init__(allocator, page_size)
 
     def reset(self) -> None:
@@ -53,6 +56,9 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ match
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         path = self._match_path(tokens)
+        stored = self._prefetch(path, tokens) if self.storage is not None else None
+        if stored is not None:
+            path.append(stored)
         if not path:
             return PrefixMatch(np.zeros(0, dtype=np.int64), self.root)
         on_device = next((i for i, n in enumerate(path) if n.value is None), len(path))
@@ -68,8 +74,34 @@ class HiRadixCache(RadixCache):
             self.unlock(path[-1])
         path = path[: on_device + loaded]
         host_tokens = sum(len(n.key) for n in path[on_device:])
+        storage_tokens = len(stored.key) if stored is not None and stored in path else 0
         slots = np.concatenate([n.value for n in path]) if path else np.zeros(0, dtype=np.int64)
-        return PrefixMatch(slots, path[-1] if path else self.root, host_tokens)
+        return PrefixMatch(slots, path[-1] if path else self.root, host_tokens, storage_tokens)
+
+    def _prefetch(self, path: list[TreeNode], tokens: list[int]) -> TreeNode | None:
+        """Read the stored pages that continue path (the tree's match of tokens) into host pages: a new host-only
+        node below path's end, or None when storage has none (or the host pool has no room)."""
+        assert self.storage is not None
+        ps = self.page_size
+        start, end = sum(len(n.key) for n in path), len(tokens) // ps * ps
+        if end - start < ps:
+            return None
+        parent = path[-1] if path else self.root
+        keys = self.storage.keys(tokens[:end])[start // ps :]
+        self.lock(parent)  # making host room must not evict the path
+        try:
+            pages = self.storage.read(keys)
+            host_slots = self._host_alloc(len(pages) * ps) if pages else None
+            if host_slots is None:
+                return None
+            self.storage.fill(host_slots, pages)
+        finally:
+            self.unlock(parent)
+        node = TreeNode(list(tokens[start : start + len(pages) * ps]), None, parent)
+        node.host_value = host_slots
+        node.last_access = next(self._clock)
+        parent.children[self._page_key(node.key, 0)] = node
+        return node
 
     def match_len(self, tokens: list[int]) -> int:
         return sum(len(n.key) for n in self._match_path(tokens))
@@ -112,15 +144,32 @@ class HiRadixCache(RadixCache):
         """Give a device node a host copy (evicting host-only leaves for room); False when the host pool is full of
         what it may not evict."""
         assert node.value is not None and node.host_value is None
-        host_slots = self.host.alloc(len(node.key))
+        host_slots = self._host_alloc(len(node.key))
         if host_slots is None:
-            self._evict_host(len(node.key) - self.host.allocator.num_free_pages * self.page_size)
-            host_slots = self.host.alloc(len(node.key))
-            if host_slots is None:
-                return False
+            return False
         self.host.backup(node.value, host_slots)
         node.host_value = host_slots
+        if self.storage is not None:
+            self.storage.write(self._node_keys(node), host_slots)
         return True
+
+    def _host_alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Host slots for num_tokens (whole pages), evicting host-only leaves for room; None when it cannot."""
+        host_slots = self.host.alloc(num_tokens)
+        if host_slots is None:
+            self._evict_host(num_tokens - self.host.allocator.num_free_pages * self.page_size)
+            host_slots = self.host.alloc(num_tokens)
+        return host_slots
+
+    def _node_keys(self, node: TreeNode) -> list[str]:
+        """The storage keys of node's pages (they chain over every token from the root)."""
+        assert self.storage is not None
+        parts, n = [], node
+        while n is not self.root:
+            parts.append(n.key)
+            n = n.parent  # type: ignore[assignment]
+        tokens = [t for key in reversed(parts) for t in key]
+        return self.storage.keys(tokens)[-(len(node.key) // self.page_size) :]
 
     # ------------------------------------------------------------------ eviction
     def _device_leaf(self, node: TreeNode) -> bool:

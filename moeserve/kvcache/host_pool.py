@@ -24,6 +24,8 @@ class TierTraffic:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     load_back_seconds: float = 0.0
+    bytes_to_storage: int = 0  # with a storage tier (storage_tier.py)
+    bytes_from_storage: int = 0
 
 
 class HostKVPool:
@@ -40,6 +42,8 @@ class HostKVPool:
                         for b in self.device_buffers]
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.bytes_per_token = sum(b[0].numel() * b.element_size() for b in self.buffers)
+        self.page_numel = self.page_size * sum(b[0].numel() for b in self.buffers)  # one page, every buffer
+        self.dtype = self.buffers[0].dtype
         self.traffic = TierTraffic()
 
     @staticmethod

@@ -15,6 +15,7 @@ class PrefixMatch(NamedTuple):
     slots: np.ndarray  # [matched tokens] int64 KV slots, whole pages
     node: object  # lock it while a request reads the slots (RadixCache: the deepest TreeNode matched)
     host_tokens: int = 0  # of those tokens, how many were loaded back from the host tier for this match
+    storage_tokens: int = 0  # of host_tokens, how many were read from the storage tier for this match
 
 
 class PrefixCache(ABC):

@@ -27,6 +27,9 @@ from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBac
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache import HostKVPool, PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
+from moeserve.kvcache.storage.keys import KVLayout, model_identity
+from moeserve.kvcache.storage.registry import make_storage
+from moeserve.kvcache.storage_tier import StorageTier
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.pd_host import PDHost
 from moeserve.rank.prompt_logprobs import scored_positions
@@ -70,8 +73,11 @@ class Scheduler(PDHost, StepResults):
             logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", host_pages * self.page_size,
                         self.host_pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
                         server_args.hicache_write_policy)
+        storage = None
+        if self.host_pool is not None and server_args.hicache_storage_backend is not None:
+            storage = _storage_tier(server_args, kv_pool, self.host_pool)
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
-                                       server_args.hicache_write_policy)
+                                       server_args.hicache_write_policy, storage)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -314,7 +320,10 @@ class Scheduler(PDHost, StepResults):
         if req.num_retractions == 0:
             req.cached_tokens = req.prefix_len
             if self.host_pool is not None:
-                req.cached_tokens_details = {"device": req.prefix_len - match.host_tokens, "host": match.host_tokens}
+                req.cached_tokens_details = {"device": req.prefix_len - match.host_tokens,
+                                             "host": match.host_tokens - match.storage_tokens}
+                if self.args.hicache_storage_backend is not None:
+                    req.cached_tokens_details["storage"] = match.storage_tokens
         return True
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -422,3 +431,17 @@ class Scheduler(PDHost, StepResults):
         req.kv_len = 0
         self.req_table.free(req.row)
         req.row = None
+
+
+def _storage_tier(args: ServerArgs, kv_pool: KVPool, host: HostKVPool) -> StorageTier:
+    """--hicache-storage-backend over the host pool, its keys rooted in the model's identity and the pool's layout
+    (pages of another model, dtype, page size or weights' load are never read)."""
+    load = f"load_format={args.load_format} quantization={args.quantization}"
+    if args.load_format == "dummy":
+        load += f" seed={args.random_seed}"
+    assert args.model_path is not None  # the model runner resolved it
+    layout = KVLayout.of_pool(kv_pool, model_identity(args.model_path), extra=load)
+    backend = make_storage(args.hicache_storage_backend, args.hicache_storage_backend_extra_config)
+    logger.info("hierarchical cache: storage tier %s (%s), prefetch %s", args.hicache_storage_backend,
+                type(backend).__name__, args.hicache_storage_prefetch_policy)
+    return StorageTier(backend, host, layout.root(), args.hicache_storage_prefetch_policy)

@@ -80,12 +80,13 @@ class Metrics:
         self.hicache_hit_tokens = Counter("moeserve:hicache_hit_tokens", "Prompt tokens served from the prefix "
                                           "cache, by tier (device, host).", [*names, "tier"], registry=r)
         self.hicache_bytes = Counter("moeserve:hicache_bytes", "KV bytes the hierarchical cache copied, by "
-                                     "direction (to_host, to_device).", [*names, "direction"], registry=r)
+                                     "direction (to_host, to_device, to_storage, from_storage).",
+                                     [*names, "direction"], registry=r)
         self.hicache_load_back_seconds = Counter(
             "moeserve:hicache_load_back_seconds", "Time spent loading host pages back to the device (the requests "
             "whose prefix they were waited for it).", names, registry=r).labels(**self.labels)
         self.hicache_host_tokens = gauge("hicache_host_tokens", "KV tokens held in the host tier (all DP groups).")
-        self._hicache_seen = (0, 0, 0.0)
+        self._hicache_seen: dict[str, float] = {}
         self._pd_seen = (0, 0, 0.0, 0.0)
         self._pd_failures_seen: dict[str, int] = {}
         self._prompt_total = 0
@@ -137,16 +138,17 @@ class Metrics:
     def _update_hicache(self, groups: list[dict]) -> None:
         """From each DP group's cumulative host-tier counters: their growth since the last scrape."""
         self.hicache_host_tokens.set(sum(g["host_used_tokens"] for g in groups))
-        now = (sum(g["bytes_to_host"] for g in groups), sum(g["bytes_to_device"] for g in groups),
-               sum(g["load_back_seconds"] for g in groups))
-        to_host, to_device, seconds = (new - old for new, old in zip(now, self._hicache_seen, strict=True))
-        if to_host > 0:
-            self.hicache_bytes.labels(**self.labels, direction="to_host").inc(to_host)
-        if to_device > 0:
-            self.hicache_bytes.labels(**self.labels, direction="to_device").inc(to_device)
-        if seconds > 0:
-            self.hicache_load_back_seconds.inc(seconds)
-        self._hicache_seen = now
+        for name in ("bytes_to_host", "bytes_to_device", "bytes_to_storage", "bytes_from_storage",
+                     "load_back_seconds"):
+            now = sum(g.get(name, 0) for g in groups)
+            grown = now - self._hicache_seen.get(name, 0)
+            self._hicache_seen[name] = now
+            if grown <= 0:
+                continue
+            if name == "load_back_seconds":
+                self.hicache_load_back_seconds.inc(grown)
+            else:
+                self.hicache_bytes.labels(**self.labels, direction=name.removeprefix("bytes_")).inc(grown)
 
     def _update_pd(self, groups: list[dict]) -> None:
         """From each DP group's cumulative PD counters: the state gauges, and the counters' growth since the last
