@@ -6,6 +6,7 @@ and host page comes back."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -38,11 +39,15 @@ def _first_turns(seed: int, n: int, system: int = 8, lengths: tuple[int, int] = 
     return [shared + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(*lengths))] for _ in range(n)]
 
 
+def _seconds(firsts: list[list[int]], one: list[dict], seed: int) -> list[list[int]]:
+    """Second turns: each first prompt, its answer, and a new question."""
+    rng = random.Random(seed)
+    return [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
+
+
 def _two_turns(eng: InProcessEngine, firsts: list[list[int]], seed: int, **kw) -> tuple[list[dict], list[dict]]:
     one = eng.run(firsts, GREEDY, **kw)
-    rng = random.Random(seed)
-    seconds = [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
-    return one, eng.run(seconds, GREEDY, **kw)
+    return one, eng.run(_seconds(firsts, one, seed), GREEDY, **kw)
 
 
 def _accounted(eng: InProcessEngine) -> None:
@@ -102,9 +107,7 @@ def test_64_conversations_with_aborts_during_load_back(model_path):
     kw = dict(max_running_requests=16, max_total_tokens=256)
     reference = _two_turns(_engine(model_path, "v3_q_lora", False, **kw), firsts, 3)[1]
     eng = _engine(model_path, "v3_q_lora", True, policy="write_back", hicache_ratio=8.0, **kw)
-    one = eng.run(firsts, GREEDY)
-    rng = random.Random(3)
-    seconds = [p + r["output_ids"] + [rng.randrange(2, VOCAB) for _ in range(6)] for p, r in zip(firsts, one, strict=True)]
+    seconds = _seconds(firsts, eng.run(firsts, GREEDY), 3)
     s = eng.scheduler
     rids = [f"turn2-{i}" for i in range(64)]
     for rid, p in zip(rids, seconds, strict=True):
@@ -141,3 +144,19 @@ def test_64_conversations_with_aborts_during_load_back(model_path):
             assert outs[rid] == reference[i]["output_ids"], f"conversation {i}: wrong tokens"
     assert sum(v == "abort" for v in finished.values()) >= 10 and min(kinds) > 0, kinds
     _accounted(eng)
+
+
+def test_a_restarted_engine_hits_storage(model_path, tmp_path):
+    firsts = _first_turns(11, 4)
+    off = _two_turns(_engine(model_path, "qwen3_moe", False), firsts, 4)
+    kw = dict(hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}))
+    one = _engine(model_path, "qwen3_moe", True, **kw).run(firsts, GREEDY)
+    restarted = _engine(model_path, "qwen3_moe", True, **kw)  # fresh device and host pools, the same directory
+    two = restarted.run(_seconds(firsts, one, 4), GREEDY)
+    for a, b in zip(off[0] + off[1], one + two, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+    details = [r["cached_tokens_details"] for r in two]
+    assert all(d["device"] + d["host"] + d["storage"] == r["cached_tokens"] for d, r in zip(details, two, strict=True))
+    assert sum(d["storage"] for d in details) >= 48  # the first turns' pages, read back after the restart
+    assert sum(r["cached_tokens"] for r in two) > sum(r["cached_tokens"] for r in off[1])
+    _accounted(restarted)
