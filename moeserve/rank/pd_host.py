@@ -61,6 +61,7 @@ class PDHost:
             req.logprobs.extend((done.get("logprobs") or [None] * kept)[:kept])
             req.top_logprobs.extend([tuple(x) for x in top] for top in (done.get("top_logprobs") or [[]] * kept)[:kept])
         req.cached_tokens = int(done.get("cached_tokens", 0))
+        req.cached_tokens_details = done.get("cached_tokens_details")  # prefill's hierarchical cache, by tier
         self.stats.generated += kept
         if req.finished:
             self._release(req, cache=False)
@@ -108,6 +109,7 @@ class PDHost:
     def pd_first(req: Req) -> dict[str, Any]:
         """What decode needs of the prefill's sampled tokens (their logprobs: lists as long, or None)."""
         return {"tokens": list(req.output_ids), "cached_tokens": req.cached_tokens,
+                "cached_tokens_details": req.cached_tokens_details,
                 "logprobs": list(req.logprobs) or None, "top_logprobs": list(req.top_logprobs) or None}
 
 
