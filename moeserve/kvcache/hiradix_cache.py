@@ -12,7 +12,10 @@ write_through_selective when a later match first reuses it; write_back when it i
 the write-through policies an evicted node without a host copy (the host pool was full) is dropped.
 A match whose path ends on host-only nodes loads them into fresh device pages before it returns their slots; what
 does not fit in the device pool stays on host and the match is shorter. The host pool evicts least recently used
-host-only leaves.
+host-only leaves. A finished sequence whose path meets a host-only node keeps its own pages out of the tree there
+(the caller frees them): the tree's copy is loaded back by the next match instead.
+With a storage tier below (storage_tier.py), every host copy made here is also written there, and a match that
+goes past what device and host hold first reads the stored continuation into a new host-only node.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from moeserve.kvcache.prefix_cache import PrefixMatch
 from moeserve.kvcache.radix_cache import RadixCache, TreeNode
 from moeserve.kvcache.storage_tier import StorageTier
 
-TIERS = ("device", "host", "storage")  # cached_tokens_details' keys, the Prometheus tier label
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # --hicache-write-policy
 
 

@@ -143,7 +143,7 @@ class TokenOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    cached_tokens_details: dict[str, int] | None = None  # hierarchical cache: cached_tokens by tier (TIERS)
+    cached_tokens_details: dict[str, int] | None = None  # hierarchical cache: cached_tokens by tier (device, host[, storage])
     # With return_logprob: one entry per new token.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
