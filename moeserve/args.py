@@ -23,6 +23,7 @@ from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.kvcache.hiradix_cache import WRITE_POLICIES as HICACHE_WRITE_POLICIES
 from moeserve.kvcache.storage.registry import BACKEND_NAMES as HICACHE_STORAGE_BACKENDS
+from moeserve.kvcache.storage.registry import backend_class, parse_config
 from moeserve.kvcache.storage_tier import PREFETCH_POLICIES as HICACHE_PREFETCH_POLICIES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
@@ -534,7 +535,13 @@ class ServerArgs:
             changed = [n for n in HICACHE_STORAGE_DEFAULTS if getattr(self, n) != HICACHE_STORAGE_DEFAULTS[n]]
             if changed:
                 raise ValueError(f"--{_dash(changed[0])} takes effect only with --hicache-storage-backend")
-        elif self.attn_tp_size > 1:
+            return
+        try:  # a backend that cannot load, or settings that are not JSON, say so now rather than in a rank
+            backend_class(self.hicache_storage_backend)
+            parse_config(self.hicache_storage_backend_extra_config)
+        except ValueError as e:
+            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend}: {e}") from None
+        if self.attn_tp_size > 1:
             raise ValueError(f"--hicache-storage-backend with an attention-TP group of {self.attn_tp_size} ranks: "
                              "each rank's scheduler would read its own shard's pages and could find different ones; "
                              "run storage with one rank per attention group (--tp-size 1, or DP attention with "

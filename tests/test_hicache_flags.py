@@ -36,6 +36,8 @@ def test_sglang_defaults_and_values():
     (["--enable-hierarchical-cache", "--hicache-ratio", "0"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--tp-size", "2"],
      "--hicache-storage-backend with an attention-TP group of 2 ranks"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      "{path: x}"], "not JSON"),
 ])
 def test_refused_by_name(argv, named):
     with pytest.raises(ValueError, match=named):

@@ -5,11 +5,14 @@ there (a miss, never used), and pages of another layout root are never read."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+import torch
 
-from moeserve.kvcache import HiRadixCache, HostKVPool, PageAllocator
+from moeserve.kvcache import HiRadixCache, HostKVPool, PageAllocator, storage_tier
 from moeserve.kvcache.kv_pool import kv_buffers
+from moeserve.kvcache.storage.base import StorageBackend
 from moeserve.kvcache.storage.file import SUFFIX, FileStorage
 from moeserve.kvcache.storage.keys import KVLayout
 from moeserve.kvcache.storage_tier import StorageTier
@@ -76,3 +79,50 @@ def test_a_corrupt_page_is_a_miss_and_other_layouts_are_not_read(tmp_path):
     assert not path.exists()  # deleted as corrupt
     _, _, other = _cache("mla", page_size, tmp_path, model="another model")
     assert len(other.match_prefix(tokens + [0, 0]).slots) == 0
+
+
+class _SlowMemory(StorageBackend):
+    """Pages in a dict; each read takes `delay` seconds."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.pages: dict[str, bytes] = {}
+        self.delay = delay
+
+    def _read(self, key):
+        time.sleep(self.delay)
+        return self.pages.get(key)
+
+    def _write(self, key, data):
+        self.pages[key] = data
+        return True
+
+    def _delete(self, key):
+        self.pages.pop(key, None)
+
+    def _exists(self, key):
+        return key in self.pages
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_timeout_policy_stops_reading_at_its_deadline(monkeypatch, policy):
+    monkeypatch.setattr(storage_tier, "TIMEOUT_BASE_S", 0.05)
+    monkeypatch.setattr(storage_tier, "TIMEOUT_PER_KI_TOKEN_S", 0.0)
+    pool = _pool("mla", PAGES, 1)
+    backend = _SlowMemory(delay=0.03)
+    tokens = list(range(40, 48))
+    host = HostKVPool(pool, 2 * PAGES)
+    tier = StorageTier(backend, host, KVLayout.of_pool(pool, "m").root(), policy)
+    slots = host.alloc(8)
+    for buf in host.buffers:
+        buf.normal_()
+    tier.write(tier.keys(tokens), slots)
+    pages = tier.read(tier.keys(tokens))
+    if policy == "timeout":
+        assert 1 <= len(pages) < 8  # it stopped after the page that crossed 50 ms
+    else:
+        assert len(pages) == 8
+    fresh = host.alloc(len(pages))
+    tier.fill(fresh, pages)
+    for buf in host.buffers:
+        assert torch.equal(buf[torch.from_numpy(fresh)], buf[torch.from_numpy(slots[: len(pages)])])
