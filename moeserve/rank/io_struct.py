@@ -80,9 +80,12 @@ class LoadOut:
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("eplb", "disagg", "step_counts")}
+        apart = ("eplb", "disagg", "hicache", "step_counts")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in apart}
         if self.disagg is not None:
             out["disagg"] = self.disagg
+        if self.hicache is not None:
+            out["hicache"] = self.hicache
         if self.step_counts:
             out["step_counts"] = self.step_counts
         return out
