@@ -65,17 +65,13 @@ class Scheduler(PDHost, StepResults):
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
         no_cache = server_args.disable_radix_cache or self.pd_role is PDRole.DECODE
-        self.host_pool = None
+        self.host_pool: HostKVPool | None = None
+        storage = None
         if server_args.enable_hierarchical_cache and not no_cache:
             assert kv_pool is not None, "the hierarchical cache needs the device KV pool"
-            host_pages = HostKVPool.num_pages_for(kv_pool, server_args.hicache_ratio, server_args.hicache_size)
-            self.host_pool = HostKVPool(kv_pool, host_pages)
-            logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", host_pages * self.page_size,
-                        self.host_pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
-                        server_args.hicache_write_policy)
-        storage = None
-        if self.host_pool is not None and server_args.hicache_storage_backend is not None:
-            storage = _storage_tier(server_args, kv_pool, self.host_pool)
+            self.host_pool = _host_pool(server_args, kv_pool)
+            if server_args.hicache_storage_backend is not None:
+                storage = _storage_tier(server_args, kv_pool, self.host_pool)
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
                                        server_args.hicache_write_policy, storage)
         self.max_running = server_args.max_running_requests
@@ -431,6 +427,15 @@ class Scheduler(PDHost, StepResults):
         req.kv_len = 0
         self.req_table.free(req.row)
         req.row = None
+
+
+def _host_pool(args: ServerArgs, kv_pool: KVPool) -> HostKVPool:
+    """The hierarchical cache's host pool: --hicache-size GB, else --hicache-ratio times the device pool."""
+    pool = HostKVPool(kv_pool, HostKVPool.num_pages_for(kv_pool, args.hicache_ratio, args.hicache_size))
+    logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", pool.num_pages * pool.page_size,
+                pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
+                args.hicache_write_policy)
+    return pool
 
 
 def _storage_tier(args: ServerArgs, kv_pool: KVPool, host: HostKVPool) -> StorageTier:
