@@ -66,14 +66,14 @@ class Scheduler(PDHost, StepResults):
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
         no_cache = server_args.disable_radix_cache or self.pd_role is PDRole.DECODE
         self.host_pool: HostKVPool | None = None
-        storage = None
+        self.storage: StorageTier | None = None
         if server_args.enable_hierarchical_cache and not no_cache:
             assert kv_pool is not None, "the hierarchical cache needs the device KV pool"
             self.host_pool = _host_pool(server_args, kv_pool)
             if server_args.hicache_storage_backend is not None:
-                storage = _storage_tier(server_args, kv_pool, self.host_pool)
+                self.storage = _storage_tier(server_args, kv_pool, self.host_pool)
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
-                                       server_args.hicache_write_policy, storage)
+                                       server_args.hicache_write_policy, self.storage)
         self.max_running = server_args.max_running_requests
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
         self.waiting: deque[Req] = deque()
@@ -163,6 +163,11 @@ class Scheduler(PDHost, StepResults):
         req.finish_reason = FinishReason("abort", message="aborted by request")
         self.pending_out.append(req.take_output())
         del self.reqs[rid]
+
+    def close(self) -> None:
+        """Let go of what outlives a step: the storage tier's connection."""
+        if self.storage is not None:
+            self.storage.close()
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are in flight."""

@@ -177,6 +177,7 @@ class WorkerLoop:
                 if self.pd.channel is not None:
                     self.pd.channel.close()
                 self.pd.backend.close()
+            self.scheduler.close()
 
     def _loop(self) -> None:
         while True:

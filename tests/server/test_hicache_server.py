@@ -1,9 +1,11 @@
 """The hierarchical KV cache in a running Engine (worker process): two-turn conversations whose histories do not
 fit the device pool, greedy tokens equal to transformers' own model, the second turns' meta_info split by tier,
-the host tier in /get_load; and its /metrics counters from responses and loads."""
+the host tier in /get_load, pages written to a file storage tier; and its /metrics counters from responses and
+loads."""
 
 from __future__ import annotations
 
+import json
 import random
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +26,9 @@ def test_engine_second_turns_from_host_match_transformers(tmp_path):
     firsts = [system + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(20, 30))] for _ in range(5)]
     params = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     eng = moeserve.Engine(model_path=path, skip_tokenizer_init=True, page_size=2, max_total_tokens=64,
-                          enable_hierarchical_cache=True, hicache_ratio=6.0, hicache_write_policy="write_back")
+                          enable_hierarchical_cache=True, hicache_ratio=6.0, hicache_write_policy="write_back",
+                          hicache_storage_backend="file",
+                          hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path / "kv")}))
     try:
         one = [eng.generate(input_ids=p, sampling_params=params) for p in firsts]
         assert [o["output_ids"] for o in one] == hf_greedy("v3_q_lora", firsts, NEW)
@@ -33,12 +37,13 @@ def test_engine_second_turns_from_host_match_transformers(tmp_path):
         two = [eng.generate(input_ids=p, sampling_params=params) for p in seconds]
         assert [o["output_ids"] for o in two] == hf_greedy("v3_q_lora", seconds, NEW)
         details = [o["meta_info"]["cached_tokens_details"] for o in two]
-        assert all(set(d) == {"device", "host"} for d in details)
-        assert all(d["device"] + d["host"] == o["meta_info"]["cached_tokens"] for d, o in zip(details, two, strict=True))
+        assert all(set(d) == {"device", "host", "storage"} for d in details)
+        assert all(sum(d.values()) == o["meta_info"]["cached_tokens"] for d, o in zip(details, two, strict=True))
         assert sum(d["host"] for d in details) >= 4 * 20  # the histories were evicted to host and came back
         load = eng.get_load()
         tier = (load[0] if isinstance(load, list) else load).hicache
         assert tier["host_total_tokens"] == 6 * 64 and tier["bytes_to_device"] > 0 and tier["bytes_to_host"] > 0
+        assert tier["bytes_to_storage"] > 0 and len(list((tmp_path / "kv").rglob("*.kvpage"))) >= 4 * 20 // 2
     finally:
         eng.shutdown()
 
