@@ -62,7 +62,7 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     gen = torch.Generator().manual_seed(seed)
 
     def one_round(tag: str) -> dict:
-        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
+        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0, kv_pool=runner.kv_pool)
         prompts = [torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
                    for _ in range(batch_size)]
         tokens: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(batch_size)}
@@ -119,7 +119,7 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.steps import StepPipeline
 
-    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0)
+    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0, kv_pool=runner.kv_pool)
     steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()

@@ -258,6 +258,8 @@ class TokenizerManager:
             "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - st.created,
         }
+        if out.cached_tokens_details is not None:  # SGLang's split by tier, with the hierarchical cache
+            meta["cached_tokens_details"] = dict(out.cached_tokens_details)
         if out.logprobs is not None:
             meta["output_token_logprobs"] = list(st.logprobs)
             if out.top_logprobs is not None:

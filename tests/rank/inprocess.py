@@ -18,7 +18,8 @@ class InProcessEngine:
         self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
                                    self.runner.config.eos_token_ids, tokenizer=tokenizer,
                                    grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
-                                                                self.runner.vocab_size))
+                                                                self.runner.vocab_size),
+                                   kv_pool=self.runner.kv_pool)
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 
@@ -42,6 +43,7 @@ class InProcessEngine:
                     continue
                 r["output_ids"].extend(o.new_token_ids)
                 r["cached_tokens"] = o.cached_tokens
+                r["cached_tokens_details"] = o.cached_tokens_details
                 if o.logprobs:
                     r["logprobs"].extend(o.logprobs)
                 if o.top_logprobs:
