@@ -9,6 +9,7 @@ failures by return code: every one is checked, and a failed put or get is a decl
 from __future__ import annotations
 
 import logging
+import socket
 
 from moeserve.kvcache.storage.base import StorageBackend
 
@@ -37,6 +38,7 @@ class MooncakeStorage(StorageBackend):
                              '{"master_server_address": "host:port"} in the backend\'s config, and start the master '
                              "with `mooncake_master` (its default port is 50051)")
         self.master = master_server_address
+        _check_reachable(master_server_address)  # setup() itself retries for about 90 s before it gives up
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
                                device_name, master_server_address)
@@ -78,3 +80,13 @@ class MooncakeStorage(StorageBackend):
 
     def close(self) -> None:
         self._store.close()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A TCP connection to the master's host:port, so that a master that is not running is one clear error now."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Mooncake's store cannot start: is a master running at {address} "
+                         f"(`mooncake_master --rpc_port ...`)? ({e})") from None
