@@ -24,6 +24,8 @@ from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 if TYPE_CHECKING:
     from moeserve.constrained.base import TokenMask
     from moeserve.rank.scheduled_batch import ScheduledBatch
+    from moeserve.rank.speculative.drafter import Drafter
+    from moeserve.rank.speculative.round import SpeculativeRound
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class ModelRunner:
         self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device,
                                            self.eplb_staging_bytes)
                            if self.expert_recorder is not None else None)
+        self.speculative: SpeculativeRound | None = None  # set by enable_speculation
         self.runners = self._graph_runners()
         with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
             for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
@@ -260,6 +263,21 @@ class ModelRunner:
         if self.expert_recorder is not None:
             self.expert_recorder.on_pass_end(self._first_moe.recorded_rows(fb.num_tokens))
         return logits
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager model on one batch: (logits as `forward` gives them, the last layer's hidden states [T, H])
+        for a draft model to read."""
+        fb = batch.to(self.device)
+        fb.kv_pool = self.kv_pool
+        hidden = self.model.hidden_states(fb)
+        return self.model.compute_logits(hidden, fb), hidden
+
+    def enable_speculation(self, drafter: Drafter, num_draft_tokens: int) -> None:
+        """Decode by speculative rounds (rank/speculative/round.py) with this draft model."""
+        from moeserve.rank.speculative.round import SpeculativeRound
+
+        self.speculative = SpeculativeRound(self, drafter, num_draft_tokens)
 
     def _run_first(self, runners: list[GraphRunner], fb: ForwardBatch) -> torch.Tensor:
         """The step on the first of `runners` that takes it, else the eager model."""

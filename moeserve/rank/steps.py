@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from moeserve.rank.rank_sync import RankSync, StepHeader
     from moeserve.rank.request import Req
     from moeserve.rank.scheduler import Scheduler
+    from moeserve.rank.speculative.round import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ class LaunchedStep:
     """A step whose device work is queued; its sampled tokens may still be on their way to the host."""
 
     batch: ScheduledBatch
-    out: SampleOutput | None  # None when nothing samples
+    out: SampleOutput | None  # None when nothing samples (or a verify step: `round`)
     host: dict[str, torch.Tensor] | None = None  # out.device's tensors, pinned, filled by async copies
     copied: torch.cuda.Event | None = None  # recorded after those copies
+    round: RoundResult | None = None  # a verify step's accepted tokens (speculative decoding), on the host
 
     @property
     def in_flight(self) -> bool:
@@ -67,9 +69,20 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     the device and start their copy to the host (the caller checked the step may stay in flight)."""
     fb = batch.forward
     scheduler.stats.launched = batch.mode
+    spec = runner.speculative
+    if batch.is_verify:
+        result = spec.run(scheduler, batch)
+        for r in batch.reqs:
+            r.add_future()
+        scheduler.stats.add_round(result.num_accepted, spec.k)
+        return LaunchedStep(batch, None, round=result)
     if tokens is not None:
         fb = _with_known_inputs(fb, batch, tokens, runner.device)
-    logits = runner.forward(fb)
+    if spec is not None:  # the draft model reads the target's hidden states
+        logits, hidden = runner.forward_hidden(fb)
+        spec.after_extend(batch, hidden)
+    else:
+        logits = runner.forward(fb)
     if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
         scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
         logits = logits[batch.num_prompt_rows:]
@@ -116,6 +129,9 @@ def _with_known_inputs(fb: ForwardBatch, batch: ScheduledBatch, tokens: torch.Te
 
 def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None = None) -> list[TokenOut]:
     """Wait for the step's tokens on the host and hand them to the scheduler: the step's outputs."""
+    if step.round is not None:
+        r = step.round
+        return scheduler.process_result(step.batch, r.tokens, r.logprobs, r.top_logprobs)
     if step.out is None:
         return scheduler.process_result(step.batch, [], None, None)
     out = step.out
@@ -195,6 +211,8 @@ def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | 
         return "the ranks of an attention TP group run each step on the leader's tokens, shared on the host"
     if runner.expert_recorder is not None or runner.rebalancer is not None:
         return "the expert distribution recorder (and the rebalancer) act between passes"
+    if runner.speculative is not None:
+        return "speculative decoding's steps are run back to back"
     return None
 
 
