@@ -11,8 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from moeserve.constrained.registry import make_grammar_backend
+from moeserve.rank.io_struct import GenerateReq
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.rank.scheduler import Scheduler
 from moeserve.rank.steps import StepPipeline
@@ -66,3 +68,111 @@ def test_greedy_identical_with_speculation(ckpt, k, noise):
     assert stats.spec_rounds > 0 and stats.spec_drafted == k * stats.spec_rounds
     print(f"k={k} noise={noise}: accepted {stats.spec_accepted} of {stats.spec_drafted}")
     assert _free_pages(eng) == start
+
+
+CHUNKED = dict(chunked_prefill_size=8, max_prefill_tokens=8, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    """(plain, speculative with k = 2) engines over chunked prefill, pages of 4 tokens and the prefix cache."""
+    return (InProcessEngine(model_path=ckpt, dtype="float32", **CHUNKED),
+            spec_engine(2, model_path=ckpt, dtype="float32", **CHUNKED))
+
+
+def test_chunked_prefill_and_prefix_hits(engines):
+    plain, spec = engines
+    start = _free_pages(spec)
+    prefix = _prompts(7, [24])[0]
+    for seed, lengths in ((2, [3, 11]), (3, [5, 8, 1])):  # the second batch hits the first one's prefix
+        prompts = _prompts(seed, lengths, prefix)
+        want = plain.run(prompts, GREEDY)
+        got = spec.run(prompts, GREEDY)
+        assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert all(r["cached_tokens"] >= 24 for r in got)
+    assert _free_pages(spec) == start
+
+
+def test_stops_and_max_tokens_inside_a_run(engines):
+    """A stop token or max_new_tokens landing inside an accepted run ends the output exactly where the plain run
+    ends it; the KV past the stop is freed."""
+    plain, spec = engines
+    start = _free_pages(spec)
+    prompts = _prompts(11, [6, 14, 9, 21, 4, 12])
+    ref = plain.run(prompts, GREEDY)
+    params = []
+    for i, r in enumerate(ref):
+        if i % 2:
+            params.append(SamplingParams(max_new_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True))
+        else:  # the first occurrence of the token at index 3 + i stops it
+            params.append(SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                         stop_token_ids=[r["output_ids"][3 + i]]))
+    want = plain.run(prompts, params)
+    got = spec.run(prompts, params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert [(r["finish_reason"].type, r["finish_reason"].matched) for r in got] == [
+        (r["finish_reason"].type, r["finish_reason"].matched) for r in want]
+    assert _free_pages(spec) == start
+
+
+def test_logprobs_of_accepted_tokens(engines):
+    plain, spec = engines
+    prompts = _prompts(13, [7, 19])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = plain.run(prompts, params, return_logprob=True, top_logprobs_num=3)
+    got = spec.run(prompts, params, return_logprob=True, top_logprobs_num=3)
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        assert len(g["logprobs"]) == len(g["output_ids"]) == len(g["top_logprobs"])
+        torch.testing.assert_close(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in g["top_logprobs"]] == [[t for t, _ in top] for top in w["top_logprobs"]]
+
+
+def test_abort_mid_run_frees_every_page(engines):
+    _, spec = engines
+    s = spec.scheduler
+    start = _free_pages(spec)
+    prompts = _prompts(17, [9, 30, 5])
+    for i, p in enumerate(prompts):
+        s.add_request(GenerateReq(f"abort-{i}", p, SamplingParams(max_new_tokens=100, ignore_eos=True,
+                                                                   temperature=0.0)))
+    for _ in range(8):
+        spec.steps.step()
+    assert s.stats.spec_rounds > 0 and s.num_used_tokens > 0
+    for i in range(len(prompts)):
+        s.abort(f"abort-{i}")
+    assert all(o.finish_reason.type == "abort" for o in s.drain_pending()[-3:])
+    assert not s.has_work() and s.num_used_tokens == 0
+    assert _free_pages(spec) == start
+
+
+def test_retraction_keeps_greedy_output(ckpt):
+    """A pool so small that verify steps retract requests: recomputed, the same tokens."""
+    prompts = _prompts(4, [30, 25, 31, 28, 20, 26])
+    small = dict(max_total_tokens=200, page_size=2, new_token_ratio=0.0, dtype="float32")
+    want = InProcessEngine(model_path=ckpt, **small).run(prompts, GREEDY)
+    eng = spec_engine(3, model_path=ckpt, **small)
+    got = eng.run(prompts, GREEDY)
+    assert eng.scheduler.stats.retractions > 0
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert eng.scheduler.num_used_tokens == 0
+
+
+def test_sampling_runs_and_seeded_requests_repeat(engines):
+    """Temperature sampling through the round (its distribution is acceptance.py's test): seeded requests give
+    the same tokens twice, whatever else is in the batch."""
+    _, spec = engines
+    prompts = _prompts(19, [8, 15, 3])
+    params = [SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
+              for i in range(3)]
+    a = spec.run(prompts, params)
+    b = spec.run(prompts[:1], params[:1])
+    assert all(len(r["output_ids"]) == 16 and r["finish_reason"].type == "length" for r in a)
+    assert b[0]["output_ids"] == a[0]["output_ids"]
+
+
+def test_penalties_are_refused(engines):
+    _, spec = engines
+    res = spec.run([[5, 6, 7]], SamplingParams(max_new_tokens=4, frequency_penalty=0.5))
+    assert res[0]["finish_reason"].type == "abort"
+    assert "not supported with --speculative-algorithm" in res[0]["finish_reason"].message
