@@ -49,7 +49,7 @@ class Req:
     # positions [draft_start, draft_start + P) the draft model has not read yet, and the verify steps run
     draft_hidden: torch.Tensor | None = None
     draft_start: int = 0
-    spec_verify_ct: int = 0
+    spec_verify_ct: int | None = None  # (0 once the scheduler decodes it speculatively)
 
     @classmethod
     def from_generate(cls, r: GenerateReq, eos_token_ids: list[int]) -> Req:
@@ -153,4 +153,5 @@ class Req:
                           else None),
             input_logprobs=inputs[0] if inputs else None,
             input_top_logprobs=inputs[1] if inputs else None,
+            spec_verify_ct=self.spec_verify_ct,
         )

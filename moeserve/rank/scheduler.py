@@ -109,6 +109,8 @@ class Scheduler(PDHost, StepResults):
             self._reject(req, "penalties (frequency, presence, repetition) and structured outputs are not "
                               "supported with --speculative-algorithm yet")
             return
+        if self.num_draft_tokens:
+            req.spec_verify_ct = 0
         if self.pd is not None and not req.asked.local:
             self._add_pd_request(req)
             return
@@ -180,6 +182,8 @@ class Scheduler(PDHost, StepResults):
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
             num_cached_tokens=self.cache.total_size,
             disagg=self.pd.stats.to_json() if self.pd is not None else None,
+            spec=((self.stats.spec_rounds, self.stats.spec_drafted, self.stats.spec_accepted)
+                  if self.num_draft_tokens else None),
         )
 
     def has_work(self) -> bool:

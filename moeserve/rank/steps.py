@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import TokenOut
 from moeserve.rank.sampler import SampleOutput
 from moeserve.rank.scheduled_batch import ScheduledBatch
@@ -70,7 +70,8 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     fb = batch.forward
     scheduler.stats.launched = batch.mode
     spec = runner.speculative
-    if batch.is_verify:
+    if batch.is_verify:  # the decode step of speculative decoding (its step times and log line are decode's)
+        scheduler.stats.launched = ForwardMode.DECODE
         result = spec.run(scheduler, batch)
         for r in batch.reqs:
             r.add_future()

@@ -258,6 +258,8 @@ class TokenizerManager:
             "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - st.created,
         }
+        if out.spec_verify_ct is not None:
+            meta["spec_verify_ct"] = out.spec_verify_ct
         if out.logprobs is not None:
             meta["output_token_logprobs"] = list(st.logprobs)
             if out.top_logprobs is not None:

@@ -42,6 +42,7 @@ class InProcessEngine:
                     continue
                 r["output_ids"].extend(o.new_token_ids)
                 r["cached_tokens"] = o.cached_tokens
+                r["spec_verify_ct"] = o.spec_verify_ct
                 if o.logprobs:
                     r["logprobs"].extend(o.logprobs)
                 if o.top_logprobs:

@@ -68,6 +68,10 @@ def test_greedy_identical_with_speculation(ckpt, k, noise):
     assert stats.spec_rounds > 0 and stats.spec_drafted == k * stats.spec_rounds
     print(f"k={k} noise={noise}: accepted {stats.spec_accepted} of {stats.spec_drafted}")
     assert _free_pages(eng) == start
+    for r in got:  # one token from the prefill, then 1 to k + 1 per verify step
+        n = len(r["output_ids"]) - 1
+        assert -(-n // (k + 1)) <= r["spec_verify_ct"] <= n
+    assert all(r["spec_verify_ct"] is None for r in plain)
 
 
 CHUNKED = dict(chunked_prefill_size=8, max_prefill_tokens=8, page_size=4)
@@ -176,3 +180,21 @@ def test_penalties_are_refused(engines):
     res = spec.run([[5, 6, 7]], SamplingParams(max_new_tokens=4, frequency_penalty=0.5))
     assert res[0]["finish_reason"].type == "abort"
     assert "not supported with --speculative-algorithm" in res[0]["finish_reason"].message
+
+
+def test_metrics_count_drafts_and_accept_length():
+    from moeserve.rank.io_struct import LoadOut
+    from moeserve.server.http.metrics import Metrics
+
+    m = Metrics("m")
+
+    def load(dp, spec):
+        return LoadOut(dp_rank=dp, num_running=0, num_waiting=0, num_waiting_tokens=0, kv_used_tokens=0,
+                       kv_total_tokens=1, num_cached_tokens=0, spec=spec)
+
+    m.update_load([load(0, (10, 30, 12)), load(1, (6, 18, 2))])  # rounds, drafted, accepted per group
+    text = m.render([load(0, (14, 42, 20)), load(1, (6, 18, 2))]).decode()
+    assert 'moeserve:spec_draft_tokens_total{model_name="m"} 60.0' in text
+    assert 'moeserve:spec_accepted_tokens_total{model_name="m"} 22.0' in text
+    assert 'moeserve:spec_verify_steps_total{model_name="m"} 20.0' in text
+    assert 'moeserve:spec_accept_length{model_name="m"} 3.0' in text  # (8 accepted + 4 rounds) / 4 rounds
