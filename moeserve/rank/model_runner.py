@@ -273,10 +273,21 @@ class ModelRunner:
         hidden = self.model.hidden_states(fb)
         return self.model.compute_logits(hidden, fb), hidden
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per request of a verify step (k), 0 without speculative decoding: the scheduler's decode_len."""
+        return self.speculative.k if self.speculative is not None else 0
+
     def enable_speculation(self, drafter: Drafter, num_draft_tokens: int) -> None:
         """Decode by speculative rounds (rank/speculative/round.py) with this draft model."""
         from moeserve.rank.speculative.round import SpeculativeRound
+        from moeserve.rank.speculative.support import unsupported_with_speculation
 
+        refused = unsupported_with_speculation(self.args)
+        if refused:
+            raise ValueError(refused)
+        if self.runners:
+            logger.info("speculative decoding: verify and draft steps run eagerly (not in CUDA graphs yet)")
         self.speculative = SpeculativeRound(self, drafter, num_draft_tokens)
 
     def _run_first(self, runners: list[GraphRunner], fb: ForwardBatch) -> torch.Tensor:

@@ -121,7 +121,8 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     dp_rank = state.dp_rank
     grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, runner.vocab_size)
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
-                          tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar)
+                          tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar,
+                          num_draft_tokens=runner.num_draft_tokens)
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 

@@ -198,3 +198,16 @@ def test_metrics_count_drafts_and_accept_length():
     assert 'moeserve:spec_accepted_tokens_total{model_name="m"} 22.0' in text
     assert 'moeserve:spec_verify_steps_total{model_name="m"} 20.0' in text
     assert 'moeserve:spec_accept_length{model_name="m"} 3.0' in text  # (8 accepted + 4 rounds) / 4 rounds
+
+
+def test_bench_serving_reports_the_accept_length():
+    from moeserve.bench.serving import RequestResult, format_report, summarize
+
+    results = [RequestResult(success=True, prompt_len=4, output_len=n, ttft=0.1, latency=1.0, expected_output_len=n,
+                             spec_verify_ct=ct) for n, ct in ((10, 4), (20, 6))]
+    summary = summarize(results, 2.0)
+    assert summary["accept_length"] == 30 / 10
+    assert "Accept length:" in format_report(summary, "moeserve", float("inf"), None)
+    plain = summarize([RequestResult(success=True, output_len=5, ttft=0.1, latency=1.0)], 1.0)
+    assert plain["accept_length"] is None
+    assert "Accept length" not in format_report(plain, "moeserve", float("inf"), None)

@@ -1,0 +1,24 @@
+"""What speculative decoding runs with today, and what it refuses by name (never accepted and ignored)."""
+
+from __future__ import annotations
+
+from moeserve.args import PDRole, ServerArgs
+
+
+def unsupported_with_speculation(args: ServerArgs) -> str | None:
+    """The first flag set in `args` that speculative decoding does not run with yet, as an error message; None
+    when every flag set is supported. The round runs on one rank, eagerly, steps back to back."""
+    refused = [
+        (args.tp_size > 1, f"--tp-size {args.tp_size} (several ranks: the round is single-rank so far)"),
+        (args.enable_dp_attention, "--enable-dp-attention"),
+        (args.enable_mixed_chunk, "--enable-mixed-chunk"),
+        (args.enable_two_batch_overlap, "--enable-two-batch-overlap"),
+        (args.disagg.role is not PDRole.NULL, "--disaggregation-mode"),
+        (args.enable_torch_compile, "--enable-torch-compile"),
+        (args.enable_eplb or args.expert_distribution_recorder_mode is not None,
+         "--enable-eplb and --expert-distribution-recorder-mode"),
+    ]
+    for on, flag in refused:
+        if on:
+            return f"--speculative-algorithm with {flag} is not supported yet"
+    return None
