@@ -211,3 +211,17 @@ def test_bench_serving_reports_the_accept_length():
     plain = summarize([RequestResult(success=True, output_len=5, ttft=0.1, latency=1.0)], 1.0)
     assert plain["accept_length"] is None
     assert "Accept length" not in format_report(plain, "moeserve", float("inf"), None)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+    (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+    (dict(enable_torch_compile=True), "--enable-torch-compile"),
+])
+def test_unsupported_flags_are_refused_by_name(ckpt, flags, named):
+    from moeserve.args import ServerArgs
+    from moeserve.rank.speculative.support import unsupported_with_speculation
+
+    assert unsupported_with_speculation(ServerArgs.from_kwargs(model_path=ckpt)) is None
+    message = unsupported_with_speculation(ServerArgs.from_kwargs(model_path=ckpt, **flags))
+    assert message == f"--speculative-algorithm with {named} is not supported yet"
