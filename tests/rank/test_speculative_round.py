@@ -225,3 +225,18 @@ def test_unsupported_flags_are_refused_by_name(ckpt, flags, named):
     assert unsupported_with_speculation(ServerArgs.from_kwargs(model_path=ckpt)) is None
     message = unsupported_with_speculation(ServerArgs.from_kwargs(model_path=ckpt, **flags))
     assert message == f"--speculative-algorithm with {named} is not supported yet"
+
+
+def test_default_model_greedy_identical():
+    """The shipped default model (trained: the stand-in drafter's drafts are often right there)."""
+    from moeserve.models.default_model import default_model_path
+
+    rng = random.Random(23)
+    prompts = [[rng.randrange(3, 3000) for _ in range(n)] for n in (12, 40, 7)]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    want = InProcessEngine(model_path=default_model_path(), dtype="float32").run(prompts, params)
+    eng = spec_engine(3, model_path=default_model_path(), dtype="float32")
+    got = eng.run(prompts, params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    st = eng.scheduler.stats
+    print(f"default model: accepted {st.spec_accepted} of {st.spec_drafted}")
