@@ -35,12 +35,12 @@ def _prompts(seed: int, lengths: list[int], prefix: list[int] | None = None) -> 
     return [(prefix or []) + [rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def spec_engine(k: int, noise: float = 0.0, **kwargs) -> InProcessEngine:
-    eng = InProcessEngine(**kwargs)
+def spec_engine(k: int, noise: float = 0.0, tokenizer=None, **kwargs) -> InProcessEngine:
+    eng = InProcessEngine(tokenizer=tokenizer, **kwargs)
     eng.runner.enable_speculation(ShiftedTargetDrafter(eng.runner, noise), k)
     eng.scheduler = Scheduler(eng.args, eng.runner.num_pages, eng.runner.context_length,
-                              eng.runner.config.eos_token_ids,
-                              grammar=make_grammar_backend(eng.args.grammar_backend, None, eng.runner.vocab_size),
+                              eng.runner.config.eos_token_ids, tokenizer=tokenizer,
+                              grammar=make_grammar_backend(eng.args.grammar_backend, tokenizer, eng.runner.vocab_size),
                               num_draft_tokens=k)
     eng.steps = StepPipeline(eng.scheduler, eng.runner, overlap=False)
     return eng
@@ -227,16 +227,29 @@ def test_unsupported_flags_are_refused_by_name(ckpt, flags, named):
     assert message == f"--speculative-algorithm with {named} is not supported yet"
 
 
-def test_default_model_greedy_identical():
-    """The shipped default model (trained: the stand-in drafter's drafts are often right there)."""
+def test_default_model_greedy_identical_and_stop_strings():
+    """The shipped default model (trained: the stand-in drafter's drafts are often right there, so stops land
+    inside accepted runs): the same tokens, and a stop string ends the output where the plain run ends it."""
     from moeserve.models.default_model import default_model_path
+    from moeserve.text.tokenizer import load_tokenizer
 
+    path = default_model_path()
+    tok = load_tokenizer(path)
     rng = random.Random(23)
     prompts = [[rng.randrange(3, 3000) for _ in range(n)] for n in (12, 40, 7)]
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-    want = InProcessEngine(model_path=default_model_path(), dtype="float32").run(prompts, params)
-    eng = spec_engine(3, model_path=default_model_path(), dtype="float32")
+    plain = InProcessEngine(tokenizer=tok, model_path=path, dtype="float32")
+    eng = spec_engine(3, tokenizer=tok, model_path=path, dtype="float32")
+    want = plain.run(prompts, params)
     got = eng.run(prompts, params)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
     st = eng.scheduler.stats
     print(f"default model: accepted {st.spec_accepted} of {st.spec_drafted}")
+    assert st.spec_accepted > 0
+    # a stop string: the text of output tokens 5..6 of each request
+    stops = [SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                            stop=tok.decode(r["output_ids"][5:7], skip_special_tokens=False)) for r in want]
+    want = plain.run(prompts, stops)
+    got = eng.run(prompts, stops)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert all(r["finish_reason"].type == "stop" and len(r["output_ids"]) <= 7 for r in got)
