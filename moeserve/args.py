@@ -31,6 +31,20 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 # KV transfer backends: name -> (module, class), imported only when asked for (disagg/transfer/registry.py)
 TRANSFER_BACKENDS = {"mooncake": ("moeserve.disagg.transfer.mooncake", "MooncakeBackend"),
                      "zmq": ("moeserve.disagg.transfer.zmq_backend", "ZmqBackend")}
+# speculative decoding: NEXTN drafts with DeepSeek's MTP layer (models/mtp.py); SGLang's EAGLE means the same for
+# DeepSeek's MTP. Its other algorithms are refused by name.
+SPECULATIVE_ALGORITHMS = (None, "NEXTN", "EAGLE")
+REFUSED_SPECULATIVE = {
+    "EAGLE3": "EAGLE-3 drafts with a separately trained head over several target layers; moeserve drafts with "
+              "DeepSeek's MTP layer: use NEXTN",
+    "STANDALONE": "a separate small draft model is not supported; use NEXTN (DeepSeek's MTP layer)",
+    "NGRAM": "n-gram drafting is not supported; use NEXTN (DeepSeek's MTP layer)",
+}
+# NOTE: False until the draft/verify loop (moeserve/rank/) is in this build: every --speculative-algorithm is refused
+# by ServerArgs.check, after the speculative flags themselves are checked. The loop's change flips it.
+SPECULATIVE_LOOP_READY = False
+# SGLang's choice for DeepSeek when none of the three is given: (num_steps, eagle_topk, num_draft_tokens)
+SPECULATIVE_DEFAULTS = (3, 1, 4)
 # SGLang's other spellings of a flag (its short and long forms), so that an SGLang launch command runs unchanged.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "tp_size": ("--tp", "--tensor-parallel-size"),
@@ -304,6 +318,23 @@ class ServerArgs:
     disaggregation_debug_failure_prob: float = _flag(
         0.0, "For tests: each KV write on the prefill side fails with this probability.")
 
+    # speculative decoding
+    speculative_algorithm: str | None = _flag(
+        None, "NEXTN (or EAGLE, as SGLang accepts for DeepSeek): draft tokens with the model's multi-token-prediction "
+        "layer (DeepSeek-V3/R1's model.layers.61) and verify them in one target step. Refused until the draft/verify "
+        "loop is in this build.", SPECULATIVE_ALGORITHMS)
+    speculative_num_steps: int | None = _flag(
+        None, "Draft steps per round (chained MTP steps). Default with --speculative-algorithm: 3, as SGLang picks "
+        "for DeepSeek.")
+    speculative_eagle_topk: int | None = _flag(
+        None, "Draft candidates per step: 1 (a chain); larger (tree drafting) is refused. Default: 1.")
+    speculative_num_draft_tokens: int | None = _flag(
+        None, "Tokens verified per request and round: --speculative-num-steps + 1 with top-k 1 (SGLang's rule). "
+        "Default: that.")
+    speculative_draft_model_path: str | None = _flag(
+        None, "A checkpoint of the target's model whose MTP layer drafts (model.layers.{num_hidden_layers}, as "
+        "DeepSeek publishes it). Default: the target's own checkpoint.")
+
     # ------------------------------------------------------------------
     def __post_init__(self) -> None:
         if self.ep_size is None:
@@ -322,6 +353,9 @@ class ServerArgs:
 
     def check(self) -> None:
         """Raise ValueError naming the flag when a value is out of range or inconsistent."""
+        if self.speculative_algorithm in REFUSED_SPECULATIVE:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: "
+                             f"{REFUSED_SPECULATIVE[self.speculative_algorithm]}")
         if self.moe_a2a_backend in REFUSED_BACKENDS:
             flag = "--enable-deepep-moe" if self.enable_deepep_moe else f"--moe-a2a-backend {self.moe_a2a_backend}"
             raise ValueError(f"{flag}: {REFUSED_BACKENDS[self.moe_a2a_backend]}")
@@ -417,6 +451,41 @@ class ServerArgs:
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile runs with one rank for now (--tp-size 1): the expert-parallel "
                              "dispatchers' collectives are not compiled")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """The speculative flags (SGLang's rules for a chain: top-k 1, num_steps + 1 draft tokens), their defaults
+        filled in; then the refusal while the draft/verify loop is not in this build."""
+        given = [n for n in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                             "speculative_draft_model_path") if getattr(self, n) is not None]
+        if self.speculative_algorithm is None:
+            if given:
+                raise ValueError(f"--{_dash(given[0])} takes effect only with --speculative-algorithm NEXTN")
+            return
+        if self.speculative_num_steps is None:
+            if self.speculative_eagle_topk is not None or self.speculative_num_draft_tokens is not None:
+                raise ValueError("--speculative-eagle-topk and --speculative-num-draft-tokens need "
+                                 "--speculative-num-steps too (SGLang picks all three, or none)")
+            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = (
+                SPECULATIVE_DEFAULTS)
+        if self.speculative_num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: tree drafting (several "
+                             "candidates a step) is not supported; use 1 (a chain of draft tokens)")
+        chain = self.speculative_num_steps + 1
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = chain
+        if self.speculative_num_draft_tokens != chain:
+            raise ValueError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens}: with "
+                             f"--speculative-eagle-topk 1 it is --speculative-num-steps + 1 = {chain} (SGLang "
+                             "overrides it with a warning; moeserve runs what was asked or nothing)")
+        if not SPECULATIVE_LOOP_READY:
+            raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: the draft/verify loop is not in "
+                             "this build yet (the MTP layer loads, moeserve/models/mtp.py, but nothing drafts); run "
+                             "without --speculative-algorithm")
 
     def _check_disaggregation(self) -> None:
         if not self.disagg.enabled:
@@ -493,6 +562,8 @@ class ServerArgs:
                 kwargs["choices"] = [c for c in choices if c is not None] if None in choices else list(choices)
                 if None in choices:
                     kwargs["type"] = str
+            if f.name == "speculative_algorithm":  # refused by name before argparse's "invalid choice"
+                kwargs["type"] = _refuse_speculative
             parser.add_argument(*names, **kwargs)
 
     @classmethod
@@ -526,6 +597,12 @@ SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurr
 def _refuse_backend(value: str) -> str:
     if value in REFUSED_BACKENDS:
         raise argparse.ArgumentTypeError(f"{value}: {REFUSED_BACKENDS[value]}")
+    return value
+
+
+def _refuse_speculative(value: str) -> str:
+    if value in REFUSED_SPECULATIVE:
+        raise argparse.ArgumentTypeError(f"{value}: {REFUSED_SPECULATIVE[value]}")
     return value
 
 

@@ -2,6 +2,7 @@
 
     build_checkpoint("v3_q_lora", "/tmp/x")            # config.json, generation_config.json, model.safetensors
     build_checkpoint("mixtral", "/tmp/y", sharded=True)  # + model.safetensors.index.json and several shards
+    build_mtp_checkpoint("v3_q_lora", "/tmp/z")          # + DeepSeek's MTP layer, model.layers.{num_hidden_layers}
 
 Every parameter is redrawn from a seeded generator at a scale that keeps activations O(1) and the logits
 peaked (std = fan_in^-0.5), norm weights near 1 (not exactly: a forgotten norm weight must show), and
@@ -177,11 +178,59 @@ def write_config_only(name: str, out_dir: str | Path) -> str:
     return str(out)
 
 
+# MTP tensors DeepSeek-V3's FP8 checkpoint keeps in bf16, though 2-D and inside model.layers.61
+MTP_UNQUANTIZED = (".eh_proj.weight", ".shared_head.head.weight", ".embed_tokens.weight")
+
+
 def deepseek_quantized(key: str, tensor: torch.Tensor) -> bool:
     """Whether DeepSeek's FP8 checkpoints store `key` in FP8: the 2-D projection weights of the decoder layers
-    (attention, dense MLP, shared and routed experts), not the embeddings, norms, the gate or lm_head."""
+    (attention, dense MLP, shared and routed experts; the MTP layer's too), not the embeddings, norms, the gate,
+    lm_head, nor the MTP layer's eh_proj and its copies of the embedding and head."""
     return (key.startswith("model.layers.") and key.endswith(".weight") and tensor.dim() == 2
-            and not key.endswith(".mlp.gate.weight"))
+            and not key.endswith((".mlp.gate.weight", *MTP_UNQUANTIZED)))
+
+
+@torch.no_grad()
+def mtp_layer_tensors(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors of DeepSeek's MTP layer for checkpoint `name` (a DeepSeek entry of SPECS), keyed as DeepSeek
+    publishes them: model.layers.{L}.{enorm, hnorm, eh_proj, shared_head.norm} and a decoder layer, without the
+    embedding and head copies. The decoder layer is layer L of transformers' model one layer deeper, randomized and
+    saved by transformers (so its experts have the published per-expert keys). Float32."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    L = SPECS[name][2]["num_hidden_layers"]
+    deeper = make_hf_model(name, seed + 1000, INIT_STD.get(name), num_hidden_layers=L + 1)
+    H = deeper.config.hidden_size
+    prefix = f"model.layers.{L}."
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)
+        out = {k: v for k, v in load_file(f"{tmp}/model.safetensors").items() if k.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed + 2000)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):  # near 1, not exactly: a forgotten norm must show
+        out[f"{prefix}{norm}.weight"] = 1.0 + 0.1 * torch.randn(H, generator=gen)
+    out[f"{prefix}eh_proj.weight"] = (INIT_STD.get(name) or (2 * H) ** -0.5) * torch.randn(H, 2 * H, generator=gen)
+    return out
+
+
+def build_mtp_checkpoint(name: str, out_dir: str | Path, seed: int = 0) -> str:
+    """Checkpoint `name` with DeepSeek's MTP layer appended in the published layout (`mtp_layer_tensors`, plus the
+    copies of the embedding and head DeepSeek stores under the layer) and num_nextn_predict_layers 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(build_checkpoint(name, out_dir, seed=seed, num_nextn_predict_layers=1))
+    tensors = load_file(str(out / "model.safetensors"))
+    mtp = mtp_layer_tensors(name, seed)
+    prefix = f"model.layers.{SPECS[name][2]['num_hidden_layers']}"
+    mtp[f"{prefix}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp[f"{prefix}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **mtp}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("num_nextn_predict_layers") == 1, "transformers dropped num_nextn_predict_layers"
+    return str(out)
 
 
 def build_fp8_checkpoint(name: str, out_dir: str | Path, seed: int = 0) -> tuple[str, str]:

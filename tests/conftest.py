@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.checkpoints import SHIPPED, build_checkpoint, build_fp8_checkpoint, quantize_checkpoint
+from tests.checkpoints import (
+    SHIPPED,
+    build_checkpoint,
+    build_fp8_checkpoint,
+    build_mtp_checkpoint,
+    quantize_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +46,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(FP8 checkpoint in DeepSeek's layout, the same model with the dequantized weights in float32) of v3_fp8."""
     return build_fp8_checkpoint("v3_fp8", tmp_path_factory.mktemp("v3_fp8"))
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """v3_q_lora with DeepSeek's MTP layer in the published layout (model.layers.3.*), float32."""
+    return build_mtp_checkpoint("v3_q_lora", tmp_path_factory.mktemp("v3_mtp"))
+
+
+@pytest.fixture(scope="session")
+def fp8_mtp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(FP8 checkpoint in DeepSeek's layout, its dequantized float32 twin) of v3_fp8 with an MTP layer."""
+    out = tmp_path_factory.mktemp("v3_fp8_mtp")
+    return quantize_checkpoint(build_mtp_checkpoint("v3_fp8", out / "plain"), out)
 
 
 @pytest.fixture(scope="session")

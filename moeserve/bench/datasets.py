@@ -1,4 +1,6 @@
-"""Prompts for the serving benchmark: random token ids, ShareGPT conversations, generated shared prefixes.
+"""Prompts for the serving benchmark: random token ids, ShareGPT conversations, generated shared prefixes, and
+multi-turn conversations (whose later prompts hold the server's own earlier answers, so they are built as the run
+goes: `Conversation.turn_request`).
 
 Each dataset is a list of BenchRequest (prompt text, its length in tokens, the output length to ask for).
 Lengths follow SGLang's bench_serving: `--random-range-ratio r` draws each length uniformly from
@@ -23,6 +25,8 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens, as the benchmark's tokenizer counts them (without BOS)
     output_len: int
+    messages: list[dict] | None = None  # a chat backend's messages (else the prompt is one user message)
+    turn: int = 0  # 1-based turn of a multi-turn conversation; 0 for single requests
 
 
 def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
@@ -107,3 +111,48 @@ def shared_prefix_requests(tokenizer: Any, num_groups: int, prompts_per_group: i
             reqs.append(BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
     rng.shuffle(reqs)
     return reqs
+
+
+# ----------------------------------------------------------------------
+# multi-turn conversations
+TURN_SEP = "\n\n"  # between the system prompt, user messages and answers in a text prompt
+
+
+@dataclass
+class Conversation:
+    """One conversation: a system prompt (shared by all conversations) and its users' messages, one per turn.
+    Turn k's prompt is the system prompt, then every earlier message and the server's answer to it, then message k;
+    each turn asks for `output_len` tokens."""
+
+    system: str
+    user_messages: list[str]
+    output_len: int
+
+    def turn_request(self, tokenizer: Any, answers: list[str]) -> BenchRequest:
+        """The request of turn len(answers) + 1, given the answers to the turns before it."""
+        k = len(answers)
+        assert k < len(self.user_messages)
+        parts = [self.system] if self.system else []
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        for user, answer in zip(self.user_messages[:k], answers, strict=True):
+            parts += [user, answer]
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        parts.append(self.user_messages[k])
+        messages.append({"role": "user", "content": self.user_messages[k]})
+        prompt = TURN_SEP.join(parts)
+        return BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), self.output_len,
+                            messages, k + 1)
+
+
+def multiturn_conversations(tokenizer: Any, num_conversations: int, turns: int, system_prompt_len: int,
+                            user_len: int, output_len: int, seed: int) -> list[Conversation]:
+    """Conversations of `turns` turns each: one random system prompt of `system_prompt_len` tokens shared by all,
+    and distinct random user messages of `user_len` tokens (so that prompts differ, and so do MoE routes)."""
+    if num_conversations < 1 or turns < 1:
+        raise ValueError(f"the multi-turn dataset needs at least one conversation and one turn, got "
+                         f"{num_conversations} conversations of {turns} turns")
+    rng = random.Random(seed)
+    allowed = _allowed_ids(tokenizer)
+    system = _random_text(rng, tokenizer, system_prompt_len, allowed) if system_prompt_len > 0 else ""
+    return [Conversation(system, [_random_text(rng, tokenizer, user_len, allowed) for _ in range(turns)], output_len)
+            for _ in range(num_conversations)]

@@ -7,6 +7,15 @@ Output lengths are exact (ignore_eos). It prints a table and can write every num
 
     moeserve bench serving --port 30000 --dataset random --random-input-len 512 --random-output-len 128 \\
         --num-prompts 200 --request-rate 16 --max-concurrency 64 --output-file result.json
+
+`--dataset multiturn` runs conversations instead (a prefix-cache workload: each turn's prompt is the history so
+far): a conversation's turns go in order, turn k+1 sent when turn k's answer has arrived and holding that answer's
+text, while conversations interleave (they start at --request-rate, and --max-concurrency bounds the requests in
+flight). Per turn it reports TTFT and the prompt tokens the server says it had cached (meta_info's cached_tokens,
+or usage.prompt_tokens_details; 0 where the server does not say).
+
+    moeserve bench serving --port 30000 --dataset multiturn --multiturn-num-conversations 32 --multiturn-turns 4 \\
+        --multiturn-system-prompt-len 256 --multiturn-user-len 128 --multiturn-output-len 32 --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -22,7 +31,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moeserve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests, sharegpt_requests
+from moeserve.bench.datasets import (
+    BenchRequest,
+    Conversation,
+    multiturn_conversations,
+    random_requests,
+    shared_prefix_requests,
+    sharegpt_requests,
+)
 
 BACKENDS = {  # name -> (endpoint, kind)
     "moeserve": ("/generate", "native"),
@@ -30,7 +46,7 @@ BACKENDS = {  # name -> (endpoint, kind)
     "openai": ("/v1/completions", "completions"),
     "openai-chat": ("/v1/chat/completions", "chat"),
 }
-DATASETS = ("random", "sharegpt", "generated-shared-prefix")
+DATASETS = ("random", "sharegpt", "generated-shared-prefix", "multiturn")
 
 
 @dataclass
@@ -44,6 +60,9 @@ class RequestResult:
     error: str = ""
     expected_output_len: int = 0
     spec_verify_ct: int | None = None  # native API with speculative decoding: the request's verify steps
+    cached_tokens: int = 0  # prompt tokens the server reports it had cached (0 where it does not say)
+    turn: int = 0  # a multi-turn conversation's turn (1-based); 0 for single requests
+    output_text: str = ""  # the answer (a multi-turn conversation's next prompt holds it)
 
 
 # ----------------------------------------------------------------------
@@ -56,7 +75,7 @@ def _payload(kind: str, model: str | None, req: BenchRequest, ignore_eos: bool, 
     body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
                             "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}, **extra}
     if kind == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
     else:
         body["prompt"] = req.prompt
     return body
@@ -66,12 +85,13 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
                        ignore_eos: bool = True, extra: dict | None = None,
                        headers: dict | None = None) -> RequestResult:
     """Send one streamed request and time it; never raises (failures are recorded in the result)."""
-    res = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.output_len)
+    res = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.output_len, turn=req.turn)
     body = _payload(kind, model, req, ignore_eos, extra or {})
     start = time.perf_counter()
     last = start
     tokens_seen = 0
     usage_tokens = None
+    text_parts: list[str] = []
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -95,10 +115,14 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
                     if ev["meta_info"].get("prompt_tokens"):
                         res.prompt_len = ev["meta_info"]["prompt_tokens"]
                     res.spec_verify_ct = ev["meta_info"].get("spec_verify_ct", res.spec_verify_ct)
+                    res.cached_tokens = int(ev["meta_info"].get("cached_tokens") or 0)
+                    text_parts = [ev.get("text", "")]  # the text so far
                 else:
                     if ev.get("usage"):
                         usage_tokens = ev["usage"].get("completion_tokens")
                         res.prompt_len = ev["usage"].get("prompt_tokens") or res.prompt_len
+                        details = ev["usage"].get("prompt_tokens_details") or {}
+                        res.cached_tokens = int(details.get("cached_tokens") or 0)
                     choices = ev.get("choices") or []
                     text = ""
                     for ch in choices:
@@ -106,6 +130,7 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
                             text += (ch.get("delta") or {}).get("content") or ""
                         else:
                             text += ch.get("text") or ""
+                    text_parts.append(text)
                     new = 1 if text else 0
                     tokens_seen += new
                 if new <= 0:
@@ -117,6 +142,7 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
                 last = now
         res.latency = time.perf_counter() - start
         res.output_len = usage_tokens if usage_tokens is not None else tokens_seen
+        res.output_text = "".join(text_parts)
         res.success = res.ttft > 0.0 or req.output_len == 0
         if not res.success:
             res.error = "the stream ended without any output"
@@ -127,18 +153,20 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
 
 # ----------------------------------------------------------------------
 # the run
-async def _arrivals(reqs: list[BenchRequest], rate: float, rng: random.Random):
-    for i, req in enumerate(reqs):
-        yield req
-        if math.isfinite(rate) and rate > 0 and i < len(reqs) - 1:
+async def _arrivals(items: list, rate: float, rng: random.Random):
+    for i, item in enumerate(items):
+        yield item
+        if math.isfinite(rate) and rate > 0 and i < len(items) - 1:
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: list[BenchRequest],
+async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: list[BenchRequest] | list[Conversation],
                         request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
                         ignore_eos: bool = True, extra: dict | None = None, api_key: str | None = None,
-                        warmup_requests: int = 1, show_progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Run all requests; returns their results (in request order) and the duration in seconds."""
+                        warmup_requests: int = 1, show_progress: bool = True,
+                        tokenizer: Any = None) -> tuple[list[RequestResult], float]:
+    """Run all requests, or all conversations (their turns in order; `tokenizer` counts their prompts); returns the
+    results (in request order, a conversation's turns together) and the duration in seconds."""
     import aiohttp
     from tqdm import tqdm
 
@@ -147,8 +175,12 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    conversations = [c for c in reqs if isinstance(c, Conversation)]
+    assert not conversations or tokenizer is not None, "conversations need the tokenizer"
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        for req in reqs[:warmup_requests]:
+        # A conversation's own prompt would be cached by its warm-up: those warm up on an unrelated one.
+        warmups = ([BenchRequest("Hello", 1, c.output_len) for c in conversations] if conversations else reqs)
+        for req in warmups[:warmup_requests]:
             warm = await send_request(session, url, kind, model, BenchRequest(req.prompt, req.prompt_len,
                                                                                min(req.output_len, 16)),
                                       ignore_eos, extra, headers)
@@ -156,7 +188,8 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        progress = tqdm(total=len(reqs), disable=not show_progress, desc="requests", unit="req")
+        total = sum(len(c.user_messages) for c in conversations) if conversations else len(reqs)
+        progress = tqdm(total=total, disable=not show_progress, desc="requests", unit="req")
 
         async def one(req: BenchRequest) -> RequestResult:
             if sem is None:
@@ -167,10 +200,30 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
             progress.update(1)
             return res
 
+        async def conversation(conv: Conversation) -> list[RequestResult]:
+            answers: list[str] = []
+            results: list[RequestResult] = []
+            for turn in range(1, len(conv.user_messages) + 1):
+                res = await one(await asyncio.to_thread(conv.turn_request, tokenizer, answers))
+                results.append(res)
+                if not res.success:  # the next turns need this answer: counted as failed, not sent
+                    skipped = range(turn + 1, len(conv.user_messages) + 1)
+                    results += [RequestResult(expected_output_len=conv.output_len, turn=t,
+                                              error="not sent: an earlier turn of its conversation failed")
+                                for t in skipped]
+                    progress.update(len(skipped))
+                    break
+                answers.append(res.output_text)
+            return results
+
         rng = random.Random(seed)
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(req)) async for req in _arrivals(reqs, request_rate, rng)]
-        results = list(await asyncio.gather(*tasks))
+        if conversations:
+            tasks = [asyncio.create_task(conversation(c)) async for c in _arrivals(conversations, request_rate, rng)]
+            results = [r for conv_results in await asyncio.gather(*tasks) for r in conv_results]
+        else:
+            tasks = [asyncio.create_task(one(req)) async for req in _arrivals(reqs, request_rate, rng)]
+            results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         progress.close()
     return results, duration
@@ -204,6 +257,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     for r in results:
         if not r.success:
             errors[r.error] = errors.get(r.error, 0) + 1
+    total_cached = sum(r.cached_tokens for r in ok)
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -212,6 +266,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "duration_s": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "total_cached_tokens": total_cached,
+        "cached_token_rate": total_cached / total_in if total_in else 0.0,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_throughput": total_in / duration if duration else 0.0,
         "output_throughput": total_out / duration if duration else 0.0,
@@ -222,6 +278,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "tpot_ms": _stats(tpots),
         "itl_ms": _stats([g for r in ok for g in r.itl]),
         "accept_length": _accept_length(ok),
+        "turns": per_turn(results),
     }
 
 
@@ -230,6 +287,22 @@ def _accept_length(ok: list[RequestResult]) -> float | None:
     completion_tokens / spec_verify_ct, pooled); None without it."""
     spec = [r for r in ok if r.spec_verify_ct]
     return sum(r.output_len for r in spec) / sum(r.spec_verify_ct for r in spec) if spec else None
+
+
+def per_turn(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """Per turn of multi-turn conversations (empty for single requests): requests, prompt and cached tokens, TTFT."""
+    out = []
+    for turn in sorted({r.turn for r in results if r.turn > 0}):
+        of_turn = [r for r in results if r.turn == turn]
+        ok = [r for r in of_turn if r.success]
+        prompt = sum(r.prompt_len for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        out.append({"turn": turn, "completed": len(ok), "failed": len(of_turn) - len(ok),
+                    "prompt_tokens_mean": prompt / len(ok) if ok else 0.0,
+                    "cached_tokens_mean": cached / len(ok) if ok else 0.0,
+                    "cached_token_rate": cached / prompt if prompt else 0.0,
+                    "ttft_ms": _stats([r.ttft for r in ok])})
+    return out
 
 
 def format_report(summary: dict[str, Any], backend: str, request_rate: float, max_concurrency: int | None) -> str:
@@ -248,6 +321,8 @@ def format_report(summary: dict[str, Any], backend: str, request_rate: float, ma
     row("Benchmark duration (s):", summary["duration_s"])
     row("Total input tokens:", summary["total_input_tokens"])
     row("Total generated tokens:", summary["total_output_tokens"])
+    row("Total cached prompt tokens:", summary["total_cached_tokens"])
+    row("Cached prompt tokens (%):", 100.0 * summary["cached_token_rate"])
     row("Request throughput (req/s):", summary["request_throughput"])
     row("Input token throughput (tok/s):", summary["input_throughput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
@@ -262,6 +337,13 @@ def format_report(summary: dict[str, Any], backend: str, request_rate: float, ma
         lines.append(title.center(w, "-"))
         for stat in ("mean", "median", "p99"):
             row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms):", summary[key][stat])
+    if summary["turns"]:
+        lines.append("Per Turn".center(w, "-"))
+        lines.append(f"{'turn':>4}{'ok':>6}{'prompt':>9}{'cached':>9}{'TTFT p50':>11}{'TTFT p99':>11}")
+        for t in summary["turns"]:
+            lines.append(f"{t['turn']:>4}{t['completed']:>6}{t['prompt_tokens_mean']:>9.0f}"
+                         f"{t['cached_tokens_mean']:>9.0f}{t['ttft_ms']['median']:>11.2f}{t['ttft_ms']['p99']:>11.2f}")
+        lines.append("(prompt and cached: mean tokens per request; TTFT in ms)")
     if summary["output_len_mismatches"]:
         lines.append(f"NOTE: {summary['output_len_mismatches']} requests returned a different number of tokens "
                      "than asked (is ignore_eos honoured?)")
@@ -299,6 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     p.add_argument("--gsp-question-len", type=int, default=128)
     p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--multiturn-num-conversations", "--num-clients", dest="multiturn_num_conversations", type=int,
+                   default=32, help="Conversations (multiturn); pick enough that their histories outgrow the "
+                   "server's KV pool to measure more than the device's prefix cache")
+    p.add_argument("--multiturn-turns", "--num-rounds", dest="multiturn_turns", type=int, default=4,
+                   help="Turns per conversation")
+    p.add_argument("--multiturn-system-prompt-len", type=int, default=256,
+                   help="Tokens of the system prompt all conversations share")
+    p.add_argument("--multiturn-user-len", "--request-length", dest="multiturn_user_len", type=int, default=128,
+                   help="Tokens of each turn's new user message")
+    p.add_argument("--multiturn-output-len", "--output-length", dest="multiturn_output_len", type=int, default=32,
+                   help="Tokens of each answer")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Requests per second, Poisson arrivals; inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight")
@@ -360,7 +453,7 @@ def wait_ready(base_url: str, backend: str, timeout_s: float, model: str | None 
         time.sleep(0.5)
 
 
-def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest] | list[Conversation]:
     if args.dataset == "random":
         return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed)
@@ -368,6 +461,10 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest
         if not args.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path to a ShareGPT JSON file")
         return sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)
+    if args.dataset == "multiturn":
+        return multiturn_conversations(tokenizer, args.multiturn_num_conversations, args.multiturn_turns,
+                                       args.multiturn_system_prompt_len, args.multiturn_user_len,
+                                       args.multiturn_output_len, args.seed)
     return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                   args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
 
@@ -407,18 +504,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"dataset: {e}", file=sys.stderr)
         return 2
-    print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens, "
-          f"{sum(r.output_len for r in reqs)} output tokens -> {base_url}{BACKENDS[args.backend][0]}")
+    if args.dataset == "multiturn":
+        turns, system = args.multiturn_turns, args.multiturn_system_prompt_len
+        per_conv = system + turns * (args.multiturn_user_len + args.multiturn_output_len)
+        print(f"{len(reqs)} conversations of {turns} turns, system prompt {system} tokens shared: a working set "
+              f"of about {system + len(reqs) * (per_conv - system)} tokens, {per_conv} per conversation "
+              f"-> {base_url}{BACKENDS[args.backend][0]}")
+    else:
+        print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens, "
+              f"{sum(r.output_len for r in reqs)} output tokens -> {base_url}{BACKENDS[args.backend][0]}")
 
     results, duration = asyncio.run(run_benchmark(
         base_url, args.backend, model, reqs, args.request_rate, args.max_concurrency, args.seed,
-        not args.disable_ignore_eos, extra, args.api_key, args.warmup_requests, not args.disable_tqdm))
+        not args.disable_ignore_eos, extra, args.api_key, args.warmup_requests, not args.disable_tqdm, tokenizer))
     summary = summarize(results, duration)
     print(format_report(summary, args.backend, args.request_rate, args.max_concurrency))
     if args.output_file:
         config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
         record = {"config": {**config, "base_url": base_url, "model": model, "tokenizer": tokenizer_path},
-                  "summary": summary, "requests": [asdict(r) for r in results]}
+                  "summary": summary,
+                  "requests": [{k: v for k, v in asdict(r).items() if k != "output_text"} for r in results]}
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.output_file}")

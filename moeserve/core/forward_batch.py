@@ -196,13 +196,13 @@ class ForwardBatch:
         return ext, dec
 
     @staticmethod
-    def idle(kv_pool: Any = None) -> ForwardBatch:
-        """A batch with no tokens: the rank only joins the collectives."""
-        e = torch.zeros(0, dtype=torch.int64)
+    def idle(kv_pool: Any = None, device: torch.device | str = "cpu") -> ForwardBatch:
+        """A batch with no tokens: the rank only joins the collectives. Made on `device` (no copy: capturable)."""
+        e = torch.zeros(0, dtype=torch.int64, device=device)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
         return ForwardBatch(
             mode=ForwardMode.IDLE, input_ids=e, positions=e, seq_lens=e, extend_lens=e, prefix_lens=e,
-            out_cache_loc=e, kv_indices=e, kv_indptr=torch.zeros(1, dtype=torch.int64),
-            qo_indptr=torch.zeros(1, dtype=torch.int64), kv_pool=kv_pool, logits_indices=e,
+            out_cache_loc=e, kv_indices=e, kv_indptr=zero, qo_indptr=zero, kv_pool=kv_pool, logits_indices=e,
         )
 
 

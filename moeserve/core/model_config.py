@@ -112,7 +112,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
 
-    num_mtp_layers: int = 0  # DeepSeek next-token-prediction layers stored after the main ones (not run)
+    num_mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers, stored after the main ones (models/mtp.py)
+    mtp_is_moe: bool = False  # the MTP layer's FFN is an MoE (the main layers' rule at index num_hidden_layers)
     quantization: str | None = None  # quantization_config.quant_method of the checkpoint, if any
     fp8: Fp8Config | None = None  # the checkpoint's block FP8 format (core/quant_config.py); None: unquantized
     path: str | None = None
@@ -298,7 +299,10 @@ def _deepseek_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     num_experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
     first_dense = int(raw.get("first_k_dense_replace") or 0)
     freq = int(raw.get("moe_layer_freq") or 1)
-    moe_layers = tuple(i for i in range(layers) if num_experts and i >= first_dense and i % freq == 0)
+    def is_moe(i: int) -> bool:
+        return bool(num_experts) and i >= first_dense and i % freq == 0
+
+    moe_layers = tuple(i for i in range(layers) if is_moe(i))
     # NOTE: configs written by transformers lack topk_method/scoring_func: V3 means noaux_tc + sigmoid (what
     # transformers' DeepseekV3TopkRouter does); V2 means transformers' DeepseekV2Config defaults (greedy, softmax).
     topk_method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
@@ -335,7 +339,8 @@ def _deepseek_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         topk_group=int(raw.get("topk_group") or 1),
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
         routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0))
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        mtp_is_moe=is_moe(layers))
 
 
 def _gqa_fields(raw: dict[str, Any], family: str) -> dict[str, Any]:

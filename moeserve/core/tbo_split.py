@@ -27,6 +27,8 @@ count decides; a multi-rank run without a header never overlaps (the ranks could
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch
@@ -57,9 +59,7 @@ def micro_headers(global_num_tokens: list[int] | None) -> tuple[list[int] | None
 
 
 def _idle_like(batch: ForwardBatch, header: list[int] | None) -> ForwardBatch:
-    dev = batch.input_ids.device
-    out = ForwardBatch.idle(batch.kv_pool)
-    out = out.to(dev) if dev.type != "cpu" else out
+    out = ForwardBatch.idle(batch.kv_pool, batch.input_ids.device)  # made on the device: no copy (graph capture)
     out.global_num_tokens, out.any_extend = header, batch.any_extend
     out.return_all_logits = batch.return_all_logits
     return out
@@ -72,6 +72,8 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
     head_a, head_b = micro_headers(batch.global_num_tokens)
     if T == 0 or batch.mode.is_idle:
         return _idle_like(batch, head_a), _idle_like(batch, head_b)
+    if batch.mode.is_decode and batch.decode_slots is not None:
+        return _split_decode(batch, s // DECODE_LEN, head_a, head_b)
     ext, seq, pre = batch.extend_lens_cpu, batch.seq_lens_cpu, batch.prefix_lens_cpu
     B = len(ext)
     qo = [0] * (B + 1)
@@ -145,17 +147,36 @@ def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
     return a, b
 
 
+def _split_decode(batch: ForwardBatch, a: int, head_a: list[int] | None, head_b: list[int] | None
+                  ) -> tuple[ForwardBatch, ForwardBatch]:
+    """A decode batch with its slot block (the scheduler's, a padded static-shape step's, a CUDA graph's): requests
+    [0, a) and [a, B), from views of its tensors and device arithmetic only, so that a captured decode step can
+    overlap its two halves (no host tensor is made, nothing is copied to the device). B keeps the whole
+    kv_indices with its own rows of kv_indptr (the kernels read request b's slots at kv_indptr[b] .. [b + 1])."""
+    B, s = batch.batch_size, a * DECODE_LEN
+    if a >= B:
+        return dataclasses.replace(batch, global_num_tokens=head_a), _idle_like(batch, head_b)
+    rows = (slice(0, a), slice(a, B))
+    toks = (slice(0, s), slice(s, B * DECODE_LEN))
+    qo = (batch.qo_indptr[: a + 1], batch.qo_indptr[a:] - s)
+    kv = (batch.kv_indptr[: a + 1], batch.kv_indptr[a:])
+    parts = []
+    for i, header in enumerate((head_a, head_b)):
+        r, t = rows[i], toks[i]
+        parts.append(dataclasses.replace(
+            batch, input_ids=batch.input_ids[t], positions=batch.positions[t], out_cache_loc=batch.out_cache_loc[t],
+            seq_lens=batch.seq_lens[r], extend_lens=batch.extend_lens[r], prefix_lens=batch.prefix_lens[r],
+            kv_indptr=kv[i], qo_indptr=qo[i], decode_slots=batch.decode_slots[r],
+            seq_lens_cpu=batch.seq_lens_cpu[r], extend_lens_cpu=batch.extend_lens_cpu[r],
+            prefix_lens_cpu=batch.prefix_lens_cpu[r], global_num_tokens=header,
+            logits_indices=None if batch.return_all_logits else qo[i][1:] - 1, static_bs=None))
+    return parts[0], parts[1]
+
+
 def merge_rows(parent: ForwardBatch, a_rows: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
     """Per-token outputs of A and B (hidden states, or all-token logits) -> the parent's token order."""
     del parent
     return torch.cat([a_rows, b_rows], dim=0)
 
 
-def merge_logits(parent: ForwardBatch, a: ForwardBatch, b: ForwardBatch, a_logits: torch.Tensor,
-                 b_logits: torch.Tensor) -> torch.Tensor:
-    """Logits of the micro-batches' own logits rows -> the parent's default rows (last token of each request)."""
-    del parent, a, b
-    return torch.cat([a_logits, b_logits], dim=0)
-
-
-__all__ = ["merge_logits", "merge_rows", "micro_headers", "should_use_tbo", "split_batch", "split_point"]
+__all__ = ["merge_rows", "micro_headers", "should_use_tbo", "split_batch", "split_point"]

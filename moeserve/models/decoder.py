@@ -44,6 +44,14 @@ from moeserve.parallel.comm import all_gather
 from moeserve.parallel.state import get_parallel_state
 
 
+def logit_rows(h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The rows of h [T, H] that need logits: batch.logits_indices (each request's last token by default), or
+    all of them with batch.return_all_logits."""
+    if batch.return_all_logits:
+        return h
+    return h[batch.logits_indices if batch.logits_indices is not None else batch.qo_indptr[1:] - 1]
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: attention then a dense MLP or an MoE layer, each with a residual."""
 
@@ -133,6 +141,7 @@ class CausalLM(nn.Module):
         super().__init__()
         options = options or ModelOptions()
         self.config = config
+        self.options = options  # what a draft model on this one runs with (models/mtp.py)
         self.rotary = RotaryEmbedding(self.rotary_dim(config), config.rope)
         self.model = DecoderModel(type(self), config, self.rotary, options)
         self._make_lm_head(config, options.dp_lm_head)
@@ -158,10 +167,11 @@ class CausalLM(nn.Module):
         if self._mark_real_rows is not None:  # padding rows (CUDA graphs) write to the scratch slot 0
             real = batch.out_cache_loc != 0 if batch.out_cache_loc is not None else None
             self._mark_real_rows(None if real is None else self._moe_split.own(real))
-        # NOTE: not while a CUDA graph is captured (the split builds small host tensors); graphs run without TBO.
+        # While a CUDA graph is captured only a decode step splits (from views: core/tbo_split.py's _split_decode);
+        # an extend's split builds small host tensors, so a piecewise-captured extend runs without TBO.
         tbo = (pieces is None and should_use_tbo(batch, self.tbo_enabled, self.tbo_threshold,
                                                  get_parallel_state().world_size)
-               and not (h.is_cuda and torch.cuda.is_current_stream_capturing()))
+               and (batch.mode.is_decode or not (h.is_cuda and torch.cuda.is_current_stream_capturing())))
         if self.tbo_enabled:  # the decision per step, as /get_load's step_counts shows it
             self.tbo_steps[max(batch.global_num_tokens or [batch.num_tokens]), tbo] += 1
         if tbo:
@@ -194,10 +204,16 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits of the rows of h [T, H] that need them: the final norm, then the LM head."""
-        if not batch.return_all_logits:
-            rows = batch.logits_indices if batch.logits_indices is not None else batch.qo_indptr[1:] - 1
-            h = h[rows]
-        h = self.model.norm(h)
+        return self.head_logits(self.model.norm(logit_rows(h, batch)))
+
+    def head_hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final-normed hidden states [T, H] of every row: what the LM head reads, and what DeepSeek's MTP
+        module (models/mtp.py) takes as the target's hidden state."""
+        return self.model.norm(self.hidden_states(batch))
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] of normed hidden states h [N, H] (the LM head alone; gathered over the vocabulary
+        group with --enable-dp-lm-head). The MTP module reads it too: DeepSeek shares the head."""
         if self.lm_head is not None:
             w = self.lm_head.weight
         else:  # tied: this rank's rows of the embeddings

@@ -27,7 +27,8 @@ Both versions use the same modules; what differs comes from the config (V3: rope
 rope_interleave; V2: YaRN with mscale folded into the softmax scale).
 NOTE: transformers' DeepseekV2TopkRouter ignores norm_topk_prob; we honour it (as DeepSeek's own code does).
 Released V2 checkpoints have norm_topk_prob false, where the two agree.
-MTP layers (model.layers.{num_hidden_layers}+) are not built; the loader skips their tensors.
+The MTP layer (model.layers.{num_hidden_layers}) is not part of this model: models/mtp.py builds it apart, as the
+draft model of speculative decoding.
 """
 
 from __future__ import annotations

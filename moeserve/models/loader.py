@@ -1,6 +1,7 @@
 """Build a model on a device and fill its weights from a safetensors checkpoint (or at random).
 
     model, config = load_model(server_args, device)
+    draft = load_mtp(server_args, model, device)     # DeepSeek's MTP layer, the draft of speculative decoding
 
 - The model is constructed on the 'meta' device (no memory), then every parameter is allocated once, directly
   on `device`, in the chosen dtype (router weights stay float32), and filled in place.
@@ -10,7 +11,7 @@
 - Before anything is read, every tensor's name and shape is checked against what the model expects (from the
   file headers): a missing, unexpected or mis-shaped tensor raises ValueError naming it and both shapes.
   Skipped: rotary inv_freq buffers and lm_head when the embeddings are tied (silently), MTP layers
-  (model.layers.{num_hidden_layers}+, one log line).
+  (model.layers.{num_hidden_layers}+, one log line): `load_mtp` reads those for speculative decoding.
 - FP8 (DeepSeek's block FP8, core/quant_config.py): a checkpoint whose config.json says so, or any checkpoint with
   --quantization fp8, builds the model with FP8 layers (layers/quantization/fp8.py). An FP8 checkpoint's
   `weight_scale_inv` tensors load beside their weights (dtypes and values checked: models/fp8_loading.py); an
@@ -31,7 +32,7 @@ import re
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from moeserve.layers.quantization.fp8 import to_fp8
 from moeserve.layers.weights import WeightSpec, model_weight_specs
 from moeserve.models import fp8_loading
 from moeserve.models.default_model import resolve_model_path
+from moeserve.models.mtp import SHARED_COPIES, MTPModel, check_mtp_support, mtp_layer_prefix
 from moeserve.models.options import ModelOptions, model_options
 from moeserve.models.registry import get_model_class
 from moeserve.parallel.state import get_parallel_state
@@ -122,6 +124,13 @@ def build_model(config: ModelConfig, options: ModelOptions | None, device: torch
         model = cls(config, options)
         if fp8:
             to_fp8(model, dtype)
+    allocate_parameters(model, device, dtype)
+    return model
+
+
+def allocate_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace each 'meta' parameter by an uninitialized one on `device` in `dtype` (router weights float32, FP8
+    weights e4m3, FP8 block padding zeroed)."""
     for module in model.modules():
         keep_fp32 = getattr(module, "fp32_params", ())
         padded = getattr(module, "padding_numel", {})
@@ -131,7 +140,6 @@ def build_model(config: ModelConfig, options: ModelOptions | None, device: torch
             dt = torch.float32 if name in keep_fp32 else p.dtype if p.dtype == FP8_DTYPE else dtype
             alloc = torch.zeros if padded.get(name) else torch.empty
             module._parameters[name] = nn.Parameter(alloc(p.shape, dtype=dt, device=device), requires_grad=False)
-    return model
 
 
 def finish_loading(model: nn.Module, device: torch.device) -> None:
@@ -194,8 +202,10 @@ def _is_mtp(key: str, config: ModelConfig) -> bool:
 
 
 def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple[int, ...], str]],
-                     config: ModelConfig, where: str) -> None:
-    """Raise ValueError listing every missing, unexpected and mis-shaped tensor."""
+                     config: ModelConfig, where: str, skipped: Callable[[str], bool] | None = None) -> None:
+    """Raise ValueError listing every missing, unexpected and mis-shaped tensor. skipped: the checkpoint keys not
+    read (default: the main model's `_skipped`)."""
+    skipped = skipped or (lambda key: _skipped(key, config))
     expected: dict[str, tuple[int, ...]] = {}
     for s in specs:
         expected.setdefault(s.key, s.shape)
@@ -206,7 +216,7 @@ def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple
         elif found[key][1] != shape:
             problems.append(f"tensor {key!r} has shape {found[key][1]} in the checkpoint, expected {shape}")
     for key, (_, shape, _) in found.items():
-        if key not in expected and not _skipped(key, config):
+        if key not in expected and not skipped(key):
             hint = ""
             if fp8_loading.is_scale_key(key):
                 hint = (" (an FP8 scale of a layer this model does not quantize)" if config.fp8 else
@@ -219,18 +229,23 @@ def check_checkpoint(specs: list[WeightSpec], found: dict[str, tuple[Path, tuple
 
 
 def load_safetensors(model: nn.Module, specs: list[WeightSpec], path: Path, config: ModelConfig,
-                     show_progress: bool = True, quantize_at_load: bool = False) -> None:
+                     show_progress: bool = True, quantize_at_load: bool = False,
+                     found: dict[str, tuple[Path, tuple[int, ...], str]] | None = None,
+                     skipped: Callable[[str], bool] | None = None) -> None:
     """Check the checkpoint against `specs`, then copy each rank-local part into its parameter. quantize_at_load:
-    the checkpoint is unquantized and the model's FP8 layers quantize their weights as they load."""
+    the checkpoint is unquantized and the model's FP8 layers quantize their weights as they load. found: the
+    headers, if read already; skipped: see check_checkpoint (the MTP layer's load reads its layer only)."""
     from safetensors import safe_open
 
-    found = read_headers(checkpoint_files(path))
+    found = found if found is not None else read_headers(checkpoint_files(path))
     params = dict(model.named_parameters())
     quantized = fp8_loading.quantized_keys(specs, params)
-    check_checkpoint(fp8_loading.scale_specs_absent(specs) if quantize_at_load else specs, found, config, str(path))
+    check_checkpoint(fp8_loading.scale_specs_absent(specs) if quantize_at_load else specs, found, config, str(path),
+                     skipped)
     if quantized and not quantize_at_load:
         fp8_loading.check_fp8_dtypes(specs, {k: v[2] for k, v in found.items()}, quantized, str(path))
-    _log_mtp_skipped(found, config)
+    if skipped is None:
+        _log_mtp_skipped(found, config)
     by_file: dict[Path, list[WeightSpec]] = defaultdict(list)
     for s in specs:
         if s.param is not None:
@@ -269,8 +284,92 @@ def _log_mtp_skipped(found: dict[str, tuple[Path, tuple[int, ...], str]], config
     mtp = [k for k in found if _is_mtp(k, config)]
     if mtp:
         layers = sorted({int(_LAYER_KEY.match(k).group(1)) for k in mtp})
-        logger.info("Skipping %d tensors of the multi-token-prediction layer(s) %s (not run)", len(mtp),
+        logger.info("Skipping %d tensors of the multi-token-prediction layer(s) %s (read only for speculative "
+                    "decoding)", len(mtp),
                     ", ".join(f"model.layers.{i}" for i in layers))
+
+
+# ----------------------------------------------------------------------
+# the MTP layer (speculative decoding's draft)
+
+# the config fields the draft checkpoint must share with the target's (its MTP layer plugs into the target)
+_DRAFT_SHAPE_FIELDS = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "num_experts", "moe_intermediate_size", "num_shared_experts", "intermediate_size")
+
+
+def load_mtp(server_args: ServerArgs, target: nn.Module, device: torch.device | str,
+             show_progress: bool | None = None) -> MTPModel:
+    """DeepSeek's MTP layer over `target` (models/mtp.py) on `device`, with the target's options (its dispatcher,
+    kernels, shared-experts fusion), weights loaded, in the target's dtype: from
+    --speculative-draft-model-path, else from the target's own checkpoint; bf16 or FP8 as that checkpoint is (or
+    --quantization fp8). Raises ValueError where the model has no MTP layer or its tensors are absent."""
+    device = torch.device(device)
+    path, config, found = mtp_checkpoint(server_args, target.config)
+    if show_progress is None:
+        show_progress = get_parallel_state().rank == 0
+    dtype = target.model.embed_tokens.weight.dtype
+    fp8 = weight_quantization(server_args, config)
+    start = time.perf_counter()
+    with torch.device("meta"):
+        mtp = MTPModel(config, target.options, target)
+        if fp8:
+            to_fp8(mtp, dtype)
+    allocate_parameters(mtp, device, dtype)
+    specs = list(model_weight_specs(mtp))
+    if server_args.load_format == "dummy":
+        fill_dummy(mtp, specs, server_args.random_seed, show_progress)
+    else:
+        prefix = mtp.prefix + "."
+        load_safetensors(mtp, specs, Path(path), config, show_progress,
+                         quantize_at_load=fp8 is not None and config.fp8 is None, found=found,
+                         skipped=lambda key: not key.startswith(prefix) or key.removeprefix(prefix) in SHARED_COPIES)
+    finish_loading(mtp, device)
+    n = sum(p.numel() for p in mtp.parameters())
+    logger.info("Loaded the multi-token-prediction layer %s of %s: %.3fB params (embedding and head shared with the "
+                "target), weights %s in %.1f s", mtp.prefix, path, n / 1e9, weight_format(mtp),
+                time.perf_counter() - start)
+    return mtp
+
+
+def mtp_checkpoint(server_args: ServerArgs, target: ModelConfig
+                   ) -> tuple[str, ModelConfig, dict[str, tuple[Path, tuple[int, ...], str]] | None]:
+    """(path, config, headers) of the checkpoint the MTP layer is read from (--speculative-draft-model-path, else
+    the target's), checked before anything loads (the server calls it at start): the family has MTP, config.json
+    declares the layer, and the tensors under model.layers.{num_hidden_layers} are there (headers None: dummy
+    weights). ValueError saying what is missing."""
+    target_path = resolve_model_path(server_args)
+    path = server_args.speculative_draft_model_path or target_path
+    config = target if path == target_path else _draft_config(path, target)
+    check_mtp_support(config)
+    if server_args.load_format == "dummy":
+        return path, config, None
+    found = read_headers(checkpoint_files(Path(path)))
+    prefix = mtp_layer_prefix(config) + "."
+    if not any(key.startswith(prefix) for key in found):
+        raise ValueError(f"checkpoint {path} has no tensors of the multi-token-prediction layer {prefix}* (its "
+                         f"config.json declares num_nextn_predict_layers {config.num_mtp_layers}): speculative "
+                         "decoding drafts with them; use a checkpoint that keeps the MTP layer (DeepSeek-V3 and R1 as "
+                         "published), or point --speculative-draft-model-path at one")
+    return path, config, found
+
+
+def _draft_config(path: str, target: ModelConfig) -> ModelConfig:
+    """The config of a --speculative-draft-model-path checkpoint, checked against the target's."""
+    cfg = Path(path) / "config.json"
+    archs = json.loads(cfg.read_text()).get("architectures") or [] if cfg.is_file() else []
+    if any("NextN" in a for a in archs):
+        raise ValueError(f"--speculative-draft-model-path {path}: {archs[0]} (an export of the MTP layer alone, as "
+                         "model.layers.0 of a one-layer model) is not read; give a checkpoint of the target's config "
+                         f"that keeps the layer where DeepSeek publishes it (model.layers.{target.num_hidden_layers}), "
+                         "or leave the flag unset to draft with the target's own MTP layer")
+    config = ModelConfig.from_pretrained(path)
+    differ = [f"{f} {getattr(config, f)} (target: {getattr(target, f)})" for f in _DRAFT_SHAPE_FIELDS
+              if getattr(config, f) != getattr(target, f)]
+    if differ:
+        raise ValueError(f"--speculative-draft-model-path {path} is not a checkpoint of the target's model: "
+                         + ", ".join(differ))
+    return config
 
 
 # ----------------------------------------------------------------------

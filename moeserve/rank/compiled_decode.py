@@ -55,13 +55,17 @@ class CompiledDecode:
                     time.perf_counter() - start, self.max_bs)
 
 
-@torch.inference_mode(False)  # a copied slot block must be a plain tensor too
+@torch.inference_mode(False)  # a copied tensor must be a plain tensor too
 def _dynamic_sizes(batch: ForwardBatch) -> ForwardBatch:
     """Mark the batch's sizes (requests, sequence length) as symbols for the compiler. Only these: with every size
     dynamic, a model size that happens to equal the warm-up batch size (2 KV heads, say) would be merged with it.
-    The slot block is made contiguous (a CUDA-graph runner passes a strided view): one layout, one graph."""
-    if not batch.decode_slots.is_contiguous():
-        batch = dataclasses.replace(batch, decode_slots=batch.decode_slots.contiguous())
+    One layout, one graph: a tensor that is a strided view (a CUDA-graph runner's slot block) or starts inside
+    its storage (a packed host-to-device copy's views) is copied to a contiguous tensor of its own, since the
+    compiler guards on strides and storage offsets too (they recompiled the forward on the GPU)."""
+    fresh = {f: t.clone(memory_format=torch.contiguous_format) for f in _BATCH_TENSORS
+             if (t := getattr(batch, f)) is not None and (t.storage_offset() or not t.is_contiguous())}
+    if fresh:
+        batch = dataclasses.replace(batch, **fresh)
     for f in _BATCH_TENSORS:
         t = getattr(batch, f)
         if t is not None:

@@ -49,6 +49,10 @@ def load_model_config(args: ServerArgs) -> tuple[str, ModelConfig]:
     model_path = resolve_model_path(args)
     config = ModelConfig.from_pretrained(model_path)
     check_model_fits(args, config)
+    if args.speculative_algorithm:  # the draft's MTP layer: refused here, not on every rank
+        from moeserve.models.loader import mtp_checkpoint
+
+        mtp_checkpoint(args, config)
     return model_path, config
 
 

@@ -59,8 +59,14 @@ def check_consistent(fb: ForwardBatch) -> None:
     assert fb.prefix_lens.tolist() == fb.prefix_lens_cpu
     assert [s - e for s, e in zip(fb.seq_lens_cpu, fb.extend_lens_cpu, strict=True)] == fb.prefix_lens_cpu
     assert fb.qo_indptr.tolist() == [0, *torch.tensor(fb.extend_lens_cpu, dtype=torch.int64).cumsum(0).tolist()]
-    assert fb.kv_indptr.tolist() == [0, *torch.tensor(fb.seq_lens_cpu, dtype=torch.int64).cumsum(0).tolist()]
-    assert fb.kv_indices.shape[0] == sum(fb.seq_lens_cpu) and fb.num_tokens == sum(fb.extend_lens_cpu)
+    # a decode's parts keep the parent's kv_indices and their own rows of kv_indptr (views only: capturable)
+    k_first = fb.kv_indptr[0].item()
+    assert k_first == 0 or fb.mode.is_decode
+    assert fb.kv_indptr.tolist() == [k_first + x for x in
+                                     [0, *torch.tensor(fb.seq_lens_cpu, dtype=torch.int64).cumsum(0).tolist()]]
+    end = k_first + sum(fb.seq_lens_cpu)
+    assert fb.kv_indices.shape[0] == end or (fb.mode.is_decode and fb.kv_indices.shape[0] > end)
+    assert fb.num_tokens == sum(fb.extend_lens_cpu)
     for b in range(B):
         q0, q1 = fb.qo_indptr[b].item(), fb.qo_indptr[b + 1].item()
         k0 = fb.kv_indptr[b].item()
@@ -218,3 +224,27 @@ def test_executor_order():
         "A2:dispatch_b+experts+combine_a", "B2:dispatch_b+experts+combine_a",
         "A2:shared+combine_b", "B2:shared+combine_b",
     ]
+
+
+def test_decode_split_is_capturable(monkeypatch):
+    """A decode batch with its slot block splits from views and device arithmetic alone: no host tensor is built
+    and nothing is copied to the device, which is what lets a captured (CUDA-graph) decode step overlap its halves.
+    A batch of one gives an IDLE B made on the batch's device."""
+    rng = random.Random(11)
+    batches = [random_batch(rng, ForwardMode.DECODE, n, with_slots=True) for n in (1, 2, 5, 8)]
+    for fb in batches:
+        fb.global_num_tokens = [fb.num_tokens, 3]
+
+    def no_host_tensor(*args, **kwargs):
+        raise AssertionError("the decode split built a host tensor")
+
+    monkeypatch.setattr(torch, "tensor", no_host_tensor)
+    for fb in batches:
+        a, b = split_batch(fb)
+        for part in (a, b):
+            if part.mode.is_idle:
+                assert fb.batch_size == 1 and part is b
+                continue
+            for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "decode_slots", "kv_indices"):
+                mine, parent = getattr(part, name), getattr(fb, name)
+                assert mine.untyped_storage().data_ptr() == parent.untyped_storage().data_ptr(), name

@@ -20,6 +20,7 @@ class Runner:
     def __init__(self, path: str, num_slots: int = 2048, seed: int = 0, dtype: str = "float32",
                  device: str = "cpu", **server_args):
         args = ServerArgs(model_path=path, dtype=dtype, device=device, **server_args)
+        self.args = args
         self.device = torch.device(device)
         self.model, self.config = load_model(args, self.device, show_progress=False)
         kv_dtype = next(p.dtype for n, p in self.model.named_parameters() if "embed" in n)
@@ -69,6 +70,40 @@ class Runner:
             kv += self.slots[rid]
         batch = ForwardBatch.build(ForwardMode.DECODE, ids, seq_lens, [1] * len(reqs), loc, kv, self.pool)
         return self.model(batch.to(self.device)).cpu()
+
+
+class MTPRunner:
+    """A Runner's target with its MTP layer (models/mtp.py) over the layer's own KV pool; slots as Runner's. Each
+    row is (next token, hidden state) of one position: a request's rows continue its draft sequence."""
+
+    def __init__(self, target: Runner, num_slots: int = 2048, seed: int = 1):
+        from moeserve.models.loader import load_mtp
+
+        self.target = target
+        self.mtp = load_mtp(target.args, target.model, target.device, show_progress=False)
+        self.pool = self.mtp.make_kv_pool(num_slots, 1, target.pool.dtype, target.device)
+        gen = torch.Generator().manual_seed(seed)
+        self.free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+        self.slots: dict[object, list[int]] = {}
+
+    @torch.no_grad()
+    def step(self, mode: ForwardMode, reqs: list[tuple[object, list[int], torch.Tensor]],
+             return_all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's rows (tokens [n], hidden [n, H]) after its earlier ones -> (logits, h_next [T, H])."""
+        ids, seq_lens, ext, loc, kv, hidden = [], [], [], [], [], []
+        for rid, toks, h in reqs:
+            new, self.free = self.free[:len(toks)], self.free[len(toks):]
+            self.slots.setdefault(rid, []).extend(new)
+            ids += toks
+            seq_lens.append(len(self.slots[rid]))
+            ext.append(len(toks))
+            loc += new
+            kv += self.slots[rid]
+            hidden.append(h)
+        batch = ForwardBatch.build(mode, ids, seq_lens, ext, loc, kv, self.pool, return_all_logits)
+        batch = batch.to(self.target.device)
+        logits, h_next = self.mtp(batch, batch.input_ids, torch.cat(hidden).to(self.target.device, self.pool.dtype))
+        return logits.cpu(), h_next.cpu()
 
 
 @torch.no_grad()

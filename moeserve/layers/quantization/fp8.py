@@ -2,7 +2,8 @@
 --quantization fp8 quantizes at load.
 
 Quantized: every linear layer (attention projections), dense MLPs, shared experts and routed experts. Unquantized,
-as DeepSeek publishes them: embeddings, norms, the MoE gate (fp32 router) and lm_head. Runs on the 'meta' model
+as DeepSeek publishes them: embeddings, norms, the MoE gate (fp32 router), lm_head, and the MTP layer's eh_proj
+(bf16 in DeepSeek-V3's FP8 checkpoint). Runs on the 'meta' model
 before the loader allocates anything (models/loader.py build_model).
 """
 
@@ -18,7 +19,7 @@ from moeserve.layers.quantization.fp8_experts import Fp8Experts
 from moeserve.layers.quantization.fp8_linear import fp8_twin
 from moeserve.layers.quantization.fp8_mlp import Fp8GatedMLP
 
-UNQUANTIZED = ("lm_head",)  # module names kept in the model's dtype (besides non-linear layers)
+UNQUANTIZED = ("lm_head", "eh_proj")  # last parts of module names kept in the model's dtype (besides non-linear layers)
 
 
 def to_fp8(model: nn.Module, activation_dtype: torch.dtype) -> None:
@@ -26,7 +27,7 @@ def to_fp8(model: nn.Module, activation_dtype: torch.dtype) -> None:
     the `weight_scale_inv` tensors). Raises ValueError naming the layer whose parallel share of a weight does not
     fall on 128-element block boundaries (pick another --tp-size)."""
     swaps = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, Linear | GatedMLP | Experts) and name not in UNQUANTIZED]
+             if isinstance(module, Linear | GatedMLP | Experts) and name.rpartition(".")[2] not in UNQUANTIZED]
     for name, module in swaps:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

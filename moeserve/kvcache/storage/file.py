@@ -1,0 +1,169 @@
+"""The `file` storage backend: one file per page in a local (or shared) directory.
+
+    <dir>/<key[0:2]>/<key[2:4]>/<key>.kvpage
+
+A page is written to a temporary file in its own directory and linked into place (os.link; os.replace where the
+filesystem has no hard links), so a reader sees a whole page or none, two writers of one key store it once, and
+several processes may share the directory. Files are not fsynced: a page torn by a crash
+fails its checks and is a miss. With `max_bytes`, a write that takes the directory past it deletes the least
+recently used pages (by mtime; a read touches its page) down to LOW_WATER of the cap. A restarted process finds
+the pages its predecessors wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from moeserve.kvcache.storage.base import StorageBackend
+from moeserve.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvpage"
+TMP_PREFIX = ".tmp-"
+LOW_WATER = 0.9  # eviction frees down to this fraction of max_bytes
+STALE_TMP_S = 600  # a temporary file this old was left by a dead writer
+_KEY = re.compile(r"[0-9a-f]{8,128}")
+
+
+def default_dir() -> Path:
+    return cache_root() / "kv_storage"
+
+
+class FileStorage(StorageBackend):
+    """Pages as files under `path` (default: default_dir()), at most `max_bytes` of them (None: no cap)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, max_bytes: int | None = None):
+        super().__init__()
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"the file storage's max_bytes must be positive, got {max_bytes}")
+        self.root = Path(path) if path else default_dir()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot use {self.root} for KV storage: {e}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise ValueError(f"cannot use {self.root} for KV storage: not writable")
+        self.max_bytes = max_bytes
+        self._size_lock = threading.Lock()  # guards _used
+        self._evict_lock = threading.Lock()  # one evicting thread at a time
+        self._used = sum(size for _, _, size in self._scan())
+        logger.info("KV storage: %s holds %.1f MiB of pages%s", self.root, self._used / 2**20,
+                    f" (cap {max_bytes / 2**20:.1f} MiB)" if max_bytes else "")
+
+    def path_of(self, key: str) -> Path:
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"a storage key is lowercase hex, got {key!r}")
+        return self.root / key[:2] / key[2:4] / (key + SUFFIX)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pages in the directory as this process counts them (exact after an eviction scan)."""
+        with self._size_lock:
+            return self._used
+
+    # ------------------------------------------------------------------
+    # the backend's bytes
+    def _read(self, key: str) -> bytearray | None:
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(data)
+        except FileNotFoundError:
+            return None
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
+        return data if n == len(data) else data[:n]
+
+    def _exists(self, key: str) -> bool:
+        return self.path_of(key).is_file()
+
+    def _write(self, key: str, data: bytes) -> bool:
+        path = self.path_of(key)
+        if path.exists() or (self.max_bytes is not None and len(data) > self.max_bytes):
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=SUFFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, path)  # atomic, and never over a page another writer put meanwhile
+            except FileExistsError:
+                return False
+            except OSError:  # a filesystem without hard links: replace (the same bytes, counted twice)
+                os.replace(tmp, path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        with self._size_lock:
+            self._used += len(data)
+            over = self.max_bytes is not None and self._used > self.max_bytes
+        if over:
+            self._evict()
+        return True
+
+    def _delete(self, key: str) -> None:
+        path = self.path_of(key)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        with self._size_lock:
+            self._used -= size
+
+    # ------------------------------------------------------------------
+    # size cap
+    def _scan(self) -> list[tuple[float, Path, int]]:
+        """(mtime, path, size) of every page file; stale temporary files are removed on the way."""
+        out = []
+        now = time.time()
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                path = Path(dirpath) / name
+                try:
+                    st = path.stat()
+                    if name.startswith(TMP_PREFIX):
+                        if now - st.st_mtime > STALE_TMP_S:
+                            path.unlink()
+                    elif name.endswith(SUFFIX):
+                        out.append((st.st_mtime, path, st.st_size))
+                except FileNotFoundError:
+                    continue  # deleted by another thread or process meanwhile
+        return out
+
+    def _evict(self) -> None:
+        """Delete the least recently used pages until the directory holds at most LOW_WATER * max_bytes."""
+        assert self.max_bytes is not None
+        if not self._evict_lock.acquire(blocking=False):
+            return  # another thread is evicting
+        try:
+            files = sorted(self._scan(), key=lambda f: f[0])
+            used = sum(size for _, _, size in files)
+            target = int(self.max_bytes * LOW_WATER)
+            freed = 0
+            for _, path, size in files:
+                if used - freed <= target:
+                    break
+                try:
+                    path.unlink()
+                    freed += size
+                except FileNotFoundError:
+                    freed += size  # gone already
+            with self._size_lock:
+                self._used = used - freed
+            logger.debug("KV storage: evicted %.1f MiB from %s", freed / 2**20, self.root)
+        finally:
+            self._evict_lock.release()
