@@ -14,7 +14,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.kvcache.kv_pool import make_kv_pool
-from moeserve.models.decoder import CausalLM
+from moeserve.models.decoder import CausalLM, logit_rows
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import eplb_staging_bytes, make_rebalancer, make_recorder
 from moeserve.rank.prompt_logprobs import score
@@ -105,6 +105,12 @@ class ModelRunner:
         from moeserve.models.loader import load_model, weight_format
 
         self.args = server_args
+        if server_args.speculative_algorithm is not None:
+            from moeserve.rank.speculative.support import unsupported_with_speculation
+
+            refused = unsupported_with_speculation(server_args)
+            if refused:
+                raise ValueError(refused)
         self.device = resolve_device(server_args.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
@@ -114,9 +120,15 @@ class ModelRunner:
             # 13 us (scripts/gpu/sdpa_backends.py at 3438fba), every step.
             torch.set_num_threads(1)
         self.model, self.config = load_model(server_args, self.device)
+        self.mtp = None  # DeepSeek's MTP layer, the draft model of --speculative-algorithm NEXTN (models/mtp.py)
+        if server_args.speculative_algorithm is not None:
+            from moeserve.models.loader import load_mtp
+
+            self.mtp = load_mtp(server_args, self.model, self.device)
         self.weight_format = weight_format(self.model)
         self.dtype = next(self.model.parameters()).dtype
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.model, self.mtp) if m is not None
+                                for p in m.parameters())
         self.ep = _EPInfo.collect(self.model)
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
@@ -135,6 +147,12 @@ class ModelRunner:
                            if self.expert_recorder is not None else None)
         self.speculative: SpeculativeRound | None = None  # set by enable_speculation
         self.runners = self._graph_runners()
+        if self.mtp is not None:
+            from moeserve.rank.speculative.mtp_drafter import MTPDrafter
+
+            mtp_pool = self.mtp.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device,
+                                             get_parallel_state().attn_tp_size)
+            self.enable_speculation(MTPDrafter(self.mtp, mtp_pool), server_args.speculative_num_steps)
         with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
             for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
                 runner.capture_all(progress=get_parallel_state().rank == 0)
@@ -231,6 +249,8 @@ class ModelRunner:
     def _num_kv_pages(self) -> int:
         a = self.args
         per_token = self.config.kv_bytes_per_token(self.dtype, get_parallel_state().attn_tp_size)
+        if self.mtp is not None:  # its own pool, as many slots as the target's
+            per_token += self.mtp.config.kv_bytes_per_token(self.dtype, get_parallel_state().attn_tp_size)
         if a.max_total_tokens is not None:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":
@@ -266,12 +286,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The eager model on one batch: (logits as `forward` gives them, the last layer's hidden states [T, H])
-        for a draft model to read."""
+        """The eager model on one batch: (logits as `forward` gives them, the final-normed hidden states [T, H] of
+        every row) for a draft model to read."""
         fb = batch.to(self.device)
         fb.kv_pool = self.kv_pool
-        hidden = self.model.hidden_states(fb)
-        return self.model.compute_logits(hidden, fb), hidden
+        hidden = self.model.head_hidden_states(fb)  # final-normed: what the head and DeepSeek's MTP read
+        return self.model.head_logits(logit_rows(hidden, fb)), hidden
 
     @property
     def num_draft_tokens(self) -> int:

@@ -18,7 +18,8 @@ class InProcessEngine:
         self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
                                    self.runner.config.eos_token_ids, tokenizer=tokenizer,
                                    grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
-                                                                self.runner.vocab_size))
+                                                                self.runner.vocab_size),
+                                   num_draft_tokens=self.runner.num_draft_tokens)
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 
