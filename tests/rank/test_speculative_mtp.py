@@ -77,3 +77,25 @@ def test_mtp_fp8_greedy_follows_the_target(fp8_mtp_checkpoint):
     assert spec.scheduler.stats.spec_rounds > 0
     spec.scheduler.cache.reset()
     assert spec.scheduler.allocator.num_free_pages == start
+
+
+def test_engine_with_the_flags(mtp_checkpoint):
+    """The offline Engine (rank process, ZeroMQ) with --speculative-algorithm: the plain run's tokens, streaming
+    in chunks of several tokens, spec_verify_ct in meta_info."""
+    import moeserve
+
+    prompts = _prompts(9, [4, 13])
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = [r["output_ids"] for r in InProcessEngine(model_path=mtp_checkpoint, dtype="float32").run(
+        prompts, SamplingParams(**params))]
+    eng = moeserve.Engine(model_path=mtp_checkpoint, skip_tokenizer_init=True, dtype="float32",
+                          speculative_algorithm="EAGLE", speculative_num_steps=2)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
+        assert all(1 <= o["meta_info"]["spec_verify_ct"] <= 11 for o in outs)
+        chunks = list(eng.generate(input_ids=prompts[0], sampling_params=params, stream=True))
+        assert [t for c in chunks for t in c["delta_ids"]] == want[0]
+        assert chunks[-1]["meta_info"]["spec_verify_ct"] >= 1
+    finally:
+        eng.shutdown()
