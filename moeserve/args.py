@@ -208,9 +208,11 @@ class ServerArgs:
     moe_a2a_backend: str = _flag(
         "none", "Expert dispatch: none (all experts local; with --ep-size > 1 it means allgather, like SGLang's "
         "default all-reduce MoE path), allgather (every rank sees every token: the oracle), all2all (see "
-        "--deepep-mode).", tuple(DISPATCH_BACKENDS)
+        "--deepep-mode), symm (all2all's modes; low-latency steps write only the routed rows into peer memory: "
+        "torch's symmetric memory on CUDA, shared memory for the CPU ranks of one node; elsewhere all2all, with a "
+        "warning).", tuple(DISPATCH_BACKENDS)
     )
-    deepep_mode: str = _flag("auto", "all2all mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
+    deepep_mode: str = _flag("auto", "all2all and symm mode: normal (prefill), low_latency (decode), auto.", DEEPEP_MODES)
     enable_deepep_moe: bool = _flag(False, "SGLang's old spelling of --moe-a2a-backend deepep.")
     deepep_config: str | None = _flag(None, "DeepEP's tuning file (with --moe-a2a-backend deepep only).")
     moe_runner_backend: str = _flag(

@@ -10,6 +10,30 @@ import time
 from pathlib import Path
 
 
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 free on 127.0.0.1 (checked, not reserved): a multi-node server's
+    --dist-init-addr port, whose next ports its ZeroMQ sockets take."""
+    import socket
+
+    from moeserve.server.launch import free_port
+
+    for _ in range(50):
+        p = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p + i))
+                socks.append(s)
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below pid (children, grandchildren, ...), read from /proc."""
     found: set[int] = set()

@@ -1,5 +1,7 @@
 """EP dispatch benchmark: dispatch and combine time and bytes per step for each backend, beside a plain
 all_to_all_single of the same bytes, on CPU ranks over gloo or one GPU per rank over NCCL (--device cuda).
+Modes: allgather, all2all normal, all2all low_latency (fixed slots) and symm (row puts into peer memory: shared
+memory on CPU ranks, torch's symmetric memory on CUDA).
 
     python -m moeserve.bench.dispatch --world-size 2 --tokens 256 --hidden 2048 --topk 8 --experts 64
     python -m moeserve.bench.dispatch --world-size 2 4 --tokens 64 256 1024      # a table over sizes
@@ -8,9 +10,12 @@ all_to_all_single of the same bytes, on CPU ranks over gloo or one GPU per rank 
 Per step and rank: `tokens` tokens of `hidden` (bf16 by default) with uniform random top-k experts (distinct per
 token). Identity experts: the time between dispatch and combine is not measured. Times are the mean over
 `--iters` steps after `--warmup`, the slowest rank's; bytes are what a rank sends to the other ranks (the largest
-over ranks): rows, expert ids and weights for dispatch, result rows for combine. The baseline is one
-all_to_all_single per phase with equal splits that sends each rank that many bytes to its peers.
-Low latency runs with cap = tokens (one round) unless --cap is given. GB/s is a rank's bytes to its peers over
+over ranks): rows, expert ids and weights for dispatch, result rows for combine; exact counts, each
+dispatcher's own `comm_bytes`. `rows to peers` is what the routing asks for: (token, other rank holding one of
+its experts) pairs, the largest over ranks. The baseline is one all_to_all_single per phase with equal splits
+that sends each rank that many bytes to its peers.
+Low latency and symm run with cap = tokens (one round) unless --cap is given (a server's cap is
+--ep-max-tokens-per-rank: give it to see the fixed slots' bytes at small batches). GB/s is a rank's bytes to its peers over
 the phase's time. On CUDA, times are host wall time around the phase with the device synchronized at both ends,
 and the low-latency step (dispatch, identity experts, combine) is also captured in a CUDA graph and replayed:
 `graph_ms` is a replay's time, or the capture's error.
@@ -28,13 +33,15 @@ from moeserve.bench.ranks import spawn_ranks
 from moeserve.bench.results import append_results
 from moeserve.core.forward_batch import ForwardBatch
 
-MODES = ("allgather", "normal", "low_latency")
+MODES = ("allgather", "normal", "low_latency", "symm")
+LOW_LATENCY = ("low_latency", "symm")  # static shapes, decode: one round per step when cap >= tokens
 
 
 def _build(mode: str, a: argparse.Namespace, tokens: int, rank: int, world: int, dtype: torch.dtype):
     from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
     from moeserve.ep.all2all_normal import NormalDispatcher
     from moeserve.ep.allgather import AllGatherDispatcher
+    from moeserve.ep.symm import SymmLowLatencyDispatcher
 
     common = dict(num_experts=a.experts, hidden_size=a.hidden, dtype=dtype, device=_device(a, rank), ep_group=None,
                   ep_rank=rank, ep_size=world)
@@ -42,7 +49,8 @@ def _build(mode: str, a: argparse.Namespace, tokens: int, rank: int, world: int,
         return AllGatherDispatcher(**common, align=a.align)
     if mode == "normal":
         return NormalDispatcher(**common, align=a.align)
-    return LowLatencyDispatcher(**common, topk=a.topk, max_tokens_per_rank=a.cap or tokens)
+    cls = SymmLowLatencyDispatcher if mode == "symm" else LowLatencyDispatcher
+    return cls(**common, topk=a.topk, max_tokens_per_rank=a.cap or tokens)
 
 
 def _device(a: argparse.Namespace, rank: int) -> torch.device:
@@ -120,8 +128,11 @@ def _rows(rank: int, world: int, a: argparse.Namespace) -> list[dict]:
         topk_weights = torch.rand(tokens, a.topk, generator=gen).softmax(1).to(device)
         batch = ForwardBatch.idle()
         batch.global_num_tokens = [tokens] * world
+        experts_per_rank = a.experts // world
+        holds = torch.stack([((topk_ids // experts_per_rank) == r).any(1) for r in range(world)])  # [R, T]
+        rows_to_peers = int(holds.sum() - holds[rank].sum())
         for mode in a.modes:
-            batch.any_extend = mode != "low_latency"
+            batch.any_extend = mode not in LOW_LATENCY
             disp = _build(mode, a, tokens, rank, world, dtype)
             t_dispatch = t_combine = 0.0
             for i in range(a.warmup + a.iters):
@@ -143,16 +154,19 @@ def _rows(rank: int, world: int, a: argparse.Namespace) -> list[dict]:
                     t_dispatch += t1 - t0
                     t_combine += t3 - t2
             nbytes = disp.comm_bytes
-            d_bytes, c_bytes = (int(v) for v in _max_over_ranks([nbytes["dispatch"], nbytes["combine"]], device))
+            d_bytes, c_bytes, peer_rows = (int(v) for v in _max_over_ranks(
+                [nbytes["dispatch"], nbytes["combine"], rows_to_peers], device))
             base_d = _time_plain_a2a(d_bytes, world, a.iters, a.warmup, device)
             base_c = _time_plain_a2a(c_bytes, world, a.iters, a.warmup, device)
             graph = None
-            if device.type == "cuda" and mode == "low_latency":
+            if device.type == "cuda" and mode in LOW_LATENCY:
                 graph = _time_graph(disp, x, topk_ids, topk_weights, batch, a.iters)
             times = _max_over_ranks([t_dispatch / a.iters, t_combine / a.iters, base_d, base_c,
                                      graph if isinstance(graph, float) else 0.0], device)
             rows.append(dict(world=world, tokens=tokens, mode=mode, device=a.device, dispatch_ms=times[0] * 1e3,
                              combine_ms=times[1] * 1e3, dispatch_mb=d_bytes / 1e6, combine_mb=c_bytes / 1e6,
+                             dispatch_bytes=d_bytes, combine_bytes=c_bytes, rows_to_peers=peer_rows,
+                             cap=(a.cap or tokens) if mode in LOW_LATENCY else None,
                              a2a_dispatch_ms=times[2] * 1e3, a2a_combine_ms=times[3] * 1e3,
                              graph_ms=times[4] * 1e3 if isinstance(graph, float) else graph))
     return rows
@@ -173,16 +187,17 @@ def _gbps(mb: float, ms: float) -> float:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| ranks | tokens/rank | mode | dispatch ms | combine ms | dispatch MB | combine MB | dispatch GB/s "
-            "| combine GB/s | a2a same bytes: dispatch ms | combine ms | a2a GB/s: dispatch | combine "
-            "| graph replay ms |")
-    lines = [head, "|" + "---|" * 14]
+    head = ("| ranks | tokens/rank | mode | cap | rows to peers | dispatch bytes | combine bytes | dispatch ms "
+            "| combine ms | dispatch GB/s | combine GB/s | a2a same bytes: dispatch ms | combine ms "
+            "| a2a GB/s: dispatch | combine | graph replay ms |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         graph = r.get("graph_ms")
         graph = "-" if graph is None else (f"{graph:.3f}" if isinstance(graph, float) else graph)
         lines.append(
-            f"| {r['world']} | {r['tokens']} | {r['mode']} | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} "
-            f"| {r['dispatch_mb']:.2f} | {r['combine_mb']:.2f} | {_gbps(r['dispatch_mb'], r['dispatch_ms']):.1f} "
+            f"| {r['world']} | {r['tokens']} | {r['mode']} | {r['cap'] or '-'} | {r['rows_to_peers']} "
+            f"| {r['dispatch_bytes']} | {r['combine_bytes']} | {r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} "
+            f"| {_gbps(r['dispatch_mb'], r['dispatch_ms']):.1f} "
             f"| {_gbps(r['combine_mb'], r['combine_ms']):.1f} | {r['a2a_dispatch_ms']:.3f} "
             f"| {r['a2a_combine_ms']:.3f} | {_gbps(r['dispatch_mb'], r['a2a_dispatch_ms']):.1f} "
             f"| {_gbps(r['combine_mb'], r['a2a_combine_ms']):.1f} | {graph} |")
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--align", type=int, default=1, help="ContiguousLayout segment alignment (allgather, normal)")
-    p.add_argument("--cap", type=int, default=0, help="low_latency tokens per rank per round (0: = tokens)")
+    p.add_argument("--cap", type=int, default=0, help="low_latency and symm tokens per rank per round (0: = tokens)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--result-file", default=None, help="append one JSON line per row")

@@ -36,6 +36,7 @@ class All2AllDispatcher(Dispatcher):
     """`--moe-a2a-backend all2all`: delegates each step to the mode `deepep_mode` resolves to."""
 
     name = "all2all"
+    low_latency_cls: type[LowLatencyDispatcher] = LowLatencyDispatcher  # the decode transport
 
     def __init__(self, *, topk: int, deepep_mode: str = "auto", max_tokens_per_rank: int = 128,
                  fp8_quantize: FP8Quantize | None = None, **common) -> None:
@@ -47,7 +48,7 @@ class All2AllDispatcher(Dispatcher):
         self.deepep_mode = deepep_mode
         align = common.pop("align", 1)
         self.normal = NormalDispatcher(**common, align=align) if deepep_mode != "low_latency" else None
-        self.low_latency = (LowLatencyDispatcher(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+        self.low_latency = (self.low_latency_cls(**common, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
                                                  fp8_quantize=fp8_quantize)
                             if deepep_mode != "normal" else None)
         self.last_mode: str | None = None  # the mode the last dispatch_a resolved to
@@ -70,8 +71,8 @@ class All2AllDispatcher(Dispatcher):
 
     def describe(self) -> str:
         ll = self.low_latency
-        return f"all2all {self.deepep_mode}" + (f", low-latency slots of {ll.cap} tokens x {ll.size} ranks"
-                                                if ll is not None else "")
+        return f"{self.name} {self.deepep_mode}" + (f", low-latency slots of {ll.cap} tokens x {ll.size} ranks"
+                                                    if ll is not None else "")
 
     @property
     def comm_bytes(self) -> dict[str, int]:

@@ -24,6 +24,10 @@ dtype. The byte rows live in the same buffers as combine's rows (dispatch_b has 
 
 What is captured: every shape depends on T (static per graph), cap, R, E_local and k only; no `.item()`,
 `.tolist()`, `nonzero` or boolean indexing runs on the device path.
+
+The transport is a set of hooks (`_allocate`, `_send_dispatch`, `_receive_dispatch`, `_send_combine`,
+`_receive_combine`, `_count_bytes`): ep/symm.py replaces them with row puts into peer memory, and the rounds, the
+plan and the layout stay here, one copy for both.
 """
 
 from __future__ import annotations
@@ -72,18 +76,26 @@ class LowLatencyDispatcher(Dispatcher):
         assert topk >= 1
         super().__init__(**common)
         self.topk, self.cap = topk, max_tokens_per_rank
+        self.fp8, self._quantize = fp8_quantize is not None, fp8_quantize
+        self._scale_bytes = 0
+        if self.fp8:  # a row: [scales float32 (4 bytes x groups) | x e4m3 | pad to 4 bytes]
+            probe = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device)
+            self._scale_bytes = fp8_quantize(probe)[1][0].nbytes
+            self._row_bytes = self._scale_bytes + -(-self.hidden_size // 4) * 4
+        else:
+            self._row_bytes = self.hidden_size * self.dtype.itemsize
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The communication buffers (a subclass with another transport has its own)."""
         rows = self.size * self.cap  # slot r * cap + t: token t of (to / from) rank r
         # Dispatch sends from _send_x and receives into _recv_x; combine reuses the same two (dispatch_b has
         # consumed _recv_x by then).
         self._send_x = torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
         self._recv_x = torch.empty_like(self._send_x)
-        self._send_meta = torch.empty(rows, 2 * topk, dtype=torch.int32, device=self.device)
+        self._send_meta = torch.empty(rows, 2 * self.topk, dtype=torch.int32, device=self.device)
         self._recv_meta = torch.empty_like(self._send_meta)
-        self.fp8, self._quantize = fp8_quantize is not None, fp8_quantize
-        if self.fp8:  # a row: [scales float32 (4 bytes x groups) | x e4m3 | pad to 4 bytes]
-            probe = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device)
-            self._scale_bytes = fp8_quantize(probe)[1][0].nbytes
-            self._row_bytes = self._scale_bytes + -(-self.hidden_size // 4) * 4
+        if self.fp8:
             assert self._row_bytes <= self._send_x[0].nbytes, "FP8 rows must fit in combine's rows"
             self._send_bytes, self._recv_bytes = (self._byte_rows(b) for b in (self._send_x, self._recv_x))
 
@@ -91,6 +103,24 @@ class LowLatencyDispatcher(Dispatcher):
         """[rows, row_bytes] uint8 over the start of `buf`'s memory."""
         rows = buf.shape[0]
         return buf.view(-1).view(torch.uint8)[: rows * self._row_bytes].view(rows, self._row_bytes)
+
+    def _pack_rows(self, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """Tokens [lo, hi) as dispatch rows into `dst [R, >= hi - lo, ...]` (the same rows for every rank): x in
+        its dtype, or FP8 bytes [scales | e4m3] (dst then uint8 [R, ., >= row_bytes])."""
+        n = hi - lo
+        if self.fp8:
+            sb = self._scale_bytes
+            dst[:, :n, :sb] = self._xs[lo:hi].view(torch.uint8)
+            dst[:, :n, sb : sb + self.hidden_size] = self._xq[lo:hi].view(torch.uint8)
+        else:
+            dst[:, :n] = self._x[lo:hi]
+
+    def _local_meta(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, hi - lo, k] int64 local expert ids of tokens [lo, hi) on each rank (-1: none there), and their
+        weights [R, hi - lo, k] fp32."""
+        ranks = torch.arange(self.size, device=self.device).view(self.size, 1, 1)
+        return local_topk(self._topk_ids[lo:hi].unsqueeze(0), self._topk_weights[lo:hi].unsqueeze(0), ranks,
+                          self.num_local_experts)
 
     def describe(self) -> str:
         fp8 = ", FP8 dispatch" if self.fp8 else ""
@@ -103,8 +133,7 @@ class LowLatencyDispatcher(Dispatcher):
     def layout_bytes(self, rounds: int = 1) -> int:
         """Bytes of the MaskedLayout x one step allocates (E_local x rounds*R*cap x H); the experts' output is as
         large again. Not part of buffer_bytes: it comes from the allocator (the graph pool under CUDA graphs)."""
-        row = self._row_bytes if self.fp8 else self.hidden_size * self.dtype.itemsize
-        return self.num_local_experts * rounds * self.size * self.cap * row
+        return self.num_local_experts * rounds * self.size * self.cap * self._row_bytes
 
     def _reset(self) -> None:
         super()._reset()
@@ -132,11 +161,13 @@ class LowLatencyDispatcher(Dispatcher):
         self._x, self._topk_ids, self._topk_weights = x, topk_ids, topk_weights
         if self.fp8:
             self._xq, self._xs = self._quantize(x)
-        slots = self._rounds * (self.size - 1) * self.cap  # fixed slots, whatever the routing
-        row = self._row_bytes if self.fp8 else self._send_x[0].nbytes
-        self.comm_bytes = {"dispatch": slots * (row + self._send_meta[0].nbytes),
-                           "combine": slots * self._send_x[0].nbytes}
+        self._count_bytes()
         self._send_dispatch(0)
+
+    def _count_bytes(self) -> None:
+        slots = self._rounds * (self.size - 1) * self.cap  # fixed slots, whatever the routing
+        self.comm_bytes = {"dispatch": slots * (self._row_bytes + 2 * self.topk * 4),
+                           "combine": slots * self.hidden_size * self.dtype.itemsize}
 
     def _chunk(self, i: int) -> tuple[int, int]:
         lo = min(i * self.cap, self._x.shape[0])
@@ -145,15 +176,9 @@ class LowLatencyDispatcher(Dispatcher):
     def _send_dispatch(self, i: int) -> None:
         lo, hi = self._chunk(i)
         n, k, r = hi - lo, self.topk, self.size
-        if self.fp8:
-            send = self._send_bytes.view(r, self.cap, -1)
-            send[:, :n, : self._scale_bytes] = self._xs[lo:hi].view(torch.uint8)
-            send[:, :n, self._scale_bytes : self._scale_bytes + self.hidden_size] = self._xq[lo:hi].view(torch.uint8)
-        else:
-            self._send_x.view(r, self.cap, -1)[:, :n] = self._x[lo:hi]  # every rank gets the slot; ids say what counts
-        ranks = torch.arange(r, device=self.device).view(r, 1, 1)
-        local_ids, weights = local_topk(self._topk_ids[lo:hi].unsqueeze(0), self._topk_weights[lo:hi].unsqueeze(0),
-                                        ranks, self.num_local_experts)  # [R, n, k]
+        # every rank gets the slot; ids say what counts
+        self._pack_rows((self._send_bytes if self.fp8 else self._send_x).view(r, self.cap, -1), lo, hi)
+        local_ids, weights = self._local_meta(lo, hi)  # [R, n, k]
         meta = self._send_meta.view(r, self.cap, 2 * k)
         meta[:, :n] = pack_meta(local_ids, weights)
         meta[:, n:, :k] = -1  # padding rows: no expert
@@ -170,22 +195,21 @@ class LowLatencyDispatcher(Dispatcher):
         e_local, cap_total = self.num_local_experts, self._rounds * self.size * self.cap
         # Not zeroed (a memset of the whole layout would cost more than the dispatch): rows past masked_m hold
         # garbage, which grouped GEMMs skip and combine never reads. The last row is a spare for invalid pairs.
-        x_flat = self._recv_x.new_empty(e_local * cap_total + 1, self.hidden_size)
+        x_flat = torch.empty(e_local * cap_total + 1, self.hidden_size, dtype=self.dtype, device=self.device)
         if self.fp8:  # bytes: e4m3 rows and their scales (index_copy has no float8 kernel on every device)
-            x_flat = self._recv_bytes.new_empty(e_local * cap_total + 1, self.hidden_size)
-            s_flat = self._recv_bytes.new_empty(e_local * cap_total + 1, self._scale_bytes)
+            x_flat = torch.empty(e_local * cap_total + 1, self.hidden_size, dtype=torch.uint8, device=self.device)
+            s_flat = torch.empty(e_local * cap_total + 1, self._scale_bytes, dtype=torch.uint8, device=self.device)
         filled = torch.zeros(e_local, dtype=torch.int64, device=self.device)
         self._plans = []
         for i in range(self._rounds):
-            self._wait()
-            local_ids, weights = unpack_meta(self._recv_meta)
+            rows, local_ids, weights = self._receive_dispatch()
             plan = plan_masked(local_ids, weights, e_local, cap_total, filled)
             if self.fp8:
                 sb = self._scale_bytes
-                scatter_masked(self._recv_bytes[:, sb : sb + self.hidden_size], plan, x_flat)
-                scatter_masked(self._recv_bytes[:, :sb], plan, s_flat)
+                scatter_masked(rows[:, sb : sb + self.hidden_size], plan, x_flat)
+                scatter_masked(rows[:, :sb], plan, s_flat)
             else:
-                scatter_masked(self._recv_x, plan, x_flat)
+                scatter_masked(rows, plan, x_flat)
             self._plans.append(plan)
             if i + 1 < self._rounds:
                 self._send_dispatch(i + 1)
@@ -194,6 +218,13 @@ class LowLatencyDispatcher(Dispatcher):
             return MaskedLayout(x=x, masked_m=filled.to(torch.int32))
         scale = s_flat[: e_local * cap_total].view(torch.float32).view(e_local, cap_total, -1)
         return MaskedLayout(x=x.view(torch.float8_e4m3fn), masked_m=filled.to(torch.int32), x_scale=scale)
+
+    def _receive_dispatch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Wait for a round's rows: (rows [R * cap, H] in x's dtype, or FP8 bytes [R * cap, >= row_bytes]; local
+        expert ids [R * cap, k] int64, -1 on rows that carry nothing; weights [R * cap, k] fp32)."""
+        self._wait()
+        local_ids, weights = unpack_meta(self._recv_meta)
+        return (self._recv_bytes if self.fp8 else self._recv_x), local_ids, weights
 
     # ------------------------------------------------------------------------------------------------------------
     # combine
@@ -212,11 +243,15 @@ class LowLatencyDispatcher(Dispatcher):
         """[T, H] in x's dtype: sum_k w_k * expert_k(x_t)."""
         out = self._x.new_empty(self._x.shape)
         for i in range(self._rounds):
-            self._wait()
             lo, hi = self._chunk(i)
-            back = self._recv_x.view(self.size, self.cap, self.hidden_size)[:, : hi - lo]
-            out[lo:hi] = back.float().sum(0).to(self.dtype)
+            out[lo:hi] = self._receive_combine(i, hi - lo)
             if i + 1 < self._rounds:
                 self._send_combine(i + 1)
         self._reset()
         return out
+
+    def _receive_combine(self, i: int, n: int) -> torch.Tensor:
+        """Wait for round i's results: [n, H] in x's dtype, each token's sum over the ranks in fp32."""
+        self._wait()
+        back = self._recv_x.view(self.size, self.cap, self.hidden_size)[:, :n]
+        return back.float().sum(0).to(self.dtype)

@@ -4,6 +4,9 @@
                the closest analogue of SGLang's default all-reduce MoE path (every rank sees every token).
     allgather  AllGatherDispatcher: every rank sees every token, runs its own experts, reduce-scatter (the oracle)
     all2all    All2AllDispatcher: torch.distributed all-to-all, --deepep-mode normal, low_latency or auto
+    symm       SymmAll2AllDispatcher: all2all's modes, low-latency steps by row puts into peer memory (bytes
+               scale with routed tokens; ep/symm.py). Where peer memory cannot run (ranks on several hosts, no
+               symmetric memory in torch) it falls back to all2all with a warning that says why.
 
 A new backend (DeepEP, say) is a Dispatcher subclass added to BACKENDS; make_dispatcher passes it the same
 arguments as the others.
@@ -12,6 +15,7 @@ arguments as the others.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +26,16 @@ from moeserve.ep.all2all_low_latency import FP8Quantize
 from moeserve.ep.allgather import AllGatherDispatcher
 from moeserve.ep.base import Dispatcher
 from moeserve.ep.local import LocalDispatcher
+from moeserve.ep.symm import SymmAll2AllDispatcher, symm_unavailable
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
 
 BACKENDS: dict[str, type[Dispatcher]] = {
     LocalDispatcher.name: LocalDispatcher,
     AllGatherDispatcher.name: AllGatherDispatcher,
     All2AllDispatcher.name: All2AllDispatcher,
+    SymmAll2AllDispatcher.name: SymmAll2AllDispatcher,
 }
 # SGLang's backend names that this install does not run -> why, and what runs instead. --moe-a2a-backend refuses
 # them by name; a name leaves this table when its dispatcher joins BACKENDS.
@@ -50,7 +59,7 @@ class DispatchOptions:
     """How MoE layers move tokens between EP ranks (--moe-a2a-backend, --deepep-mode, --ep-max-tokens-per-rank)."""
 
     backend: str = "none"
-    deepep_mode: str = "auto"  # all2all only
+    deepep_mode: str = "auto"  # all2all and symm
     max_tokens_per_rank: int = 128  # all2all low-latency slot size
 
     def __post_init__(self) -> None:
@@ -94,7 +103,12 @@ def make_dispatcher(options: DispatchOptions, num_experts: int, num_local_expert
         raise ValueError(f"--moe-a2a-backend {kind} needs hidden_size and top_k")
     common = dict(num_experts=num_experts, hidden_size=hidden_size, dtype=dtype, device=device, ep_group=ep_group,
                   ep_rank=ep_rank, ep_size=ep_size, align=align)
-    if kind == "all2all":
-        return All2AllDispatcher(**common, topk=top_k, deepep_mode=options.deepep_mode,
-                                 max_tokens_per_rank=options.max_tokens_per_rank, fp8_quantize=fp8_quantize)
+    if kind == "symm" and (why := symm_unavailable(device, ep_group)) is not None:
+        if why not in _WARNED:
+            _WARNED.add(why)
+            logger.warning("--moe-a2a-backend symm falls back to all2all (the same modes over all-to-all): %s", why)
+        kind = "all2all"
+    if kind in ("all2all", "symm"):
+        return BACKENDS[kind](**common, topk=top_k, deepep_mode=options.deepep_mode,
+                              max_tokens_per_rank=options.max_tokens_per_rank, fp8_quantize=fp8_quantize)
     return BACKENDS[kind](**common)

@@ -34,6 +34,7 @@ from moeserve.ep.all2all import All2AllDispatcher
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.allgather import AllGatherDispatcher
+from moeserve.ep.symm import SymmAll2AllDispatcher, SymmLowLatencyDispatcher
 
 CAP = 8  # low-latency capacity per rank in these tests: small, so some scenarios need several rounds
 
@@ -59,6 +60,11 @@ BACKENDS = {
     "low_latency": Backend(LowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False),
     "low_latency_noheader": Backend(LowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False, header=False,
                                     only=("uniform", "over_cap_one_rank", "idle_ranks", "all_idle")),
+    "symm": Backend(SymmLowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False),
+    "symm_noheader": Backend(SymmLowLatencyDispatcher, {"max_tokens_per_rank": CAP}, False, header=False,
+                             only=("uniform", "over_cap_one_rank", "idle_ranks", "all_idle")),
+    "symm_auto_decode": Backend(SymmAll2AllDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, False,
+                                expect_mode="low_latency"),
     "auto_prefill": Backend(All2AllDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, True, expect_mode="normal"),
     "auto_decode": Backend(All2AllDispatcher, {"max_tokens_per_rank": CAP, "align": 2}, False,
                            expect_mode="low_latency"),
@@ -96,7 +102,7 @@ def _build(backend: str, sc: Scenario, rank: int, world: int):
     cls = BACKENDS[backend].cls
     kwargs = dict(num_experts=sc.num_experts, hidden_size=sc.hidden, dtype=sc.torch_dtype, device="cpu",
                   ep_group=None, ep_rank=rank, ep_size=world, **BACKENDS[backend].kwargs)
-    if cls in (LowLatencyDispatcher, All2AllDispatcher):
+    if issubclass(cls, (LowLatencyDispatcher, All2AllDispatcher)):
         kwargs["topk"] = sc.topk
     return cls(**kwargs)
 
@@ -229,12 +235,13 @@ def _assert_eq(a, b) -> None:
 
 def _interleaved(rank: int, world: int, results: dict) -> None:
     """Two micro-batches with a dispatcher each, halves interleaved as two-batch overlap runs them."""
-    for backend in ("allgather", "normal", "low_latency"):
+    for backend in ("allgather", "normal", "low_latency", "symm"):
         sc_a = Scenario("tbo_a", tuple(3 + 5 * r for r in range(world)), 2 * world, 3, "uniform", seed=21)
         sc_b = dataclasses.replace(sc_a, name="tbo_b", tokens=tuple(CAP + 2 - r for r in range(world)), seed=22)
         disps = [_build(backend, sc, rank, world) for sc in (sc_a, sc_b)]
         inputs = [make_inputs(sc)[rank] for sc in (sc_a, sc_b)]
-        batches = [with_header(ForwardBatch.idle(), sc.tokens, backend != "low_latency") for sc in (sc_a, sc_b)]
+        batches = [with_header(ForwardBatch.idle(), sc.tokens, backend not in ("low_latency", "symm"))
+                   for sc in (sc_a, sc_b)]
         for d, (x, ids, w), b in zip(disps, inputs, batches, strict=True):
             d.dispatch_a(x, ids, w, b)
         layouts = [d.dispatch_b() for d in disps]
@@ -284,13 +291,13 @@ def test_dispatch(world: int, scenario: str, backend: str, check: str) -> None:
     _assert_case(world, (scenario, backend, check))
 
 
-@pytest.mark.parametrize("backend", ["auto_prefill", "auto_decode"])
+@pytest.mark.parametrize("backend", ["auto_prefill", "auto_decode", "symm_auto_decode"])
 def test_auto_resolves_mode(world: int, backend: str) -> None:
     for name in SCENARIO_NAMES:
         _assert_case(world, (name, backend, "mode"))
 
 
-@pytest.mark.parametrize("backend", ["allgather", "normal", "low_latency"])
+@pytest.mark.parametrize("backend", ["allgather", "normal", "low_latency", "symm"])
 def test_interleaved_micro_batches(world: int, backend: str) -> None:
     for name in ("interleaved_tbo_a", "interleaved_tbo_b"):
         _assert_case(world, (name, backend, "experts"))
@@ -303,6 +310,7 @@ def test_alignment_pads_some_segment(world: int, backend: str) -> None:
     assert padding > 0
 
 
-def test_low_latency_runs_rounds_over_cap(world: int) -> None:
-    infos = _assert_case(world, ("over_cap_one_rank", "low_latency", "layout"))
+@pytest.mark.parametrize("backend", ["low_latency", "symm"])
+def test_low_latency_runs_rounds_over_cap(world: int, backend: str) -> None:
+    infos = _assert_case(world, ("over_cap_one_rank", backend, "layout"))
     assert [i["capacity"] for i in infos] == [4 * world * CAP] * world  # 3 * CAP + 1 tokens: 4 rounds

@@ -1,4 +1,5 @@
-"""GPU checks (skipped on CPU): every backend over NCCL, and the low-latency step inside a CUDA graph.
+"""GPU checks (skipped on CPU): every backend over NCCL, and the low-latency steps (all2all's and symm's, over torch's
+symmetric memory) inside a CUDA graph. NOTE: symm's CUDA path has not run on a GPU yet.
 
 One process a GPU, up to 4 ranks (one rank on a one-GPU machine still runs NCCL's all_to_all_single). The
 low-latency step runs eagerly under `torch.cuda.set_sync_debug_mode("error")` (any host sync raises), is captured
@@ -18,6 +19,7 @@ from moeserve.core.layouts import ContiguousLayout
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
 from moeserve.ep.all2all_normal import NormalDispatcher
 from moeserve.ep.allgather import AllGatherDispatcher
+from moeserve.ep.symm import SymmLowLatencyDispatcher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -60,18 +62,25 @@ def _gpu_suite(rank: int, world: int) -> dict:
                   ep_group=None, ep_rank=rank, ep_size=world)
     for name, disp in [("allgather", AllGatherDispatcher(**common, align=4)),
                        ("normal", NormalDispatcher(**common, align=128)),
-                       ("low_latency", LowLatencyDispatcher(**common, topk=sc.topk, max_tokens_per_rank=CAP))]:
+                       ("low_latency", LowLatencyDispatcher(**common, topk=sc.topk, max_tokens_per_rank=CAP)),
+                       ("symm", SymmLowLatencyDispatcher(**common, topk=sc.topk, max_tokens_per_rank=CAP))]:
         for case in (sc, big):
             x, ids, w = make_inputs(case)[rank]
             run = _experts_fn(case, rank, world, device)
             out = _step(disp, run, x.to(device), ids.to(device), w.to(device),
-                        with_header(ForwardBatch.idle(), case.tokens, name != "low_latency"))
+                        with_header(ForwardBatch.idle(), case.tokens, name not in ("low_latency", "symm")))
             err = (out.cpu() - dense_reference(case, x, ids, w)).abs().max().item() if x.numel() else 0.0
             report[f"{name}/{case.seed}"] = err
 
-    # Low latency: no host sync eagerly, then the same step captured and replayed on new routings.
+    # Low latency (both transports): no host sync eagerly, then the same step captured and replayed on new routings.
+    for name, cls in (("low_latency", LowLatencyDispatcher), ("symm", SymmLowLatencyDispatcher)):
+        _captured(report, name, cls(**common, topk=sc.topk, max_tokens_per_rank=CAP), sc, rank, world, device)
+    torch.cuda.synchronize()
+    return report
+
+
+def _captured(report: dict, name: str, disp, sc: Scenario, rank: int, world: int, device: torch.device) -> None:
     experts = _experts_fn(sc, rank, world, device)
-    disp = LowLatencyDispatcher(**common, topk=sc.topk, max_tokens_per_rank=CAP)
     batch = with_header(ForwardBatch.idle(), sc.tokens, False)
     x, ids, w = (t.to(device) for t in make_inputs(sc)[rank])
     torch.cuda.synchronize()
@@ -97,9 +106,7 @@ def _gpu_suite(rank: int, world: int) -> dict:
         w.copy_(nw)
         graph.replay()
         want = dense_reference(sc, nx, nids, nw)  # sc's experts were captured; the inputs are new
-        report[f"graph/{seed}"] = (static_out.cpu() - want).abs().max().item()
-    torch.cuda.synchronize()
-    return report
+        report[f"graph/{name}/{seed}"] = (static_out.cpu() - want).abs().max().item()
 
 
 def test_dispatchers_on_gpu() -> None:

@@ -1,4 +1,5 @@
-"""FP8 dispatch of the low-latency mode on 2 CPU ranks: tokens travel in e4m3 with their per-128 scales.
+"""FP8 dispatch of the low-latency mode on 2 CPU ranks: tokens travel in e4m3 with their per-128 scales. Both
+transports: all2all's equal-split all-to-all and symm's row puts into shared memory.
 
 Per-token quantization commutes with moving tokens, so the FP8 layout must hold exactly the quantized rows of the
 bf16 layout (same masked_m, same rows), in a little over half of bf16's bytes; and combine (bf16) after experts
@@ -12,6 +13,7 @@ import torch
 from ep_harness import run_ranks
 
 from moeserve.ep.all2all_low_latency import LowLatencyDispatcher
+from moeserve.ep.symm import SymmLowLatencyDispatcher
 from moeserve.kernels.fp8_quant import dequantize_activations, quantize_activations_reference
 
 pytestmark = pytest.mark.slow
@@ -31,14 +33,18 @@ def _expert(x: torch.Tensor, e: int) -> torch.Tensor:
     return torch.tanh(x.float() * (e + 1) * 0.1)
 
 
-def _run(rank: int, world: int):
+DISPATCHERS = {"all2all": LowLatencyDispatcher, "symm": SymmLowLatencyDispatcher}
+
+
+def _run(rank: int, world: int, dispatcher: str):
     import torch.distributed as dist
 
     x, ids, weights = _inputs(rank)
     common = dict(num_experts=E, hidden_size=H, dtype=torch.bfloat16, device="cpu", ep_group=dist.group.WORLD,
                   ep_rank=rank, ep_size=world, topk=K, max_tokens_per_rank=CAP)
-    plain = LowLatencyDispatcher(**common)
-    fp8 = LowLatencyDispatcher(**common, fp8_quantize=quantize_activations_reference)
+    cls = DISPATCHERS[dispatcher]
+    plain = cls(**common)
+    fp8 = cls(**common, fp8_quantize=quantize_activations_reference)
     plain.dispatch_a(x, ids, weights, None)
     ref = plain.dispatch_b()
     plain.combine_a(ref.x)
@@ -72,8 +78,9 @@ def _checks(rank: int, ref, got, y) -> dict:
             "combine_err": float((y.float() - want).abs().max()), "combine_max": float(want.abs().max())}
 
 
-def test_fp8_low_latency_dispatch():
-    for r in run_ranks(2, _run):
+@pytest.mark.parametrize("dispatcher", list(DISPATCHERS))
+def test_fp8_low_latency_dispatch(dispatcher):
+    for r in run_ranks(2, _run, dispatcher):
         assert r["fp8"] and r["scale_shape"] == (*r["x_shape"][:2], 2)
         assert r["masked_m_equal"] and r["rows_equal"] and r["valid_rows"] > 0
         assert r["byte_ratio"] < 0.6  # e4m3 + 4 bytes per 128: about half of bf16

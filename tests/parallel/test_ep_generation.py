@@ -7,7 +7,8 @@ transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations:
 prefill steps run several rounds) / all2all auto x two-batch overlap off / on; plus the default backend `none`
 (allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2), and --enable-mixed-chunk with small chunks
 (prompt chunks beside the running decodes) under attention TP and under DP attention with two-batch overlap; and
---ep-size 1 (a tensor-parallel MoE under attention TP, whole experts per rank under DP attention).
+--ep-size 1 (a tensor-parallel MoE under attention TP, whole experts per rank under DP attention); and the symm
+backend under DP attention (low-latency with two-batch overlap, and auto).
 With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
 lone request (one group busy, the other stepping IDLE batches) must match too.
 """
@@ -52,6 +53,12 @@ CASES += [
      dict(**ATTN["dp2"], **BACKENDS["a2a_auto"], **TBO["tbo_on"], **MIXED_CHUNK)),
     ("v3_groups", "tp4-dp2-a2a_auto",
      dict(tp_size=4, enable_dp_attention=True, dp_size=2, **{k: v for k, v in BACKENDS["a2a_auto"].items()})),
+    # --moe-a2a-backend symm (row puts into shared memory): low-latency every step (prefill in rounds of 4 tokens)
+    # with two-batch overlap, and auto (prefill by all2all normal, decode by symm)
+    ("v3_groups", "dp2-symm_low_latency-tbo_on",
+     dict(**ATTN["dp2"], moe_a2a_backend="symm", deepep_mode="low_latency", ep_max_tokens_per_rank=4, **TBO["tbo_on"])),
+    ("mixtral", "dp2-symm_auto", dict(**ATTN["dp2"], moe_a2a_backend="symm", deepep_mode="auto",
+                                      ep_max_tokens_per_rank=4)),
     # --ep-size 1: a tensor-parallel MoE (each expert's intermediate dimension split, tests/parallel/test_tp_moe.py)
     # through the server's ranks, with two-batch overlap too; with DP attention, whole experts per DP rank
     ("v3_groups", "attn_tp2-tp_moe", dict(tp_size=2, ep_size=1)),

@@ -13,37 +13,16 @@ import time
 import pytest
 
 from moeserve.server.engine import Engine
-from moeserve.server.launch import free_port
 from tests.checkpoints import build_checkpoint
+from tests.procs import free_port_block
 from tests.rank.test_generation import NEW_TOKENS, _prompts, hf_greedy
 
 pytestmark = pytest.mark.slow
 
 
-def _free_block(n: int) -> int:
-    """A port p with p .. p + n - 1 free (checked, not reserved)."""
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p + i))
-                socks.append(s)
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
-
-
 def test_two_nodes_dp_attention_all2all(tmp_path):
     path = build_checkpoint("v3_groups", tmp_path / "m")
-    port = _free_block(4)
+    port = free_port_block(4)
     common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}",
               "--enable-dp-attention", "--dp-size", "2", "--moe-a2a-backend", "all2all", "--skip-tokenizer-init"]
     node1 = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", *common, "--node-rank", "1"],

@@ -4,7 +4,7 @@ With --enable-static-shape-decode every group runs each decode step at one padde
 on through the step header (the largest group's, bucketed as the CUDA graphs are), an idle group too. Greedy tokens
 of random prompts on 2 ranks (2 DP groups) and on 4 ranks (2 groups of 2) must equal the eager multi-rank run's and
 the single-rank in-process run's (which test_generation ties to transformers): with both groups busy, with one group
-idle, and with 1 request in one group beside 7 in the other. The groups' step counts show the padded path ran.
+idle, and with 1 request in one group beside 7 in the other; through all2all, and on 2 ranks through symm. The groups' step counts show the padded path ran.
 Two-batch overlap is decided per step from the header: every step with a largest group of N tokens overlaps iff
 N >= --tbo-token-threshold, padded decode steps included.
 """
@@ -62,13 +62,13 @@ def _static_steps(eng) -> list[int]:
     return [load.step_counts.get("static_decode", 0) for load in eng.get_load()]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_static_shape_decode_gives_the_eager_and_single_rank_tokens(tiny_checkpoint, engines, tp):
+@pytest.mark.parametrize(("tp", "backend"), [(2, "all2all"), (4, "all2all"), (2, "symm")])
+def test_static_shape_decode_gives_the_eager_and_single_rank_tokens(tiny_checkpoint, engines, tp, backend):
     path = tiny_checkpoint("v3_groups")
     ref = _single_rank(path)
     prompts = _prompts()
-    eager = _engine(path, **dict(DP2, tp_size=tp))
-    static = _engine(path, **dict(DP2, tp_size=tp), enable_static_shape_decode=True)
+    eager = _engine(path, **dict(DP2, tp_size=tp, moe_a2a_backend=backend))
+    static = _engine(path, **dict(DP2, tp_size=tp, moe_a2a_backend=backend), enable_static_shape_decode=True)
     assert [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=GREEDY)] == ref
     assert _static_steps(eager) == [0, 0]  # the flag is off: no padded step
 
