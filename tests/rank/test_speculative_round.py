@@ -253,3 +253,54 @@ def test_default_model_greedy_identical_and_stop_strings():
     got = eng.run(prompts, stops)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
     assert all(r["finish_reason"].type == "stop" and len(r["output_ids"]) <= 7 for r in got)
+
+
+def _sampled_counts(eng: InProcessEngine, prompt: list[int], seeds: range) -> dict[tuple[int, ...], int]:
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True) for s in seeds]
+    counts: dict[tuple[int, ...], int] = {}
+    for r in eng.run([prompt] * len(seeds), params):
+        key = tuple(r["output_ids"])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _two_sample_chi_square(a: dict, b: dict) -> tuple[float, int]:
+    cells = set(a) | set(b)
+    stat = sum((a.get(c, 0) - b.get(c, 0)) ** 2 / (a.get(c, 0) + b.get(c, 0)) for c in cells)
+    return stat, len(cells) - 1
+
+
+def test_sampled_tokens_follow_the_plain_runs_distribution(ckpt, monkeypatch):
+    """Through the engine: the joint law of three sampled tokens (top-k 3) with speculation equals the plain run's
+    (a two-sample chi-square over 600 seeded requests each); keeping every draft fails the same check."""
+    import math
+
+    import moeserve.rank.speculative.round as round_module
+    from moeserve.rank.speculative.acceptance import Accepted
+
+    prompt = _prompts(29, [6])[0]
+    n = 600
+    plain = _sampled_counts(InProcessEngine(model_path=ckpt, dtype="float32"), prompt, range(10_000, 10_000 + n))
+    spec_eng = spec_engine(2, model_path=ckpt, dtype="float32")
+    spec = _sampled_counts(spec_eng, prompt, range(n))
+    assert spec_eng.scheduler.stats.spec_accepted > 0
+
+    def quantile(df: int, z: float = 4.265) -> float:  # 1 - 1e-5, Wilson-Hilferty
+        return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+    stat, df = _two_sample_chi_square(plain, spec)
+    print(f"speculative vs plain: chi-square {stat:.1f} over {df} degrees of freedom (bound {quantile(df):.1f})")
+    assert stat < quantile(df), (stat, df, plain, spec)
+
+    def keep_every_draft(drafts, target_probs, draft_probs, seeds, steps):
+        import torch
+
+        bonus = torch.multinomial(target_probs[:, -1], 1).squeeze(1)
+        return Accepted(tokens=torch.cat([drafts, bonus[:, None]], dim=1),
+                        num_accepted=torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.int64))
+
+    monkeypatch.setattr(round_module, "accept_sampled", keep_every_draft)
+    wrong = _sampled_counts(spec_engine(2, model_path=ckpt, dtype="float32"), prompt, range(n))
+    stat, df = _two_sample_chi_square(plain, wrong)
+    print(f"keeping every draft vs plain: chi-square {stat:.1f} over {df} (bound {quantile(df):.1f})")
+    assert stat > quantile(df), (stat, df)
