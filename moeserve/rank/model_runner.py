@@ -223,6 +223,8 @@ class ModelRunner:
             buffers = f", EP dispatch buffers {_fmt_bytes(ep.dispatch_buffer_bytes)} ({ep.backend_desc})"
         if self.eplb_staging_bytes:
             buffers += f", EPLB staging at most {_fmt_bytes(self.eplb_staging_bytes)}"
+        if self.speculative is not None:  # the draft model's own pool, as many slots as the target's
+            buffers += f", draft KV pool {_fmt_bytes(self.speculative.drafter.kv_pool.total_bytes)}"
         return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
                 f"{_fmt_bytes(self.weight_bytes)} {self.weight_format}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
                 f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "

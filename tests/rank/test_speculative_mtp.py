@@ -99,3 +99,14 @@ def test_engine_with_the_flags(mtp_checkpoint):
         assert chunks[-1]["meta_info"]["spec_verify_ct"] >= 1
     finally:
         eng.shutdown()
+
+
+def test_bench_one_batch_reports_the_accept_length(mtp_checkpoint, capsys):
+    from moeserve.bench.one_batch import main
+
+    assert main(["--model-path", mtp_checkpoint, "--batch-size", "2", "--input-len", "6", "--output-len", "9",
+                 "--dtype", "float32", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("batch")]
+    assert len(lines) == 1 and "accept length" in lines[0]
+    length = float(lines[0].rsplit("accept length", 1)[1])
+    assert 1.0 <= length <= 3.0

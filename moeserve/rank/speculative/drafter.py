@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch
+from moeserve.kvcache.kv_pool import KVPool
 
 
 class Drafter(Protocol):
@@ -16,6 +17,8 @@ class Drafter(Protocol):
     Row i of a batch (position p) reads the token after position p and the hidden state that predicted it: the
     target's at position p, or the draft's own output row of the step before when chaining drafts.
     """
+
+    kv_pool: KVPool  # the draft's own pool (the memory line reports it)
 
     def forward(self, batch: ForwardBatch, input_ids: torch.Tensor, prev_hidden: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
