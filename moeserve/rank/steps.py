@@ -223,6 +223,8 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
                  overlap: bool = True):
         self.scheduler, self.runner, self.sync = scheduler, runner, sync
+        if runner.speculative is not None and sync is not None:
+            runner.speculative.sync = sync
         why = overlap_refusal(scheduler, runner, sync) if overlap else None
         if why is not None:
             logger.info("overlap scheduling is off: %s", why)

@@ -110,3 +110,36 @@ def test_bench_one_batch_reports_the_accept_length(mtp_checkpoint, capsys):
     assert len(lines) == 1 and "accept length" in lines[0]
     length = float(lines[0].rsplit("accept length", 1)[1])
     assert 1.0 <= length <= 3.0
+
+
+@pytest.mark.parametrize("moe", [dict(), dict(moe_a2a_backend="all2all", deepep_mode="auto")],
+                         ids=["tp_moe", "ep_all2all"])
+def test_attention_tp_group_of_two_ranks(mtp_checkpoint, moe):
+    """--tp-size 2 (one attention-TP group of two CPU ranks; experts TP-split, or over the two ranks with all2all):
+    the single-rank plain run's greedy tokens; seeded sampling runs to its length (the ranks keep the leader's
+    tokens, so their schedulers never part)."""
+    import moeserve
+
+    prompts = _prompts(3, [5, 14, 9])
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = [r["output_ids"] for r in InProcessEngine(model_path=mtp_checkpoint, dtype="float32").run(
+        prompts, SamplingParams(**params))]
+    eng = moeserve.Engine(model_path=mtp_checkpoint, skip_tokenizer_init=True, dtype="float32", tp_size=2,
+                          speculative_algorithm="NEXTN", speculative_num_steps=2, **moe)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
+        sampled = eng.generate(input_ids=prompts, sampling_params={**params, "temperature": 0.9, "seed": 5})
+        assert all(len(o["output_ids"]) == 12 for o in sampled)
+    finally:
+        eng.shutdown()
+
+
+def test_dp_attention_is_refused_by_name(mtp_checkpoint):
+    from moeserve.args import ServerArgs
+    from moeserve.rank.speculative.support import unsupported_with_speculation
+
+    args = ServerArgs(model_path=mtp_checkpoint, tp_size=2, dp_size=2, enable_dp_attention=True,
+                      speculative_algorithm="NEXTN")
+    assert unsupported_with_speculation(args) == (
+        "--speculative-algorithm with --enable-dp-attention is not supported yet")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.rank.rank_sync import RankSync
 from moeserve.rank.request import Req
 from moeserve.rank.sampler import SamplingBatch
 from moeserve.rank.scheduled_batch import ScheduledBatch
@@ -51,6 +52,9 @@ class SpeculativeRound:
     def __init__(self, runner, drafter: Drafter, num_draft_tokens: int):
         assert num_draft_tokens >= 1
         self.runner, self.drafter, self.k = runner, drafter, num_draft_tokens
+        # an attention-TP group of several ranks: every rank keeps the leader's tokens (as the sampler's are
+        # shared), so that their schedulers never part; set by the step pipeline
+        self.sync: RankSync | None = None
 
     # ------------------------------------------------------------------ prefill
     def after_extend(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
@@ -94,11 +98,12 @@ class SpeculativeRound:
             p = processed_probs(logits, expand_rows(sbatch, k + 1)).view(bs, k + 1, vocab)
             accepted = accept_sampled(drafts, p, None, sbatch.seeds, sbatch.steps)
         tokens = accepted.to_lists()
-        num_accepted = [len(t) - 1 for t in tokens]
-
         lps = tops = None
         if any(r.asked.return_logprob for r in reqs):
             lps, tops = self._logprobs(logits.view(bs, k + 1, vocab), tokens, reqs)
+        if self.sync is not None:
+            tokens, lps, tops = self.sync.share_object((tokens, lps, tops))
+        num_accepted = [len(t) - 1 for t in tokens]
 
         hidden = hidden.view(bs, k + 1, -1)
         for b, (req, a) in enumerate(zip(reqs, num_accepted, strict=True)):
