@@ -83,14 +83,6 @@ class RankSync:
         return StepHeader(out[:: self.group_size, 0].tolist(), bool(out[:, 1].any()), bool(out[:, 2].any()),
                           out[:, 3].tolist(), bool(out[:, 4].all()))
 
-    def share_object(self, obj: Any) -> Any:
-        """The leader's `obj` (picklable, host-side) on every rank of the group."""
-        if self.group_size == 1:
-            return obj
-        box = [obj if self.is_leader else None]
-        dist.broadcast_object_list(box, src=self.leader, group=self.state.attn_tp_cpu_group)
-        return box[0]
-
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""
         if self.group_size == 1:

@@ -102,7 +102,7 @@ class SpeculativeRound:
         if any(r.asked.return_logprob for r in reqs):
             lps, tops = self._logprobs(logits.view(bs, k + 1, vocab), tokens, reqs)
         if self.sync is not None:
-            tokens, lps, tops = self.sync.share_object((tokens, lps, tops))
+            tokens, lps, tops = self.sync.share_messages((tokens, lps, tops))
         num_accepted = [len(t) - 1 for t in tokens]
 
         hidden = hidden.view(bs, k + 1, -1)
