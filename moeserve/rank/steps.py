@@ -166,6 +166,8 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
             return None
         if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
             eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
+        if header.any_verify and not (batch is not None and batch.is_verify):
+            runner.speculative.join_drafts()  # another group drafts: its draft forwards' collectives, with none
         if batch is None:
             join_idle(runner, header)
             return []
@@ -188,7 +190,8 @@ def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb:
     static = runner.static_decode if runner is not None else None
     header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
                                   bool(batch is not None and batch.mode.is_extend), stop, eplb,
-                                  runner is not None and runner.static_ready(fb))
+                                  runner is not None and runner.static_ready(fb),
+                                  bool(batch is not None and batch.is_verify))
     if fb is not None:
         fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
         fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None

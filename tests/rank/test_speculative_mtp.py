@@ -135,11 +135,28 @@ def test_attention_tp_group_of_two_ranks(mtp_checkpoint, moe):
         eng.shutdown()
 
 
-def test_dp_attention_is_refused_by_name(mtp_checkpoint):
-    from moeserve.args import ServerArgs
-    from moeserve.rank.speculative.support import unsupported_with_speculation
+@pytest.mark.parametrize("moe", [dict(), dict(moe_a2a_backend="all2all", deepep_mode="normal"),
+                                 dict(moe_a2a_backend="all2all", deepep_mode="low_latency"),
+                                 dict(moe_a2a_backend="all2all", deepep_mode="auto")],
+                         ids=["allgather", "all2all_normal", "all2all_low_latency", "all2all_auto"])
+def test_dp_attention_with_ep(mtp_checkpoint, moe):
+    """Two DP groups of one CPU rank each, experts over both: each group drafts and verifies its own requests; a
+    group that does not draft in a step (it prefills, or has nothing) joins the draft forwards' collectives. The
+    single-rank plain run's greedy tokens."""
+    import moeserve
 
-    args = ServerArgs(model_path=mtp_checkpoint, tp_size=2, dp_size=2, enable_dp_attention=True,
-                      speculative_algorithm="NEXTN")
-    assert unsupported_with_speculation(args) == (
-        "--speculative-algorithm with --enable-dp-attention is not supported yet")
+    prompts = _prompts(8, [5, 14, 9, 21, 3])
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    want = [r["output_ids"] for r in InProcessEngine(model_path=mtp_checkpoint, dtype="float32").run(
+        prompts, SamplingParams(**params))]
+    eng = moeserve.Engine(model_path=mtp_checkpoint, skip_tokenizer_init=True, dtype="float32", tp_size=2,
+                          dp_size=2, enable_dp_attention=True, speculative_algorithm="NEXTN",
+                          speculative_num_steps=2, **moe)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
+        assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in outs)
+        rounds = {load.dp_rank: load.spec[0] for load in eng.get_load()}
+        assert rounds.keys() == {0, 1} and all(rounds.values()), rounds  # both groups verified
+    finally:
+        eng.shutdown()

@@ -112,6 +112,15 @@ class SpeculativeRound:
             req.spec_verify_ct += 1
         return RoundResult(tokens, lps, tops, num_accepted)
 
+    @torch.inference_mode()
+    def join_drafts(self) -> None:
+        """Several DP groups: another group drafts this step and this one does not (it prefills or idles): the
+        draft model's k forwards with no tokens, so that its MoE collectives meet theirs, before the target's."""
+        fb = ForwardBatch.idle().to(self.runner.device)
+        hidden = torch.zeros(0, self.runner.config.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+        for _ in range(self.k):
+            self.drafter.forward(fb, fb.input_ids, hidden)
+
     def draft(self, scheduler, reqs: list[Req], kv_lens: list[int]) -> torch.Tensor:
         """d_1..d_k per request, [B, k] int64 on the device (module docstring: positions)."""
         table = scheduler.req_table

@@ -7,11 +7,9 @@ from moeserve.args import PDRole, ServerArgs
 
 def unsupported_with_speculation(args: ServerArgs) -> str | None:
     """The first flag set in `args` that speculative decoding does not run with yet, as an error message; None
-    when every flag set is supported. The round runs on one attention group (one rank, or the ranks of an
-    attention-TP group with TP or EP MoE), eagerly, steps back to back."""
+    when every flag set is supported. The round runs eagerly, steps back to back, on any layout of attention
+    groups (a group that does not draft in a step joins the draft forwards' collectives, round.join_drafts)."""
     refused = [
-        # an attention-TP group's ranks run the same batches, so they draft and verify alike; DP groups do not
-        (args.enable_dp_attention, "--enable-dp-attention"),
         (args.enable_mixed_chunk, "--enable-mixed-chunk"),
         (args.enable_two_batch_overlap, "--enable-two-batch-overlap"),
         (args.disagg.role is not PDRole.NULL, "--disaggregation-mode"),
