@@ -137,12 +137,15 @@ def test_attention_tp_group_of_two_ranks(mtp_checkpoint, moe):
 
 @pytest.mark.parametrize("moe", [dict(), dict(moe_a2a_backend="all2all", deepep_mode="normal"),
                                  dict(moe_a2a_backend="all2all", deepep_mode="low_latency"),
-                                 dict(moe_a2a_backend="all2all", deepep_mode="auto")],
-                         ids=["allgather", "all2all_normal", "all2all_low_latency", "all2all_auto"])
+                                 dict(moe_a2a_backend="all2all", deepep_mode="auto"),
+                                 dict(moe_a2a_backend="all2all", deepep_mode="auto", enable_two_batch_overlap=True,
+                                      tbo_token_threshold=1)],
+                         ids=["allgather", "all2all_normal", "all2all_low_latency", "all2all_auto", "tbo"])
 def test_dp_attention_with_ep(mtp_checkpoint, moe):
     """Two DP groups of one CPU rank each, experts over both: each group drafts and verifies its own requests; a
     group that does not draft in a step (it prefills, or has nothing) joins the draft forwards' collectives. The
-    single-rank plain run's greedy tokens."""
+    single-rank plain run's greedy tokens; also with two-batch overlap (the target's steps, verify included, split
+    in two micro-batches; the draft forwards are not)."""
     import moeserve
 
     prompts = _prompts(8, [5, 14, 9, 21, 3])
@@ -156,7 +159,10 @@ def test_dp_attention_with_ep(mtp_checkpoint, moe):
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in outs] == want
         assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in outs)
-        rounds = {load.dp_rank: load.spec[0] for load in eng.get_load()}
+        loads = eng.get_load()
+        rounds = {load.dp_rank: load.spec[0] for load in loads}
         assert rounds.keys() == {0, 1} and all(rounds.values()), rounds  # both groups verified
+        if moe.get("enable_two_batch_overlap"):  # some steps ran as two overlapped micro-batches
+            assert any(n for load in loads for kind, n in load.step_counts.items() if kind.startswith("tbo ")), loads
     finally:
         eng.shutdown()

@@ -215,7 +215,7 @@ def test_bench_serving_reports_the_accept_length():
 
 @pytest.mark.parametrize("flags, named", [
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
-    (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+    (dict(expert_distribution_recorder_mode="stat"), "--enable-eplb and --expert-distribution-recorder-mode"),
     (dict(enable_torch_compile=True), "--enable-torch-compile"),
 ])
 def test_unsupported_flags_are_refused_by_name(ckpt, flags, named):

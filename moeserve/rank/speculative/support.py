@@ -11,7 +11,6 @@ def unsupported_with_speculation(args: ServerArgs) -> str | None:
     groups (a group that does not draft in a step joins the draft forwards' collectives, round.join_drafts)."""
     refused = [
         (args.enable_mixed_chunk, "--enable-mixed-chunk"),
-        (args.enable_two_batch_overlap, "--enable-two-batch-overlap"),
         (args.disagg.role is not PDRole.NULL, "--disaggregation-mode"),
         (args.enable_torch_compile, "--enable-torch-compile"),
         (args.enable_eplb or args.expert_distribution_recorder_mode is not None,
