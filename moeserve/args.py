@@ -21,6 +21,7 @@ from moeserve.ep.registry import REFUSED_BACKENDS
 from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
+from moeserve.help_text import with_default
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -537,22 +538,24 @@ class ServerArgs:
     # ------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """Add one --flag per field (and SGLang's aliases of it), with its default and help; `skip`: fields left
-        out."""
+        """Add one --flag per field (and SGLang's aliases of it), with its default and help, in an argument group
+        per topic (HELP_GROUPS, in that order); `skip`: fields left out."""
+        topic_of = {name: topic for topic, names in HELP_GROUPS.items() for name in names}
+        groups = {topic: parser.add_argument_group(topic) for topic in (*HELP_GROUPS, "other")}  # empty: not shown
         for f in dataclasses.fields(ServerArgs):
             if f.name in skip:
                 continue
+            group = groups[topic_of.get(f.name, "other")]  # tests/test_command_line.py: every flag has its topic
             names = ["--" + _dash(f.name), *FLAG_ALIASES.get(f.name, ())]
             help_text = f.metadata.get("help", "")
             choices = f.metadata.get("choices")
             nargs = f.metadata.get("nargs")
             default = f.default
             if f.type in ("bool", bool):
-                parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
+                group.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
                 continue
             kind = _scalar_type(f.type)
-            if default is not None and "default" not in help_text.lower():
-                help_text = f"{help_text} (default: {default})"
+            help_text = with_default(help_text, default)
             kwargs: dict[str, Any] = {"default": default, "help": help_text, "dest": f.name}
             if kind is not str or default is not None or nargs:
                 kwargs["type"] = kind
@@ -566,7 +569,7 @@ class ServerArgs:
                     kwargs["type"] = str
             if f.name == "speculative_algorithm":  # refused by name before argparse's "invalid choice"
                 kwargs["type"] = _refuse_speculative
-            parser.add_argument(*names, **kwargs)
+            group.add_argument(*names, **kwargs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -594,6 +597,43 @@ PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
                     "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "api_key_all_routes",
                     "http_header_timeout", "http_read_timeout", *PD_ONLY_DEFAULTS)
+
+
+# --help's topics, in the order --help lists them: every ServerArgs field in exactly one (a new flag joins one here;
+# tests/test_command_line.py fails on a flag without a topic). Flags that exist to make failures happen in tests
+# are under "debugging".
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model_path", "tokenizer_path", "served_model_name", "dtype", "load_format", "context_length",
+              "quantization", "grammar_backend", "reasoning_parser", "tool_call_parser", "skip_tokenizer_init",
+              "random_seed", "trust_remote_code", "device"),
+    "parallelism": ("tp_size", "dp_size", "ep_size", "enable_dp_attention", "nnodes", "node_rank", "dist_init_addr",
+                    "dist_port", "dist_timeout", "moe_dense_tp_size", "enable_dp_lm_head"),
+    "EP and EPLB": ("moe_a2a_backend", "deepep_mode", "enable_deepep_moe", "deepep_config", "moe_runner_backend",
+                    "ep_max_tokens_per_rank", "enable_two_batch_overlap", "tbo_token_threshold",
+                    "ep_num_redundant_experts", "enable_shared_experts_fusion", "disable_shared_experts_fusion",
+                    "init_expert_location", "ep_dispatch_algorithm", "expert_distribution_recorder_mode",
+                    "expert_distribution_recorder_buffer_size", "enable_eplb", "eplb_rebalance_num_iterations",
+                    "eplb_rebalance_layers_per_chunk", "eplb_min_rebalancing_utilization_threshold",
+                    "eplb_min_improvement", "eplb_algorithm", "eplb_expert_weights", "eplb_staging_max_mb"),
+    "PD disaggregation": ("disaggregation_mode", "disaggregation_bootstrap_port", "disaggregation_transfer_backend",
+                          "disaggregation_ib_device", "disaggregation_bootstrap_timeout",
+                          "disaggregation_waiting_timeout", "disaggregation_transfer_timeout",
+                          "disaggregation_heartbeat_interval", "disaggregation_heartbeat_timeout"),
+    "memory and scheduling": ("mem_fraction_static", "max_running_requests", "chunked_prefill_size",
+                              "max_prefill_tokens", "schedule_policy", "enable_mixed_chunk",
+                              "disable_overlap_schedule", "new_token_ratio"),
+    "CUDA graphs and torch.compile": ("disable_cuda_graph", "cuda_graph_max_bs", "enable_static_shape_decode",
+                                      "cuda_graph_bs", "disable_piecewise_cuda_graph",
+                                      "piecewise_cuda_graph_max_tokens", "enable_torch_compile",
+                                      "torch_compile_max_bs"),
+    "speculative decoding": ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                             "speculative_num_draft_tokens", "speculative_draft_model_path"),
+    "KV cache": ("max_total_tokens", "kv_cache_bytes", "page_size", "disable_radix_cache"),
+    "server": ("host", "port", "api_key", "api_key_all_routes", "http_header_timeout", "http_read_timeout",
+               "max_concurrent_requests", "stream_interval", "shutdown_timeout", "watchdog_timeout", "log_level",
+               "log_interval_s", "decode_log_interval"),
+    "debugging": ("eplb_debug_fail", "disaggregation_debug_failure_prob"),
+}
 
 
 def _refuse_backend(value: str) -> str:

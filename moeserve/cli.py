@@ -11,8 +11,9 @@ from moeserve.args import SERVE_ONLY_FLAGS, ServerArgs
 
 
 def _server_parser(prog: str, description: str, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    # Each flag's help says its default once (ServerArgs.add_cli_args writes it).
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    # Each flag's help says its default once (ServerArgs.add_cli_args writes it). The usage line is short: the
+    # whole flag list (80 flags) would bury a one-line error; --help lists them by topic.
+    p = argparse.ArgumentParser(prog=prog, description=description, usage=f"{prog} [options]  (--help: the flags)")
     ServerArgs.add_cli_args(p, skip=skip)
     return p
 
@@ -26,13 +27,14 @@ def _args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Se
 
 
 def _check_model_or_exit(parser: argparse.ArgumentParser, args: ServerArgs) -> None:
-    """The model's config.json read and the parallel layout checked, before any process starts: a layout the model
-    cannot run is a usage error (exit 2, one line), not tracebacks from every rank."""
+    """The model's config.json read and the parallel layout checked, before any process starts: a missing model
+    directory, one without config.json, or a layout the model cannot run is a usage error (exit 2, one line), not
+    a traceback nor tracebacks from every rank."""
     from moeserve.server.startup import load_model_config
 
     try:
         load_model_config(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, a directory that cannot be read
         parser.error(str(e))
 
 

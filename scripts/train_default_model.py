@@ -153,11 +153,11 @@ def update_bias(layers: list[torch.nn.Module], load: torch.Tensor, gamma: float)
             mlp.gate.e_score_correction_bias += gamma * torch.sign(row.mean() - row)
 
 
-def export_state(model: torch.nn.Module, config: dict) -> dict[str, torch.Tensor]:
-    """The trained weights under the checkpoint names moeserve and transformers read (one tensor per expert
-    projection, as DeepSeek-V3's files have them), bf16 except the router (fp32, as the model computes it)."""
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' state dict (float32, on the CPU) with the fused expert tensors split into one tensor per
+    expert projection, under DeepSeek-V3's checkpoint names."""
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         t = tensor.detach().float().cpu()
         if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H], gate rows first
             prefix, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
@@ -170,13 +170,25 @@ def export_state(model: torch.nn.Module, config: dict) -> dict[str, torch.Tensor
                 out[f"{prefix}{e}.down_proj.weight"] = t[e]
         else:
             out[name] = t
+    return out
+
+
+def checkpoint_dtypes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bf16 except the router (fp32, as the model computes it), contiguous."""
+    router = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    return {k: (v if k.endswith(router) else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
+
+
+def export_state(model: torch.nn.Module, config: dict) -> dict[str, torch.Tensor]:
+    """The trained weights under the checkpoint names moeserve and transformers read (one tensor per expert
+    projection, as DeepSeek-V3's files have them), bf16 except the router."""
+    out = per_expert(model.state_dict())
     expected = {k: v.shape for k, v in make_weights(config).items()}
     got = {k: v.shape for k, v in out.items()}
     if got != expected:
         raise RuntimeError(f"exported names or shapes differ from the checkpoint layout: "
                            f"missing {sorted(set(expected) - set(got))[:4]}, extra {sorted(set(got) - set(expected))[:4]}")
-    router = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    return {k: (v if k.endswith(router) else v.to(torch.bfloat16)).contiguous() for k, v in out.items()}
+    return checkpoint_dtypes(out)
 
 
 # ----------------------------------------------------------------------
@@ -316,7 +328,7 @@ def write_model(out: Path, result: dict, args: argparse.Namespace) -> None:
     (out / "heldout.txt").write_text(result["sample"], encoding="utf-8")
     save_file(result["state"], str(out / "model.safetensors"), metadata={"format": "pt"})
     record = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": vars(args),
-              "torch": torch.__version__, "device_name": _device_name(args.device)} | result["record"]
+              "torch": torch.__version__, "device_name": device_name(args.device)} | result["record"]
     # The number the perplexity test's bound comes from: the written bf16 file, read back by transformers.
     record["shipped_heldout_perplexity"] = round(reloaded_perplexity(out, result["windows"], args.device), 3)
     print(f"written checkpoint, read back: held-out perplexity {record['shipped_heldout_perplexity']}", flush=True)
@@ -330,7 +342,7 @@ def reloaded_perplexity(out: Path, windows: torch.Tensor, device: str) -> float:
     return math.exp(evaluate(model, windows, torch.device(device)))
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -150,3 +151,44 @@ def test_mooncake_missing_names_the_zmq_backend(monkeypatch):
     with pytest.raises(ValueError, match="--disaggregation-transfer-backend zmq"):
         registry.backend_class("mooncake")
     assert registry.backend_class("zmq").name == "zmq"
+
+
+def test_every_flag_has_exactly_one_help_topic():
+    from collections import Counter
+
+    from moeserve.args import HELP_GROUPS
+
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    listed = Counter(name for names in HELP_GROUPS.values() for name in names)
+    missing = sorted(fields - set(listed))
+    assert not missing, f"flags without a --help topic: add each to one of args.py's HELP_GROUPS: {missing}"
+    twice = sorted(name for name, n in listed.items() if n > 1)
+    assert not twice, f"flags in more than one of args.py's HELP_GROUPS: {twice}"
+    unknown = sorted(set(listed) - fields)
+    assert not unknown, f"HELP_GROUPS names that are not ServerArgs fields: {unknown}"
+
+
+def test_serve_help_is_grouped_by_topic(capsys):
+    from moeserve.args import HELP_GROUPS
+
+    with pytest.raises(SystemExit):
+        _server_parser("moeserve serve", "").parse_args(["--help"])
+    text = capsys.readouterr().out
+    headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["options", *(topic for topic, names in HELP_GROUPS.items() if names)], headings
+    section = text[text.index("\ndebugging:"):]
+    assert "--eplb-debug-fail" in section and "--disaggregation-debug-failure-prob" in section
+    assert "--eplb-debug-fail" not in text[:text.index("\ndebugging:")]
+    port = text[text.index("\nserver:"):]
+    assert port.index("--port") < port.index("\n\n")  # --port sits in the server section
+
+
+@pytest.mark.parametrize("kind", ["serving", "pd"])
+def test_bench_help_says_each_default_once(kind):
+    import importlib
+
+    parser = importlib.import_module(f"moeserve.bench.{kind}").build_parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text
+    assert not re.search(r"default[^)]*\)\s*\(default:", text), "a default printed twice"
+    assert re.search(r"\(default: \d+", text)  # a plain default is still said

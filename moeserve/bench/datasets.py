@@ -23,10 +23,19 @@ SHAREGPT_MAX_TOTAL_LEN = 2048
 @dataclass
 class BenchRequest:
     prompt: str
-    prompt_len: int  # tokens, as the benchmark's tokenizer counts them (without BOS)
+    prompt_len: int  # tokens: the dataset's count (no BOS); bench serving recounts with served_prompt_len
     output_len: int
     messages: list[dict] | None = None  # a chat backend's messages (else the prompt is one user message)
     turn: int = 0  # 1-based turn of a multi-turn conversation; 0 for single requests
+
+
+def served_prompt_len(tokenizer: Any, prompt: str, chat: bool) -> int:
+    """The prompt's length in tokens as the server counts it, and so as the result table does: with BOS for a text
+    prompt (/generate, /v1/completions), the chat template's rendering of one user message for a chat request."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    return len(tokenizer.encode(prompt))
 
 
 def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:

@@ -38,6 +38,7 @@ from moeserve.bench import serving
 from moeserve.bench.datasets import BenchRequest
 from moeserve.bench.pd_procs import Launcher, get_json, transfer_counters
 from moeserve.bench.pd_report import side_by_side, transfer_summary
+from moeserve.help_text import DefaultsOnceHelpFormatter
 from moeserve.server.launch import free_port
 
 RUNS = ("colocated", "zmq", "mooncake")  # colocated, or PD with that transfer backend
@@ -47,7 +48,7 @@ OWN_SERVE_FLAGS = ("--host", "--port", "--disaggregation-mode", "--disaggregatio
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeserve bench pd", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                formatter_class=DefaultsOnceHelpFormatter,
                                 epilog="Any other flag before `--` is `moeserve bench serving`'s.")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="What to run, in order: one colocated server, and PD with each transfer backend")

@@ -28,7 +28,8 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from moeserve.bench.datasets import (
@@ -36,9 +37,12 @@ from moeserve.bench.datasets import (
     Conversation,
     multiturn_conversations,
     random_requests,
+    served_prompt_len,
     shared_prefix_requests,
     sharegpt_requests,
 )
+from moeserve.help_text import DefaultsOnceHelpFormatter
+from moeserve.plotting import MISSING, have_matplotlib
 
 BACKENDS = {  # name -> (endpoint, kind)
     "moeserve": ("/generate", "native"),
@@ -56,6 +60,7 @@ class RequestResult:
     output_len: int = 0
     ttft: float = 0.0  # seconds
     latency: float = 0.0  # seconds, send -> last byte
+    sent_s: float = 0.0  # when it was sent, seconds since the run began
     itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
     error: str = ""
     expected_output_len: int = 0
@@ -88,6 +93,7 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
     res = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.output_len, turn=req.turn)
     body = _payload(kind, model, req, ignore_eos, extra or {})
     start = time.perf_counter()
+    res.sent_s = start  # run_benchmark makes it relative to the run's start
     last = start
     tokens_seen = 0
     usage_tokens = None
@@ -225,6 +231,8 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, reqs: li
             tasks = [asyncio.create_task(one(req)) async for req in _arrivals(reqs, request_rate, rng)]
             results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
+        for res in results:
+            res.sent_s -= start
         progress.close()
     return results, duration
 
@@ -357,7 +365,7 @@ def format_report(summary: dict[str, Any], backend: str, request_rate: float, ma
 # command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeserve bench serving", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsOnceHelpFormatter)
     p.add_argument("--backend", choices=list(BACKENDS), default="moeserve",
                    help="moeserve/sglang: native /generate; openai: /v1/completions; openai-chat: "
                         "/v1/chat/completions")
@@ -404,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "wait); for servers or a router just started (sglang-router's /health answers before it "
                         "routes)")
     p.add_argument("--output-file", default=None, help="Write the summary and per-request numbers as JSON")
+    p.add_argument("--plot", action="store_true",
+                   help="Also write a PNG beside --output-file (its name with .png): request latency over time, "
+                        "the TTFT and ITL distributions (needs matplotlib: pip install 'moeserve[plot]')")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
 
@@ -475,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("--max-concurrency must be >= 1", file=sys.stderr)
         return 2
+    if args.plot and not args.output_file:
+        print("--plot writes its PNG beside the JSON result: give --output-file too", file=sys.stderr)
+        return 2
+    if args.plot and not have_matplotlib():
+        print(f"--plot: {MISSING}", file=sys.stderr)
+        return 2
     extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
 
     tokenizer_path = args.tokenizer
@@ -500,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         tokenizer = load_tokenizer(tokenizer_path)
+        # Counted as the server will (BOS, or the chat template), so that this header and the table agree.
+        chat = BACKENDS[args.backend][1] == "chat"
         reqs = load_requests(args, tokenizer)
+        if args.dataset != "multiturn":  # a conversation's prompts grow with its answers: counted as sent
+            reqs = [replace(r, prompt_len=served_prompt_len(tokenizer, r.prompt, chat)) for r in reqs]
     except (ValueError, OSError) as e:
         print(f"dataset: {e}", file=sys.stderr)
         return 2
@@ -511,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
               f"of about {system + len(reqs) * (per_conv - system)} tokens, {per_conv} per conversation "
               f"-> {base_url}{BACKENDS[args.backend][0]}")
     else:
-        print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens, "
+        print(f"{len(reqs)} requests ({args.dataset}), {sum(r.prompt_len for r in reqs)} prompt tokens "
+              f"({'chat template' if chat else 'BOS'} included, as the server counts them), "
               f"{sum(r.output_len for r in reqs)} output tokens -> {base_url}{BACKENDS[args.backend][0]}")
 
     results, duration = asyncio.run(run_benchmark(
@@ -527,6 +549,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output_file, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.output_file}")
+    if args.plot:
+        from moeserve.bench.serving_plot import plot_run
+
+        png = Path(args.output_file).with_suffix(".png")
+        plot_run(results, png, f"bench serving: {args.backend}, {len(reqs)} requests ({args.dataset}), "
+                               f"concurrency {args.max_concurrency or 'unbounded'}")
+        print(f"wrote {png}")
     return 0 if summary["completed"] else 1
 
 

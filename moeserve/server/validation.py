@@ -35,6 +35,16 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def check_fits_context(prompt_len: int, max_new_tokens: int, context_length: int) -> None:
+    """Refuse a request whose max_new_tokens leaves the context (the prompt itself fits: check_prompt_len); the
+    error names max_new_tokens, the field to change (the OpenAI routes say max_tokens)."""
+    if prompt_len + max_new_tokens > context_length:
+        raise InvalidRequestError(
+            f"max_new_tokens {max_new_tokens} does not fit the context: the prompt has {prompt_len} tokens and the "
+            f"context length is {context_length}, which leaves room for at most {context_length - prompt_len} new "
+            "tokens", code="context_length_exceeded", param="max_new_tokens")
+
+
 class RequestFailedError(RuntimeError):
     """The engine could not finish a request it had taken (e.g. the model's logits were not finite): the HTTP
     layer answers `status`."""
@@ -106,9 +116,8 @@ class RequestValidator:
         """Refuse a text too long to fit the context, from its length alone (before tokenizing or rendering)."""
         if num_chars > self.max_prompt_chars:
             raise InvalidRequestError(
-                f"{what} has {num_chars} characters, more than any prompt within the context length of "
-                f"{self.context_length} tokens can have ({self.max_prompt_chars}: {self.context_length} tokens of at "
-                f"most {self.tokenizer.max_token_bytes if self.tokenizer else 0} bytes); it was not tokenized",
+                f"{what} is longer than the context length of {self.context_length} tokens allows: its {num_chars} "
+                f"characters are more than {self.context_length} tokens can spell; it was not tokenized",
                 code="context_length_exceeded")
 
     def check_prompt_len(self, num_tokens: int) -> None:
@@ -135,10 +144,7 @@ class RequestValidator:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(str(e)) from None
         self.check_prompt_len(prompt_len)
-        if prompt_len + params.max_new_tokens > self.context_length:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
-                f"length of {self.context_length}", code="context_length_exceeded")
+        check_fits_context(prompt_len, params.max_new_tokens, self.context_length)
         if prompt_len + params.max_new_tokens > self.max_total_tokens:
             raise InvalidRequestError(
                 f"prompt + max_new_tokens = {prompt_len + params.max_new_tokens} tokens exceeds the KV cache "

@@ -71,3 +71,13 @@ def test_relative_load_and_hot_cold() -> None:
     np.testing.assert_allclose(relative_load(counts), [[3.0, 0.5, 0.5, 0.0]])
     rows = hot_cold(counts, 1)
     assert [(r["kind"], r["expert"]) for r in rows] == [("hot", 0), ("cold", 3)]
+
+
+def test_analyze_without_matplotlib_writes_the_rest(tmp_path, monkeypatch, capsys) -> None:
+    import moeserve.eplb.tools.analyze as analyze_module
+
+    monkeypatch.setattr(analyze_module, "have_matplotlib", lambda: False)
+    settings = AnalyzeSettings(nodes=1, gpus_per_node=4, redundant=4, num_groups=1, topk=2, top=3, window=4)
+    analyze(tiny(), {"source": "synthetic"}, settings, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["balancedness.csv", "hot_cold.csv", "summary.txt"]
+    assert "moeserve[plot]" in capsys.readouterr().out

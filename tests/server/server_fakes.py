@@ -27,7 +27,7 @@ from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.detokenizer import IncrementalDetokenizer
 from moeserve.server.rank_client import EngineDeadError
 from moeserve.server.tokenizer_manager import GenerateInput, InvalidRequestError
-from moeserve.server.validation import RequestValidator
+from moeserve.server.validation import RequestValidator, check_fits_context
 
 
 @dataclass
@@ -73,6 +73,7 @@ class FakeClient:
                                           f" {bad[:5]}")
             ids = list(obj.input_ids)
         elif obj.text is not None:
+            self.validator.check_text_len(len(obj.text))
             ids = self.tokenizer.encode(obj.text)
         else:
             raise InvalidRequestError("give text or input_ids")
@@ -94,12 +95,8 @@ class FakeClient:
             params.validate(self.vocab_size)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(str(e)) from None
-        if len(ids) >= self.context_length:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, but the context length is "
-                                      f"{self.context_length}")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                                      f"exceeds the context length of {self.context_length}")
+        self.validator.check_prompt_len(len(ids))
+        check_fits_context(len(ids), params.max_new_tokens, self.context_length)
         if not 0 <= obj.top_logprobs_num <= 20:
             raise InvalidRequestError("top_logprobs_num must be an integer in [0, 20]")
         rid = obj.rid or uuid.uuid4().hex

@@ -264,7 +264,9 @@ def test_info_endpoints(http, fake):
                      "kv_used_tokens": 0, "kv_total_tokens": 1000, "num_cached_tokens": 0}]
     r = http.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
-    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 512
+    assert card["id"] == card["root"] == "fake-model"  # the served name, not the server's /models/fake
     assert http.get("/version").json()["version"]
 
 
@@ -510,3 +512,25 @@ def test_no_tokenizer():
         r = c.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 200 and r.json()["text"] == ""
         assert c.get("/get_model_info").json()["tokenizer_path"] is None
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, "max_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "max_new_tokens"),
+])
+def test_a_context_overflow_from_max_tokens_names_it(http, fake, path, body, field):
+    err = http.post(path, json=body).json()["error"]
+    assert err["param"] == field and err["code"] == "context_length_exceeded", err
+    assert err["message"].startswith(f"{field} 1000000 ") and "prompt" not in err["message"].split(":")[0], err
+    assert f"context length is {fake.context_length}" in err["message"]
+
+
+def test_a_prompt_far_over_the_context_is_refused_in_tokens(http, fake):
+    for body in ({"prompt": "word " * 100_000}, {"prompt": "w" * (fake.validator.max_prompt_chars + 1)}):
+        err = http.post("/v1/completions", json=body).json()["error"]
+        assert err["code"] == "context_length_exceeded", err
+        message = err["message"]
+        assert f"context length of {fake.context_length} tokens" in message and "bytes" not in message, err

@@ -92,6 +92,9 @@ def test_run_against_fake_server(base_url, fake, tmp_path, backend, capsys):
     assert summary["total_output_tokens"] == sum(r["expected_output_len"] for r in record["requests"])
     assert summary["ttft_ms"]["mean"] > 0 and summary["e2e_ms"]["p99"] >= summary["e2e_ms"]["median"]
     assert record["config"]["tokenizer"] == default_model_path()  # asked from /get_model_info
+    # The header's prompt tokens are the table's: both count as the server does (BOS, or the chat template).
+    header = next(line for line in printed.splitlines() if "prompt tokens" in line)
+    assert int(header.split(", ")[1].split()[0]) == summary["total_input_tokens"], (header, summary)
     if backend != "moeserve":
         assert record["config"]["model"] == "fake-model"
 
@@ -151,3 +154,24 @@ def test_wait_ready_until_a_request_is_served(base_url):
     serving.wait_ready(base_url, "openai", timeout_s=30)  # the model name from /v1/models, no stream options
     with pytest.raises(TimeoutError, match="did not serve a one-token request within 1 s"):
         serving.wait_ready(f"http://127.0.0.1:{free_port()}", "moeserve", timeout_s=1)
+
+
+def test_plot_writes_a_png_beside_the_json(base_url, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = serving.main(["--base-url", base_url, "--backend", "openai", "--num-prompts", "10", "--random-input-len",
+                       "16", "--random-output-len", "8", "--max-concurrency", "4", "--output-file", str(out),
+                       "--plot", "--disable-tqdm"])
+    assert rc == 0
+    png = tmp_path / "run.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in capsys.readouterr().out
+    sent = [r["sent_s"] for r in json.loads(out.read_text())["requests"]]
+    assert all(0 <= s < 60 for s in sent) and max(sent) > 0  # relative to the run's start, not the clock's
+
+
+@pytest.mark.parametrize("argv,words", [(["--plot"], "--output-file"),
+                                        (["--plot", "--output-file", "x.json"], "moeserve[plot]")])
+def test_plot_is_refused_before_the_run(monkeypatch, capsys, argv, words):
+    monkeypatch.setattr(serving, "have_matplotlib", lambda: False)
+    assert serving.main(["--base-url", "http://127.0.0.1:9", *argv]) == 2  # nothing listens there: never reached
+    assert words in capsys.readouterr().err

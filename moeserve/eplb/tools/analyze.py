@@ -25,11 +25,10 @@ from moeserve.eplb.tools.simulate import (
     PlacementCache,
     PlainLayout,
     placement_error,
-    pyplot,
-    save_figure,
     step_time_balancedness,
     tokens_per_step,
 )
+from moeserve.plotting import MISSING, have_matplotlib, pyplot, save_figure
 
 # the three placements scored, by their key in the curves
 PLACEMENTS = {"no_eplb": "no EPLB", "eplb_in_sample": "EPLB in sample", "eplb_held_out": "EPLB held out"}
@@ -223,7 +222,10 @@ def analyze(logical_count: np.ndarray, meta: dict, s: AnalyzeSettings, out_dir: 
     table = np.stack([np.arange(len(curves["no_eplb"])), *curves.values()], 1)
     np.savetxt(out_dir / "balancedness.csv", table, delimiter=",", header="step," + ",".join(curves),
                comments="", fmt="%.6g")
-    plot_heatmap(rel, out_dir / "heatmap.png")
-    plot_rank(rel, out_dir / "expert_rank.png")
-    plot_balancedness(curves, s, out_dir / "balancedness.png")
+    if have_matplotlib():
+        plot_heatmap(rel, out_dir / "heatmap.png")
+        plot_rank(rel, out_dir / "expert_rank.png")
+        plot_balancedness(curves, s, out_dir / "balancedness.png")
+    else:
+        print(f"no heatmap.png, expert_rank.png, balancedness.png: {MISSING}")
     return summary

@@ -79,8 +79,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                                **flag_values(args, "nodes", "gpus_per_node", "redundant", "top", "window"))
     out = Path(args.out)
     print(analyze(counts, meta, settings, out), end="")
-    print(f"wrote {out}/: summary.txt, hot_cold.csv, balancedness.csv, heatmap.png, expert_rank.png, "
-          "balancedness.png")
+    print(f"wrote {out}/: " + ", ".join(sorted(p.name for p in out.iterdir())))
     return 0
 
 

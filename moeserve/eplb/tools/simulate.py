@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moeserve.plotting import MISSING, have_matplotlib, pyplot, save_figure
+
 logger = logging.getLogger(__name__)
 
 
@@ -326,24 +328,12 @@ def write_outputs(rows: Sequence[SimRow], out_dir: Path, settings: dict) -> dict
                for r in rows]
     paths["json"].write_text(json.dumps({"settings": settings, "rows": records}, indent=1))
     paths["table"].write_text(format_table(rows) + "\n")
-    plot_sweep(rows, paths["plot"])
+    if have_matplotlib():
+        plot_sweep(rows, paths["plot"])
+    else:
+        del paths["plot"]
+        print(f"no simulate.png: {MISSING}")
     return paths
-
-
-def pyplot():
-    """matplotlib.pyplot drawing to files (the Agg backend: no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
 
 
 def plot_sweep(rows: Sequence[SimRow], path: Path) -> None:

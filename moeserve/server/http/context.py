@@ -100,7 +100,14 @@ class ServerContext:
         raw = await receive_body(request)
         if not raw and not required:
             return None
-        return await read_body(raw, model, what, self.max_entries, self.max_string_bytes)
+        try:
+            return await read_body(raw, model, what, self.max_entries, self.max_string_bytes)
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            # json_body.py measures bytes and knows no context; the client thinks in tokens.
+            raise APIError(f"the request body holds a string longer than any prompt the context length of "
+                           f"{self.context_length} tokens allows; it was not parsed", e.status, code=e.code) from None
 
     def new_sub(self, obj: GenerateInput) -> SubRequest:
         if obj.rid in self.inflight:

@@ -366,7 +366,8 @@ async def chat_completions(request: Request, ctx: Ctx) -> Any:
 async def list_models(ctx: Ctx) -> Any:
     return {"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
-        "root": ctx.client.server_args.model_path, "max_model_len": ctx.context_length,
+        # root: the served name, as SGLang's is; never the server's own path (the embedded model's is the install's)
+        "root": ctx.model_name, "max_model_len": ctx.context_length,
     }]}
 
 
@@ -388,7 +389,14 @@ async def _serve(ctx: ServerContext, request: Request, body_type: type[OpenAIBod
     def events(subs: list[SubRequest], firsts: list[dict | None]) -> AsyncIterator[str]:
         return _stream(ctx, req, subs, firsts, request_id, chat)
 
-    return await serve(ctx, request, inputs, req.stream, respond, events)
+    try:
+        return await serve(ctx, request, inputs, req.stream, respond, events)
+    except APIError as e:
+        if e.param != "max_new_tokens":
+            raise
+        # The engine's name for it; this request said max_tokens (or max_completion_tokens).
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise APIError(e.message.replace("max_new_tokens", field), e.status, param=field, code=e.code) from None
 
 
 def _prompt_texts(ctx: ServerContext, req: CompletionRequest) -> list[str]:

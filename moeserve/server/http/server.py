@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from moeserve.server.startup import start_engine
 logger = logging.getLogger(__name__)
 
 EXIT_ENGINE_DEAD = 1
+EXIT_STARTUP_FAILED = 1
 CLOSE_TIMEOUT_S = 5.0  # for responses to finish writing once the requests have ended
 
 
@@ -38,6 +40,10 @@ def run_server(server_args: ServerArgs) -> int:
     """Start the engine, serve HTTP until a signal or a dead engine, stop the engine; the process's exit code."""
     # NOTE: until uvicorn takes the signals over, SIGTERM must unwind the stack (SystemExit), not kill the
     # process, so that the workers are stopped.
+    busy = port_busy_reason(server_args.host, server_args.port)
+    if busy is not None:  # before the model loads: with a large checkpoint the bind would fail minutes later
+        logger.error("%s", busy)
+        return EXIT_STARTUP_FAILED
     previous = _raise_on_sigterm()
     client = None
     exit_code = 0
@@ -53,8 +59,16 @@ def run_server(server_args: ServerArgs) -> int:
         server.shutdown_timeout = server_args.shutdown_timeout
         server.run()
         exit_code = server.exit_code
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
+    except SystemExit as e:
+        # Our SIGTERM handler raises SystemExit(128 + signum): a stop, exit 0. Any other SystemExit is a start-up
+        # that failed (uvicorn exits 3 when it cannot bind): a supervisor must see it.
+        if isinstance(e.code, int) and e.code - 128 in (signal.SIGTERM, signal.SIGINT):
+            logger.info("interrupted; shutting down")
+        else:
+            exit_code = e.code if isinstance(e.code, int) and e.code else EXIT_STARTUP_FAILED
+            logger.error("start-up failed (exit code %d)", exit_code)
     finally:
         if client is not None:
             client.shutdown()
@@ -62,6 +76,24 @@ def run_server(server_args: ServerArgs) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return exit_code
+
+
+def port_busy_reason(host: str, port: int) -> str | None:
+    """Why the HTTP server could not listen on host:port (a bind test, as uvicorn binds: SO_REUSEADDR), or None."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot listen on --host {host!r}: {e.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            # lower case, as uvicorn's own bind error (tests/disagg/pd_procs.py retries on "address already in use")
+            return (f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}; is another server running "
+                    "there? Stop it or pass another --port")
+    return None
 
 
 def _raise_on_sigterm() -> Any:
