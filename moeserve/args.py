@@ -22,6 +22,11 @@ from moeserve.eplb import rebalancer
 from moeserve.eplb.location import DISPATCH_ALGORITHMS
 from moeserve.eplb.recorder import RECORDER_MODES
 from moeserve.help_text import with_default
+from moeserve.kernels import cpu_isa
+from moeserve.kvcache.hiradix_cache import WRITE_POLICIES as HICACHE_WRITE_POLICIES
+from moeserve.kvcache.storage.registry import BACKEND_NAMES as HICACHE_STORAGE_BACKENDS
+from moeserve.kvcache.storage.registry import backend_class, parse_config
+from moeserve.kvcache.storage_tier import PREFETCH_POLICIES as HICACHE_PREFETCH_POLICIES
 from moeserve.layers.moe.experts import RUNNER_BACKENDS
 from moeserve.text.parsers.reasoning import REASONING_PARSERS
 from moeserve.text.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -162,6 +167,34 @@ class ServerArgs:
     kv_cache_bytes: int | None = _flag(None, "CPU: KV pool budget in bytes (default 1 GiB).")
     page_size: int = _flag(1, "Tokens per KV page.")
     disable_radix_cache: bool = _flag(False, "Turn off prefix sharing between requests.")
+
+    # --- CPU kernels ---
+    cpu_isa: str = _flag(
+        "auto", "Instruction set of moeserve's C++ CPU kernels: amx (AMX tiles for the bf16 experts, AVX-512 BF16), "
+        "avx512, avx2, or auto (the best this CPU has, logged at start). An ISA the CPU lacks is refused.",
+        cpu_isa.CHOICES)
+
+    # hierarchical KV cache
+    enable_hierarchical_cache: bool = _flag(
+        False, "Keep prefix-cache pages that leave the device KV pool in a host memory pool (pinned on CUDA), still "
+        "indexed by the prefix cache; a later match loads them back before the request's prefill.")
+    hicache_ratio: float = _flag(2.0, "Host KV pool size as a multiple of the device KV pool.")
+    hicache_size: int = _flag(0, "Host KV pool size in GB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = _flag(
+        "write_through", "When device pages are copied to host: write_through (when a sequence enters the prefix "
+        "cache), write_through_selective (when a later request first reuses them), write_back (when they are "
+        "evicted from the device).", HICACHE_WRITE_POLICIES)
+    hicache_storage_backend: str | None = _flag(
+        None, "A storage tier below host memory, pages keyed by their prefix's content: file (a directory; a "
+        "restarted server finds its pages) or mooncake (Mooncake's store, where installed). Every host copy is "
+        "written there; a match reads the pages that continue it.", (None, *HICACHE_STORAGE_BACKENDS))
+    hicache_storage_prefetch_policy: str = _flag(
+        "best_effort", "How long a match reads from storage: the read runs in the scheduler before the request's "
+        "prefill, so best_effort and wait_complete take every stored page; timeout stops at 0.5 s + 0.25 s per "
+        "1,024 tokens.", HICACHE_PREFETCH_POLICIES)
+    hicache_storage_backend_extra_config: str | None = _flag(
+        None, "The storage backend's settings as a JSON object, e.g. '{\"path\": \"/data/kv\", \"max_bytes\": "
+        "100000000000}' for file (default directory: $MOESERVE_CACHE/kv_storage).")
 
     # --- scheduling ---
     max_running_requests: int = _flag(256, "Most requests decoding at once.")
@@ -367,6 +400,7 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"--{_dash(f.name)}={value!r}: choose one of {', '.join(map(str, choices))}")
+        cpu_isa.check(self.cpu_isa)
         positive = ["tp_size", "dp_size", "nnodes", "page_size", "max_running_requests", "max_prefill_tokens",
                     "ep_max_tokens_per_rank", "stream_interval", "port", "torch_compile_max_bs",
                     "piecewise_cuda_graph_max_tokens", "decode_log_interval"]
@@ -444,6 +478,7 @@ class ServerArgs:
                 raise ValueError("--enable-shared-experts-fusion runs without --enable-eplb and "
                                  "--ep-num-redundant-experts: the placement covers the routed experts only")
         self._check_disaggregation()
+        self._check_hierarchical_cache()
         if self.enable_mixed_chunk and self.disagg.enabled:
             raise ValueError(f"--enable-mixed-chunk does nothing with --disaggregation-mode {self.disaggregation_mode}: "
                              "a prefill server has no running decodes and a decode server runs no prefill")
@@ -489,6 +524,36 @@ class ServerArgs:
             raise ValueError(f"--speculative-algorithm {self.speculative_algorithm}: the draft/verify loop is not in "
                              "this build yet (the MTP layer loads, moeserve/models/mtp.py, but nothing drafts); run "
                              "without --speculative-algorithm")
+
+    def _check_hierarchical_cache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            changed = [n for n in HICACHE_DEFAULTS if getattr(self, n) != HICACHE_DEFAULTS[n]]
+            if changed:
+                raise ValueError(f"--{_dash(changed[0])} takes effect only with --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache keeps the prefix cache's pages in host memory: it needs "
+                             "the prefix cache (drop --disable-radix-cache)")
+        if self.disagg.is_decode:
+            raise ValueError("--enable-hierarchical-cache with --disaggregation-mode decode: a decode server keeps no "
+                             "prefix cache (its KV comes from prefill); enable it on the prefill server")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0 (GB)")
+        if self.hicache_storage_backend is None:
+            changed = [n for n in HICACHE_STORAGE_DEFAULTS if getattr(self, n) != HICACHE_STORAGE_DEFAULTS[n]]
+            if changed:
+                raise ValueError(f"--{_dash(changed[0])} takes effect only with --hicache-storage-backend")
+            return
+        try:  # a backend that cannot load, or settings that are not JSON, say so now rather than in a rank
+            backend_class(self.hicache_storage_backend)
+            parse_config(self.hicache_storage_backend_extra_config)
+        except ValueError as e:
+            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend}: {e}") from None
+        if self.attn_tp_size > 1:
+            raise ValueError(f"--hicache-storage-backend with an attention-TP group of {self.attn_tp_size} ranks: "
+                             "each rank's scheduler would read its own shard's pages and could find different ones; "
+                             "run storage with one rank per attention group (--tp-size 1, or DP attention with "
+                             "--dp-size equal to --tp-size)")
 
     def _check_disaggregation(self) -> None:
         if not self.disagg.enabled:
@@ -593,6 +658,9 @@ class ServerArgs:
 # PD flags that matter only with --disaggregation-mode prefill or decode, and their defaults
 PD_ONLY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs)
                     if f.name.startswith("disaggregation_") and f.name != "disaggregation_mode"}
+# --hicache-* flags that matter only with --enable-hierarchical-cache, and the storage ones only with a backend
+HICACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerArgs) if f.name.startswith("hicache_")}
+HICACHE_STORAGE_DEFAULTS = {n: d for n, d in HICACHE_DEFAULTS.items() if n.startswith("hicache_storage_")}
 # Flags of the HTTP server only: `moeserve generate` (the offline Engine) does not offer them.
 SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurrent_requests", "shutdown_timeout",
                     "node_rank", "nnodes", "dist_init_addr", "disaggregation_mode", "api_key_all_routes",
@@ -605,7 +673,7 @@ SERVE_ONLY_FLAGS = ("host", "port", "api_key", "served_model_name", "max_concurr
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model_path", "tokenizer_path", "served_model_name", "dtype", "load_format", "context_length",
               "quantization", "grammar_backend", "reasoning_parser", "tool_call_parser", "skip_tokenizer_init",
-              "random_seed", "trust_remote_code", "device"),
+              "random_seed", "trust_remote_code", "device", "cpu_isa"),
     "parallelism": ("tp_size", "dp_size", "ep_size", "enable_dp_attention", "nnodes", "node_rank", "dist_init_addr",
                     "dist_port", "dist_timeout", "moe_dense_tp_size", "enable_dp_lm_head"),
     "EP and EPLB": ("moe_a2a_backend", "deepep_mode", "enable_deepep_moe", "deepep_config", "moe_runner_backend",
@@ -629,6 +697,9 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "speculative decoding": ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_draft_model_path"),
     "KV cache": ("max_total_tokens", "kv_cache_bytes", "page_size", "disable_radix_cache"),
+    "hierarchical KV cache": ("enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
+                              "hicache_storage_backend", "hicache_storage_prefetch_policy",
+                              "hicache_storage_backend_extra_config"),
     "server": ("host", "port", "api_key", "api_key_all_routes", "http_header_timeout", "http_read_timeout",
                "max_concurrent_requests", "stream_interval", "shutdown_timeout", "watchdog_timeout", "log_level",
                "log_interval_s", "decode_log_interval"),

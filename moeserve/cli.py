@@ -87,7 +87,7 @@ def cmd_bench(argv: list[str]) -> int:
     kinds = {"one-batch": "moeserve.bench.one_batch", "serving": "moeserve.bench.serving",
              "offline": "moeserve.bench.offline", "dispatch": "moeserve.bench.dispatch",
              "tbo": "moeserve.bench.tbo", "eplb": "moeserve.bench.eplb", "kv-transfer": "moeserve.bench.kv_transfer",
-             "pd": "moeserve.bench.pd"}
+             "pd": "moeserve.bench.pd", "cpu-compare": "moeserve.bench.cpu_compare"}
     if not argv or argv[0] not in kinds:
         print(f"usage: moeserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Compiling moeserve's C++ CPU kernels on first use, and loading them with ctypes.
 
 `load_library(source, bind, fallback)` compiles `source` with the host's C++ compiler ($CXX, else c++) for the
-host CPU (-march=native) and OpenMP into $MOESERVE_CACHE/kernels (moeserve/paths.py), keyed by the source, the
-compiler and the CPU, so later processes load the cached library; `bind` sets the functions' ctypes signatures.
+process's ISA (kernels/cpu_isa.py: amx, avx512, avx2; -march=native off x86) and OpenMP into
+$MOESERVE_CACHE/kernels (moeserve/paths.py), keyed by the source, the ISA, the compiler and the CPU, so later
+processes load the cached library; `bind` sets the functions' ctypes signatures.
 Where no compiler or no build works it returns None and logs once why and what runs instead (`fallback`).
 OpenMP resolves to the runtime torch already loaded (the same soname), so kernels share torch's threads.
 """
@@ -20,25 +21,34 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from moeserve.kernels import cpu_isa
 from moeserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 _lock = threading.Lock()
-_loaded: dict[Path, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[Path, str], ctypes.CDLL | None] = {}
+
+
+def _flag_sets(isa: str) -> list[list[str]]:
+    """Compile flags to try in order: OpenMP or the -march flags may be missing (Apple clang): fall back, slower.
+    An x86 ISA build never falls back below its ISA (it would run other code than the one asked for)."""
+    sets = [["-O3", *cpu_isa.compile_flags(isa), "-fopenmp"], ["-O3", *cpu_isa.compile_flags(isa)]]
+    return [*sets, ["-O3"]] if isa == "native" else sets
 
 
 def load_library(source: Path, bind: Callable[[ctypes.CDLL], ctypes.CDLL], fallback: str) -> ctypes.CDLL | None:
-    """The compiled library of `source` (built on the process's first call), or None where it cannot be built."""
+    """The compiled library of `source` for the process's ISA (built on its first call), or None where it cannot
+    be built."""
+    isa = cpu_isa.current()
     with _lock:
-        if source not in _loaded:
+        if (source, isa) not in _loaded:
             try:
-                _loaded[source] = bind(ctypes.CDLL(str(_build(source))))
+                _loaded[source, isa] = bind(ctypes.CDLL(str(_build(source, isa))))
             except (OSError, subprocess.SubprocessError) as e:
-                logger.warning("%s unavailable, %s: %s", source.name, fallback, e)
-                _loaded[source] = None
-        return _loaded[source]
+                logger.warning("%s (%s) unavailable, %s: %s", source.name, isa, fallback, e)
+                _loaded[source, isa] = None
+        return _loaded[source, isa]
 
 
 def _compiler() -> tuple[str, str]:
@@ -65,19 +75,19 @@ def _cpu_id() -> str:
     return "\n".join(parts)
 
 
-def _build(source: Path) -> Path:
-    """Compile `source` into the cache (or find it there); the path of the shared library."""
+def _build(source: Path, isa: str) -> Path:
+    """Compile `source` for `isa` into the cache (or find it there); the path of the shared library."""
     cxx, version = _compiler()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(), _cpu_id().encode(),
+                                     " ".join(cpu_isa.compile_flags(isa)).encode()])).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
-    target = out_dir / f"{source.stem}-{key}.so"
+    target = out_dir / f"{source.stem}-{isa}-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     errors = []
-    for flags in _FLAG_SETS:  # OpenMP or -march=native may be missing (Apple clang): fall back, slower
+    for flags in _flag_sets(isa):
         fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out_dir)
         os.close(fd)
         cmd = [cxx, "-std=c++17", *flags, "-shared", "-fPIC", "-o", tmp, str(source)]
@@ -85,7 +95,7 @@ def _build(source: Path) -> Path:
         if proc.returncode == 0:
             os.replace(tmp, target)  # atomic: processes building at once all end with one complete file
             logger.info("built %s: %s", source.name, " ".join(cmd[:-4]))
-            for old in out_dir.glob(f"{source.stem}-*.so"):  # builds of older sources (a loaded one stays mapped)
+            for old in out_dir.glob(f"{source.stem}-{isa}-*.so"):  # builds of older sources (a loaded one stays mapped)
                 if old != target:
                     old.unlink(missing_ok=True)
             return target

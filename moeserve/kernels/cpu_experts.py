@@ -13,6 +13,13 @@ stream it and it stays in cache across the row blocks) is not done: the rebalanc
 slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
 the kernel is about 20% of a decode step (benchmark/results/, 2026-12-01); tiles of up to 6 rows took some of it.
 
+bf16 on AMX (--cpu-isa amx, kernels/cpu_isa.py): `pack(w13, w2)` gives the weights in the tiles' VNNI layout (a
+copy made at load beside the transposed weights, and again when an EPLB swap rewrites slots); both functions take
+it as `packed` and run both GEMMs on tiles, x and the activation rounded to bf16 as torch's bf16 path rounds them.
+torch's bf16 path does use AMX (oneDNN's brg_matmul:avx10_1_512_amx, ONEDNN_VERBOSE=1) but pays a call per
+expert and matrix: the tiny V3's layer (16 experts, H 256, I 128) at 16 rows per expert took 3.3 ms as per-expert
+F.linear against 0.54 ms here (1.95 ms on the AVX path), one thread of the shared 2-core Xeon, 2026-12-06.
+
 The C++ source is compiled on first use (moeserve/kernels/build.py). `load()` returns None (and logs why, once)
 where that is impossible, and callers keep the grouped GEMMs. Under torch.compile the kernels are the custom ops
 `moeserve::cpu_experts` and `moeserve::cpu_moe_local`.
@@ -25,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.kernels import cpu_isa
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.build import load_library
 from moeserve.kernels.grouped_gemm import grouped_gemm
@@ -43,6 +51,25 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and load() is not None
 
 
+def amx_runs() -> bool:
+    """True where the process's kernels are the amx build and the CPU gave this process its tiles."""
+    lib = load()
+    return lib is not None and cpu_isa.current() == "amx" and bool(lib.moeserve_experts_amx_available())
+
+
+def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """bf16 w13 [E, 2I, H] and w2 [E, H, I] -> their AMX packing (w13p [E, 2I/16, H/2, 16, 2], w2p [E, H/16, I/2,
+    16, 2]: 16-column blocks, bf16 pairs along K interleaved), or None where AMX does not run them (not bf16, H or I
+    not a multiple of 32, no AMX)."""
+    E, I2, H = w13.shape
+    inter = I2 // 2
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or H % 32 or inter % 32 or not amx_runs():
+        return None
+    w13p = w13.reshape(E, I2 // 16, 16, H // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    w2p = w2.reshape(E, H // 16, 16, inter // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    return w13p, w2p
+
+
 def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
     """The kernel library and the weights' contiguous transposes [E, H, 2I] and [E, I, H], or why not."""
     lib = load()
@@ -54,14 +81,19 @@ def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ctypes.CD
     return lib, w13t, w2t
 
 
+Packed = tuple[torch.Tensor, torch.Tensor]  # pack's (w13p, w2p)
+
+
 def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
+                counts: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H], w2 [E, H, I] stored transposed; offsets [E + 1], counts [E] -> [M, H] in x's dtype.
+    packed: pack(w13, w2), to run on AMX tiles.
 
     Rows offsets[e] .. offsets[e] + counts[e] get W2_e (silu(W1_e x) * W3_e x); other rows are unspecified.
     """
     if torch.compiler.is_compiling():
-        return torch.ops.moeserve.cpu_experts(x, w13, w2, offsets, counts)
+        w13p, w2p = packed or (None, None)
+        return torch.ops.moeserve.cpu_experts(x, w13, w2, offsets, counts, w13p, w2p)
     E, I2, H = w13.shape
     M = x.shape[0]
     if M > MAX_ROWS_PER_EXPERT * E:
@@ -70,62 +102,76 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
     xf = x.float().contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     counts = counts.to(torch.int32).contiguous()
-    act = xf.new_empty(M, I2 // 2)
     out = xf.new_empty(M, H)
-    fn = lib.moeserve_experts_f32 if w13.dtype == torch.float32 else lib.moeserve_experts_bf16
-    fn(xf.data_ptr(), w13t.data_ptr(), w2t.data_ptr(), offsets.data_ptr(), counts.data_ptr(), E, H, I2 // 2,
-       act.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if packed is not None:
+        lib.moeserve_experts_amx(xf.data_ptr(), packed[0].data_ptr(), packed[1].data_ptr(), offsets.data_ptr(),
+                                 counts.data_ptr(), E, H, I2 // 2, out.data_ptr(), threads)
+    else:
+        act = xf.new_empty(M, I2 // 2)
+        fn = lib.moeserve_experts_f32 if w13.dtype == torch.float32 else lib.moeserve_experts_bf16
+        fn(xf.data_ptr(), w13t.data_ptr(), w2t.data_ptr(), offsets.data_ptr(), counts.data_ptr(), E, H, I2 // 2,
+           act.data_ptr(), out.data_ptr(), threads)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  w2: torch.Tensor, packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's whole routed-expert step: x [T, H], topk_ids [T, k] (every expert local), topk_weights [T, k]
     -> (out [T, H] in x's dtype, pairs per expert [E] int64), out[t] = sum_j topk_weights[t, j] *
     expert_{topk_ids[t, j]}(x[t]), summed in fp32.
 
     What LocalDispatcher + `cpu_experts` + combine compute, in one call: for decode steps (few rows per expert;
-    the caller checks MAX_ROWS_PER_EXPERT)."""
+    the caller checks MAX_ROWS_PER_EXPERT). packed: as cpu_experts'."""
     if torch.compiler.is_compiling():
-        return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2)
+        w13p, w2p = packed or (None, None)
+        return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2, w13p, w2p)
     E, I2, H = w13.shape
     T, k = topk_ids.shape
     lib, w13t, w2t = _library_and_weights(w13, w2)
     xf = x.float().contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.float().contiguous()
-    scratch = xf.new_empty(T * k * (2 * H + I2 // 2))
     out = xf.new_empty(T, H)
     counts = ids.new_empty(E)
-    fn = lib.moeserve_moe_local_f32 if w13.dtype == torch.float32 else lib.moeserve_moe_local_bf16
-    rc = fn(xf.data_ptr(), ids.data_ptr(), weights.data_ptr(), T, k, w13t.data_ptr(), w2t.data_ptr(), E, H,
+    if packed is not None:
+        fn, w_a, w_b, scratch = lib.moeserve_moe_local_amx, packed[0], packed[1], xf.new_empty(T * k * H)
+    else:
+        fn = lib.moeserve_moe_local_f32 if w13.dtype == torch.float32 else lib.moeserve_moe_local_bf16
+        w_a, w_b, scratch = w13t, w2t, xf.new_empty(T * k * (2 * H + I2 // 2))
+    rc = fn(xf.data_ptr(), ids.data_ptr(), weights.data_ptr(), T, k, w_a.data_ptr(), w_b.data_ptr(), E, H,
             I2 // 2, scratch.data_ptr(), out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"cpu_moe_local: an expert id outside [0, {E}) in topk_ids")
     return (out if x.dtype == torch.float32 else out.to(x.dtype)), counts
 
 
+def _packed(w13p: torch.Tensor | None, w2p: torch.Tensor | None) -> Packed | None:
+    return None if w13p is None or w2p is None else (w13p, w2p)
+
+
 @torch.library.custom_op("moeserve::cpu_moe_local", mutates_args=())
 def _cpu_moe_local_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return cpu_moe_local(x, topk_ids, topk_weights, w13, w2)
+                      w2: torch.Tensor, w13p: torch.Tensor | None,
+                      w2p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return cpu_moe_local(x, topk_ids, topk_weights, w13, w2, _packed(w13p, w2p))
 
 
 @_cpu_moe_local_op.register_fake
-def _(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-      w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+      w13p: torch.Tensor | None, w2p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape[0], x.shape[1]), topk_ids.new_empty(w13.shape[0], dtype=torch.int64)
 
 
 @torch.library.custom_op("moeserve::cpu_experts", mutates_args=())
 def _cpu_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
-                    counts: torch.Tensor) -> torch.Tensor:
-    return cpu_experts(x, w13, w2, offsets, counts)
+                    counts: torch.Tensor, w13p: torch.Tensor | None, w2p: torch.Tensor | None) -> torch.Tensor:
+    return cpu_experts(x, w13, w2, offsets, counts, _packed(w13p, w2p))
 
 
 @_cpu_experts_op.register_fake
-def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
-      counts: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+      w13p: torch.Tensor | None, w2p: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], w13.shape[2])
 
 
@@ -137,4 +183,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.moeserve_moe_local_f32, lib.moeserve_moe_local_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
+    lib.moeserve_experts_amx_available.restype = ctypes.c_int
+    lib.moeserve_experts_amx_available.argtypes = []
+    if lib.moeserve_experts_amx_available():  # the amx build: its entry points exist
+        lib.moeserve_experts_amx.restype = None
+        lib.moeserve_experts_amx.argtypes = [p, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
+        lib.moeserve_moe_local_amx.restype = ctypes.c_int
+        lib.moeserve_moe_local_amx.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
     return lib

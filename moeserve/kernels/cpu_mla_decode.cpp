@@ -10,15 +10,24 @@
 // L2: 2.3 KB each for DeepSeek's 576-wide latent) and adds it, times each head's probability, to the heads'
 // outputs, which stay in L1 ([h, Dv] floats, 8 KB for 4 heads of 512).
 //
-// Plain C++ (GCC/Clang vector extensions) and OpenMP, no torch headers: moeserve/kernels/build.py compiles it on
-// first use, moeserve/kernels/cpu_mla_decode.py calls it through ctypes.
+// A bf16 cache on a CPU with AVX-512 BF16 (the amx build, kernels/cpu_isa.py) scores with bf16 dot products
+// (vdpbf16ps: 32 products a step, no conversion of the row), q rounded to bf16 as torch's bf16 path has it.
+//
+// Plain C++ (GCC/Clang vector extensions, AVX-512 BF16 intrinsics under #if) and OpenMP, no torch headers:
+// moeserve/kernels/build.py compiles it on first use for the process's ISA, moeserve/kernels/cpu_mla_decode.py
+// calls it through ctypes.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -26,7 +35,7 @@ using namespace moeserve_vec;
 
 constexpr int kMaxHeads = 8;  // heads scored together per work item (more are split into several items)
 
-inline float hsum(f32x8 v) {
+inline float hsum(f32v v) {
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
@@ -49,16 +58,16 @@ void scores(const float* q, int64_t ldq, const C* cache, const int64_t* idx, int
     // for the hardware prefetcher to get going.
     const C* next[NT];
     for (int i = 0; i < NT; ++i) next[i] = cache + idx[t + NT + i < L ? t + NT + i : L - 1] * D;
-    f32x8 acc[NH][NT];
+    f32v acc[NH][NT];
     for (int j = 0; j < NH; ++j)
-      for (int i = 0; i < NT; ++i) acc[j][i] = f32x8{};
+      for (int i = 0; i < NT; ++i) acc[j][i] = f32v{};
     for (int64_t d = 0; d < Dvec; d += kLanes) {
       if (d % kLineElemsOf<C> == 0)
         for (int i = 0; i < NT; ++i) __builtin_prefetch(next[i] + d);
-      f32x8 r[NT];
-      for (int i = 0; i < NT; ++i) r[i] = load8(row[i] + d);
+      f32v r[NT];
+      for (int i = 0; i < NT; ++i) r[i] = loadv(row[i] + d);
       for (int j = 0; j < NH; ++j) {
-        const f32x8 qv = load8(q + j * ldq + d);
+        const f32v qv = loadv(q + j * ldq + d);
         for (int i = 0; i < NT; ++i) acc[j][i] += qv * r[i];
       }
     }
@@ -93,20 +102,20 @@ void softmax(float* s, int nh, int64_t L) {
 template <int NH, int NV, typename C>
 inline void value_block(const float* p, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t c0,
                         float* o, int64_t ldo) {
-  f32x8 acc[NH][NV];
+  f32v acc[NH][NV];
   for (int j = 0; j < NH; ++j)
-    for (int v = 0; v < NV; ++v) acc[j][v] = f32x8{};
+    for (int v = 0; v < NV; ++v) acc[j][v] = f32v{};
   for (int64_t t = 0; t < L; ++t) {
     const C* row = cache + idx[t] * D + c0;
-    f32x8 r[NV];
-    for (int v = 0; v < NV; ++v) r[v] = load8(row + v * kLanes);
+    f32v r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = loadv(row + v * kLanes);
     for (int j = 0; j < NH; ++j) {
-      const f32x8 pj = f32x8{} + p[j * L + t];
+      const f32v pj = f32v{} + p[j * L + t];
       for (int v = 0; v < NV; ++v) acc[j][v] += pj * r[v];
     }
   }
   for (int j = 0; j < NH; ++j)
-    for (int v = 0; v < NV; ++v) store8(o + j * ldo + c0 + v * kLanes, acc[j][v]);
+    for (int v = 0; v < NV; ++v) storev(o + j * ldo + c0 + v * kLanes, acc[j][v]);
 }
 
 // o[j, :Dv] = sum_t p[j, t] * row_t[:Dv] for NH heads (o rows ldo apart).
@@ -125,12 +134,65 @@ void values(const float* p, const C* cache, const int64_t* idx, int64_t L, int64
     }
 }
 
+#ifdef __AVX512BF16__
+// scores over a bf16 cache with bf16 q (qb rows D apart), D a multiple of 32: NH * NT accumulators of 16 lanes,
+// each step 32 products of a head and a row.
+template <int NH, int NT>
+void scores_bf16(const uint16_t* qb, const uint16_t* cache, const int64_t* idx, int64_t L, int64_t D, float scale,
+                 float* s, int64_t lds) {
+  int64_t t = 0;
+  for (; t + NT <= L; t += NT) {
+    const uint16_t* row[NT];
+    const uint16_t* next[NT];
+    for (int i = 0; i < NT; ++i) {
+      row[i] = cache + idx[t + i] * D;
+      next[i] = cache + idx[t + NT + i < L ? t + NT + i : L - 1] * D;
+    }
+    __m512 acc[NH][NT];
+    for (int j = 0; j < NH; ++j)
+      for (int i = 0; i < NT; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {  // 32 bf16: one cache line a row
+      __m512bh r[NT];
+      for (int i = 0; i < NT; ++i) {
+        __builtin_prefetch(next[i] + d);
+        r[i] = (__m512bh)_mm512_loadu_si512(row[i] + d);
+      }
+      for (int j = 0; j < NH; ++j) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + j * D + d);
+        for (int i = 0; i < NT; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qv, r[i]);
+      }
+    }
+    for (int j = 0; j < NH; ++j)
+      for (int i = 0; i < NT; ++i) s[j * lds + t + i] = scale * _mm512_reduce_add_ps(acc[j][i]);
+  }
+  if (NT > 1 && t < L) scores_bf16<NH, 1>(qb, cache, idx + t, L - t, D, scale, s + t, lds);
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#endif
+
 // One work item: nh heads of one request, L rows.
 template <int NH, typename C>
 void attend(const float* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float scale,
             float* s, float* o) {
   constexpr int NT = NH <= 2 ? 4 : (NH <= 4 ? 2 : 1);  // NH * NT <= 8 score accumulators
+#ifdef __AVX512BF16__
+  if (std::is_same_v<C, uint16_t> && D % 32 == 0) {
+    constexpr int NTB = NH <= 2 ? 8 : (NH <= 4 ? 4 : 2);  // NH * NTB <= 16 of AVX-512's 32 registers
+    thread_local std::vector<uint16_t> qb;
+    qb.resize(NH * D);
+    for (int64_t i = 0; i < NH * D; ++i) qb[i] = to_bf16(q[i]);
+    scores_bf16<NH, NTB>(qb.data(), reinterpret_cast<const uint16_t*>(cache), idx, L, D, scale, s, L);
+  } else {
+    scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+  }
+#else
   scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+#endif
   softmax(s, NH, L);
   values<NH>(s, cache, idx, L, D, Dv, o, Dv);
 }

@@ -1,6 +1,7 @@
-// Vectors of 8 floats for moeserve's CPU kernels (GCC/Clang vector extensions: one AVX2 register, two NEON
-// registers): loads from fp32 and bfloat16 memory, stores, scalar bfloat16 -> float. Included by the kernels'
-// .cpp files; moeserve/kernels/build.py rebuilds them when this file changes.
+// Vectors of kLanes floats for moeserve's CPU kernels (GCC/Clang vector extensions): 16, one AVX-512 register, in
+// the avx512 and amx builds (kernels/cpu_isa.py); else 8, one AVX2 register or two NEON registers. Loads from fp32
+// and bfloat16 memory, stores, scalar bfloat16 -> float. Included by the kernels' .cpp files;
+// moeserve/kernels/build.py rebuilds them when this file changes.
 
 #pragma once
 
@@ -9,26 +10,30 @@
 
 namespace moeserve_vec {
 
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
 constexpr int kLanes = 8;
+#endif
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32v __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t u16v __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32v __attribute__((vector_size(4 * kLanes)));
 
-inline f32x8 load8(const float* p) {
-  f32x8 v;
+inline f32v loadv(const float* p) {
+  f32v v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline f32x8 load8(const uint16_t* p) {  // bfloat16 -> float: the upper half of the fp32 bits
-  u16x8 h;
+inline f32v loadv(const uint16_t* p) {  // bfloat16 -> float: the upper half of the fp32 bits
+  u16v h;
   std::memcpy(&h, p, sizeof h);
-  const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v;
+  const u32v u = __builtin_convertvector(h, u32v) << 16;
+  f32v v;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(float* p, f32v v) { std::memcpy(p, &v, sizeof v); }
 inline float to_f32(float v) { return v; }
 inline float to_f32(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;

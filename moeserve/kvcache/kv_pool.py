@@ -89,6 +89,15 @@ class MHAKVPool(KVPool):
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
 
+def kv_buffers(pool: KVPool) -> list[torch.Tensor]:
+    """A KV pool's buffers [num_slots, ...], in one order for every copy of them (PD transfer backends, the host
+    tier): per layer the latent (MLA), or K then V."""
+    if isinstance(pool, MLAKVPool):
+        return list(pool.buffers)
+    assert isinstance(pool, MHAKVPool)
+    return [b for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True) for b in (k, v)]
+
+
 def make_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str, attn_tp_size: int = 1) -> KVPool:
     """The KV pool of `config`'s model on one rank of an attention-TP group of attn_tp_size: MLAKVPool (latent

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class PageAllocator:
     """A free list of pages 1..num_pages. Slot s is token s % page_size of page s // page_size."""
@@ -30,6 +32,16 @@ class PageAllocator:
         # again in ascending order, so a later request's pages stay consecutive (one KV transfer range per run
         # instead of one per page).
         self._free.extend(reversed(pages))
+
+    def alloc_whole_pages(self, num_tokens: int) -> np.ndarray | None:
+        """The slots [num_tokens] int64 of num_tokens // page_size new pages (num_tokens a multiple of page_size),
+        or None (and nothing taken) when fewer are free."""
+        ps = self.page_size
+        assert num_tokens % ps == 0
+        pages = self.alloc_pages(num_tokens // ps)
+        if pages is None:
+            return None
+        return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
     def pages_needed(self, cur_len: int, n: int) -> int:
         """Pages a sequence of cur_len tokens (its last page partly filled) needs to grow by n tokens."""

@@ -14,6 +14,8 @@ from moeserve.kvcache.page_allocator import PageAllocator
 class PrefixMatch(NamedTuple):
     slots: np.ndarray  # [matched tokens] int64 KV slots, whole pages
     node: object  # lock it while a request reads the slots (RadixCache: the deepest TreeNode matched)
+    host_tokens: int = 0  # of those tokens, how many were loaded back from the host tier for this match
+    storage_tokens: int = 0  # of host_tokens, how many were read from the storage tier for this match
 
 
 class PrefixCache(ABC):
@@ -29,6 +31,10 @@ class PrefixCache(ABC):
     @abstractmethod
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """The longest cached prefix of tokens, in whole pages."""
+
+    def match_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of tokens a match would find (for ordering the queue); moves no KV."""
+        return len(self.match_prefix(tokens).slots)
 
     @abstractmethod
     def insert(self, tokens: list[int], slots: np.ndarray) -> int:

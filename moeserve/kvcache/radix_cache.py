@@ -17,13 +17,14 @@ from moeserve.kvcache.prefix_cache import PrefixCache, PrefixMatch
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], value: np.ndarray, parent: TreeNode | None):
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key = key  # token ids, a whole number of pages
-        self.value = value  # [len(key)] int64 KV slots
+        self.value: np.ndarray | None = value  # [len(key)] int64 KV slots; None: not on the device (host tier)
+        self.host_value: np.ndarray | None = None  # [len(key)] int64 host pool slots (hiradix_cache.py)
         self.lock_ref = 0
         self.last_access = 0
 
@@ -50,9 +51,16 @@ class RadixCache(PrefixCache):
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole pages: (its slots, the deepest node matched)."""
+        path = self._match_path(tokens)
+        slots = np.concatenate([n.value for n in path]) if path else np.zeros(0, dtype=np.int64)
+        return PrefixMatch(slots, path[-1] if path else self.root)
+
+    def _match_path(self, tokens: list[int]) -> list[TreeNode]:
+        """The nodes below the root whose keys make the longest cached prefix of tokens (the last one split where
+        the match ends inside it); each one's access time is now."""
         ps = self.page_size
         n = len(tokens) // ps * ps
-        node, pos, parts = self.root, 0, []
+        node, pos, path = self.root, 0, []
         now = next(self._clock)
         node.last_access = now
         while pos < n:
@@ -62,12 +70,11 @@ class RadixCache(PrefixCache):
             common = self._common_len(child.key, tokens, pos, n)
             if common < len(child.key):
                 child = self._split(child, common)
-            parts.append(child.value)
+            path.append(child)
             pos += len(child.key)
             node = child
             node.last_access = now
-        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return PrefixMatch(slots, node)
+        return path
 
     def _common_len(self, key: list[int], tokens: list[int], pos: int, end: int) -> int:
         """Matching length of key against tokens[pos:end], in whole pages."""
@@ -80,13 +87,17 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Split child's key at `at` tokens; returns the new upper node."""
-        upper = TreeNode(child.key[:at], child.value[:at], child.parent)
+        upper = TreeNode(child.key[:at], None if child.value is None else child.value[:at], child.parent)
+        if child.host_value is not None:
+            upper.host_value = child.host_value[:at]
+            child.host_value = child.host_value[at:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         assert child.parent is not None
         child.parent.children[self._page_key(child.key, 0)] = upper
         child.key = child.key[at:]
-        child.value = child.value[at:]
+        if child.value is not None:
+            child.value = child.value[at:]
         child.parent = upper
         upper.children[self._page_key(child.key, 0)] = child
         return upper
@@ -106,21 +117,32 @@ class RadixCache(PrefixCache):
                 new.last_access = now
                 node.children[key] = new
                 self.evictable_size += n - pos
+                self._inserted(new)
                 return pos
             common = self._common_len(child.key, tokens, pos, n)
             if common < len(child.key):
                 child = self._split(child, common)
+            if child.value is None:  # on the host tier only: the caller's copy is not taken (it frees it all)
+                return n
             child.last_access = now
             pos += len(child.key)
             node = child
         return pos
 
+    def _inserted(self, node: TreeNode) -> None:
+        """A new node took a sequence's pages (a tier below copies them here)."""
+
     # ------------------------------------------------------------------
+    @staticmethod
+    def _device_len(node: TreeNode) -> int:
+        """Tokens node holds in the device pool (the sizes count only those)."""
+        return len(node.key) if node.value is not None else 0
+
     def lock(self, node: TreeNode) -> None:  # node and its ancestors
         while node is not self.root:
             if node.lock_ref == 0:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
+                self.evictable_size -= self._device_len(node)
+                self.protected_size += self._device_len(node)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -129,8 +151,8 @@ class RadixCache(PrefixCache):
             assert node.lock_ref > 0, "unbalanced radix cache unlock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
+                self.evictable_size += self._device_len(node)
+                self.protected_size -= self._device_len(node)
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_tokens: int) -> int:

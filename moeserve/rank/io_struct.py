@@ -71,6 +71,9 @@ class LoadOut:
     num_cached_tokens: int  # tokens held by the radix cache (evictable)
     eplb: RebalanceReport | None = None  # rank 0 with --enable-eplb: the online rebalancer's counters
     disagg: dict[str, Any] | None = None  # PD mode: requests per state, KV transfers (disagg/stats.py)
+    # --enable-hierarchical-cache: the host tier's tokens held and total, and its traffic since start
+    # (HostKVPool.report: bytes_to_host, bytes_to_device, load_back_seconds)
+    hicache: dict[str, Any] | None = None
     # steps this group ran, by kind: "static_decode" (padded to the agreed size, rank/static_shape.py), and with
     # --enable-two-batch-overlap "tbo N" / "no_tbo N" (steps whose largest group had N tokens, overlapped or not)
     step_counts: dict[str, int] = field(default_factory=dict)
@@ -80,10 +83,12 @@ class LoadOut:
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("eplb", "disagg", "step_counts", "spec")}
+        apart = ("eplb", "disagg", "hicache", "step_counts", "spec")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in apart}
         if self.disagg is not None:
             out["disagg"] = self.disagg
+        if self.hicache is not None:
+            out["hicache"] = self.hicache
         if self.step_counts:
             out["step_counts"] = self.step_counts
         return out
@@ -144,6 +149,7 @@ class TokenOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tokens_details: dict[str, int] | None = None  # hierarchical cache: cached_tokens by tier (device, host[, storage])
     # With return_logprob: one entry per new token.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None

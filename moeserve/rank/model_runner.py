@@ -13,6 +13,7 @@ import torch
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.ep.stats import enable_local_expert_tokens
+from moeserve.kernels import cpu_isa
 from moeserve.kvcache.kv_pool import make_kv_pool
 from moeserve.models.decoder import CausalLM, logit_rows
 from moeserve.parallel.state import get_parallel_state
@@ -119,6 +120,8 @@ class ModelRunner:
             # per core) each CPU op waits for the pool to wake, 0.4 ms for a 64-element repeat_interleave against
             # 13 us (scripts/gpu/sdpa_backends.py at 3438fba), every step.
             torch.set_num_threads(1)
+        else:
+            cpu_isa.select(server_args.cpu_isa)  # before the model's kernels build
         self.model, self.config = load_model(server_args, self.device)
         self.mtp = None  # DeepSeek's MTP layer, the draft model of --speculative-algorithm NEXTN (models/mtp.py)
         if server_args.speculative_algorithm is not None:

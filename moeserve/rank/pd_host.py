@@ -12,8 +12,9 @@ from moeserve.disagg.decode import DecodeRooms
 from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
 from moeserve.disagg.prefill import PrefillRooms
-from moeserve.disagg.transfer.base import TransferBackend, kv_buffers
+from moeserve.disagg.transfer.base import TransferBackend
 from moeserve.disagg.transfer.registry import backend_class
+from moeserve.kvcache.kv_pool import kv_buffers
 from moeserve.rank.io_struct import FinishReason
 from moeserve.rank.request import Req
 
@@ -60,6 +61,7 @@ class PDHost:
             req.logprobs.extend((done.get("logprobs") or [None] * kept)[:kept])
             req.top_logprobs.extend([tuple(x) for x in top] for top in (done.get("top_logprobs") or [[]] * kept)[:kept])
         req.cached_tokens = int(done.get("cached_tokens", 0))
+        req.cached_tokens_details = done.get("cached_tokens_details")  # prefill's hierarchical cache, by tier
         self.stats.generated += kept
         if req.finished:
             self._release(req, cache=False)
@@ -107,6 +109,7 @@ class PDHost:
     def pd_first(req: Req) -> dict[str, Any]:
         """What decode needs of the prefill's sampled tokens (their logprobs: lists as long, or None)."""
         return {"tokens": list(req.output_ids), "cached_tokens": req.cached_tokens,
+                "cached_tokens_details": req.cached_tokens_details,
                 "logprobs": list(req.logprobs) or None, "top_logprobs": list(req.top_logprobs) or None}
 
 

@@ -31,6 +31,7 @@ class Req:
     prefix_len: int = 0  # leading tokens whose slots belong to the prefix cache (locked through last_node)
     last_node: object = None  # the prefix cache's handle of that match (PrefixMatch.node)
     cached_tokens: int = 0  # reported: prompt tokens served from the prefix cache
+    cached_tokens_details: dict[str, int] | None = None  # reported with a hierarchical cache: tokens per tier
     # finish and streaming
     finish_reason: FinishReason | None = None
     num_sent: int = 0  # output tokens already sent to the client
@@ -148,6 +149,7 @@ class Req:
             prompt_tokens=len(self.input_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
+            cached_tokens_details=self.cached_tokens_details,
             logprobs=self.logprobs[start:] if self.asked.return_logprob else None,
             top_logprobs=(self.top_logprobs[start:] if self.asked.return_logprob and self.asked.top_logprobs_num
                           else None),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,14 +25,20 @@ import torch
 from moeserve.args import PDRole, ServerArgs
 from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBackend
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
-from moeserve.kvcache import PageAllocator, make_prefix_cache
+from moeserve.kvcache import HostKVPool, PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
+from moeserve.kvcache.storage.keys import KVLayout, model_identity
+from moeserve.kvcache.storage.registry import make_storage
+from moeserve.kvcache.storage_tier import StorageTier
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.pd_host import PDHost
 from moeserve.rank.prompt_logprobs import scored_positions
 from moeserve.rank.request import FUTURE_TOKEN, Req
 from moeserve.rank.scheduled_batch import ScheduledBatch, SchedulerStats
 from moeserve.rank.step_results import StepResults
+
+if TYPE_CHECKING:
+    from moeserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,9 @@ class Scheduler(PDHost, StepResults):
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
                  eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None,
-                 num_draft_tokens: int = 0):
+                 kv_pool: KVPool | None = None, num_draft_tokens: int = 0):
+        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to.
+        num_draft_tokens: speculative decoding's k (rank/speculative/), 0 without it."""
         self.args = server_args
         # speculative decoding (rank/speculative/): decode steps verify [t, d_1..d_k], k + 1 tokens per request
         self.num_draft_tokens = num_draft_tokens
@@ -60,7 +69,15 @@ class Scheduler(PDHost, StepResults):
         self.allocator = PageAllocator(num_pages, self.page_size)
         # decode gets every prompt's KV from prefill: a prefix cache there would never be hit
         no_cache = server_args.disable_radix_cache or self.pd_role is PDRole.DECODE
-        self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size)
+        self.host_pool: HostKVPool | None = None
+        self.storage: StorageTier | None = None
+        if server_args.enable_hierarchical_cache and not no_cache:
+            assert kv_pool is not None, "the hierarchical cache needs the device KV pool"
+            self.host_pool = _host_pool(server_args, kv_pool)
+            if server_args.hicache_storage_backend is not None:
+                self.storage = _storage_tier(server_args, kv_pool, self.host_pool)
+        self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
+                                       server_args.hicache_write_policy, self.storage)
         self.max_running = server_args.max_running_requests
         # (a verify step near the context's end holds slots for its k drafts past it)
         self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size + num_draft_tokens)
@@ -158,6 +175,11 @@ class Scheduler(PDHost, StepResults):
         self.pending_out.append(req.take_output())
         del self.reqs[rid]
 
+    def close(self) -> None:
+        """Let go of what outlives a step: the storage tier's connection."""
+        if self.storage is not None:
+            self.storage.close()
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are in flight."""
         if self.running or self.waiting or self.chunked or (self.pd is not None and self.pd.busy):
@@ -184,6 +206,7 @@ class Scheduler(PDHost, StepResults):
             disagg=self.pd.stats.to_json() if self.pd is not None else None,
             spec=((self.stats.spec_rounds, self.stats.spec_drafted, self.stats.spec_accepted)
                   if self.num_draft_tokens else None),
+            hicache=self.host_pool.report() if self.host_pool is not None else None,
         )
 
     def has_work(self) -> bool:
@@ -288,7 +311,7 @@ class Scheduler(PDHost, StepResults):
 
     def _waiting_in_order(self) -> list[Req]:
         if self.args.schedule_policy == "lpm":
-            return sorted(self.waiting, key=lambda r: -len(self.cache.match_prefix(r.fill_ids).slots))
+            return sorted(self.waiting, key=lambda r: -self.cache.match_len(r.fill_ids))
         return list(self.waiting)
 
     def _acquire_row_and_prefix(self, req: Req) -> bool:
@@ -303,13 +326,18 @@ class Scheduler(PDHost, StepResults):
         if req.wants_prompt_logprobs:  # positions to score are computed, not taken from the cache
             usable = min(usable, req.next_scored_position)
         usable = usable // self.page_size * self.page_size
-        slots, node = self.cache.match_prefix(fill[:usable])
-        self.cache.lock(node)
-        req.last_node = node
-        req.prefix_len = req.kv_len = len(slots)
-        self.req_table.write(row, 0, slots)
+        match = self.cache.match_prefix(fill[:usable])
+        self.cache.lock(match.node)
+        req.last_node = match.node
+        req.prefix_len = req.kv_len = len(match.slots)
+        self.req_table.write(row, 0, match.slots)
         if req.num_retractions == 0:
             req.cached_tokens = req.prefix_len
+            if self.host_pool is not None:
+                req.cached_tokens_details = {"device": req.prefix_len - match.host_tokens,
+                                             "host": match.host_tokens - match.storage_tokens}
+                if self.args.hicache_storage_backend is not None:
+                    req.cached_tokens_details["storage"] = match.storage_tokens
         return True
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -437,3 +465,26 @@ class Scheduler(PDHost, StepResults):
         req.kv_len = 0
         self.req_table.free(req.row)
         req.row = None
+
+
+def _host_pool(args: ServerArgs, kv_pool: KVPool) -> HostKVPool:
+    """The hierarchical cache's host pool: --hicache-size GB, else --hicache-ratio times the device pool."""
+    pool = HostKVPool(kv_pool, HostKVPool.num_pages_for(kv_pool, args.hicache_ratio, args.hicache_size))
+    logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", pool.num_pages * pool.page_size,
+                pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
+                args.hicache_write_policy)
+    return pool
+
+
+def _storage_tier(args: ServerArgs, kv_pool: KVPool, host: HostKVPool) -> StorageTier:
+    """--hicache-storage-backend over the host pool, its keys rooted in the model's identity and the pool's layout
+    (pages of another model, dtype, page size or weights' load are never read)."""
+    load = f"load_format={args.load_format} quantization={args.quantization}"
+    if args.load_format == "dummy":
+        load += f" seed={args.random_seed}"
+    assert args.model_path is not None  # the model runner resolved it
+    layout = KVLayout.of_pool(kv_pool, model_identity(args.model_path), extra=load)
+    backend = make_storage(args.hicache_storage_backend, args.hicache_storage_backend_extra_config)
+    logger.info("hierarchical cache: storage tier %s (%s), prefetch %s", args.hicache_storage_backend,
+                type(backend).__name__, args.hicache_storage_prefetch_policy)
+    return StorageTier(backend, host, layout.root(), args.hicache_storage_prefetch_policy)

@@ -122,7 +122,7 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, runner.vocab_size)
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar,
-                          num_draft_tokens=runner.num_draft_tokens)
+                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 
@@ -178,6 +178,7 @@ class WorkerLoop:
                 if self.pd.channel is not None:
                     self.pd.channel.close()
                 self.pd.backend.close()
+            self.scheduler.close()
 
     def _loop(self) -> None:
         while True:

@@ -260,6 +260,8 @@ class TokenizerManager:
         }
         if out.spec_verify_ct is not None:
             meta["spec_verify_ct"] = out.spec_verify_ct
+        if out.cached_tokens_details is not None:  # SGLang's split by tier, with the hierarchical cache
+            meta["cached_tokens_details"] = dict(out.cached_tokens_details)
         if out.logprobs is not None:
             meta["output_token_logprobs"] = list(st.logprobs)
             if out.top_logprobs is not None:

@@ -53,7 +53,8 @@ class PDPair:
     def _side(self, mode: str, kwargs: dict) -> Side:
         args = ServerArgs.from_kwargs(disaggregation_mode=mode, disaggregation_bootstrap_port=self.port, **kwargs)
         runner = ModelRunner(args)
-        sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids)
+        sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
+                          kv_pool=runner.kv_pool)
         sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0)
         return Side(args, runner, sched, StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule))
 

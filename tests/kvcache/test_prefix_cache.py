@@ -38,7 +38,8 @@ def test_radix_release_accounts_every_page(keep):
     cache = RadixCache(alloc, ps)
     toks = list(range(9))
     cache.release(toks, np.array(alloc.extend_slots(0, -1, 9)), 0, None, keep=True)  # 4 whole pages kept
-    slots, node = cache.match_prefix(toks)
+    match = cache.match_prefix(toks)
+    slots, node = match.slots, match.node
     cache.lock(node)
     tail = alloc.extend_slots(len(slots), int(slots[-1]), 9 - len(slots))
     cache.release(toks, np.concatenate([slots, tail]), len(slots), node, keep=keep)

@@ -45,7 +45,7 @@ def test_match_insert_split(page_size):
     b = a[:8] + [rng.randrange(100, 200) for _ in range(8)]
     sa = _seq(alloc, 16)
     assert cache.insert(a, sa) == 0
-    slots, node = cache.match_prefix(b)
+    slots = cache.match_prefix(b).slots
     assert len(slots) == 8  # the shared prefix, whole pages
     assert np.array_equal(slots, sa[:8])
     sb = np.concatenate([slots, _seq(alloc, 8)])
@@ -74,7 +74,7 @@ def test_lock_protects_from_eviction_and_lru_order():
     assert cache.evict(1) == 4
     assert len(cache.match_prefix(old)[0]) == 0 and len(cache.match_prefix(new)[0]) == 4
     assert alloc.num_free_pages == free_before + 4
-    _, node = cache.match_prefix(new)
+    node = cache.match_prefix(new).node
     cache.lock(node)
     assert cache.evict(100) == 0
     assert cache.protected_size == 4 and cache.evictable_size == 0
@@ -91,7 +91,8 @@ def test_random_workload_conserves_pages():
     cache = RadixCache(alloc, ps)
     for _ in range(300):
         toks = [rng.randrange(4) for _ in range(rng.randrange(2, 20))]
-        slots, node = cache.match_prefix(toks)
+        match = cache.match_prefix(toks)
+        slots, node = match.slots, match.node
         n_new = len(toks) - len(slots)
         cache.lock(node)
         new = alloc.extend_slots(len(slots), int(slots[-1]) if len(slots) else -1, n_new)

@@ -21,8 +21,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from moeserve.kvcache.kv_pool import KVPool, MHAKVPool, MLAKVPool
-
 
 class TransferError(RuntimeError):
     """A write did not complete: the peer is unreachable, timed out, or the backend reported a failure."""
@@ -51,14 +49,6 @@ def merge_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageR
     return runs
 
 
-def kv_buffers(pool: KVPool) -> list[torch.Tensor]:
-    """A KV pool's buffers in the order every backend registers them: per layer the latent (MLA), or K then V."""
-    if isinstance(pool, MLAKVPool):
-        return list(pool.buffers)
-    assert isinstance(pool, MHAKVPool)
-    return [b for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True) for b in (k, v)]
-
-
 def page_bytes(buffer: torch.Tensor, page_size: int) -> int:
     """Bytes one page takes in a KV buffer of [num_slots, ...] rows."""
     return page_size * buffer[0].numel() * buffer.element_size()
@@ -68,7 +58,7 @@ class TransferBackend(ABC):
     """One side's KV buffers, registered with a transport so that a peer can be written to (or write here).
 
     buffers: the KV pool's buffers in a fixed order (both sides must list them the same way: layer by layer,
-    K before V for GQA: `kv_buffers` below), contiguous, on CPU or CUDA. page_size: token rows per page (equal on
+    K before V for GQA: `kvcache.kv_pool.kv_buffers`), contiguous, on CPU or CUDA. page_size: token rows per page (equal on
     both sides; the bootstrap refuses otherwise). The rank builds every backend the same way:
     `cls(buffers, page_size, host=<this rank's address for peers>, api_key=<--api-key or None>,
     ib_device=<--disaggregation-ib-device or None>)`; a backend that cannot use an option raises ValueError.

@@ -9,7 +9,9 @@ columns; its output is a partial sum, which the MoE layer all-reduces.
 
 The kernels (--moe-runner-backend) are chosen once the weights are in, on their device: on the CPU the
 moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM; on CUDA the Triton
-grouped GEMMs of moeserve/kernels/moe_gemm.py (SiLU-and-mul fused, tuned launch configurations).
+grouped GEMMs of moeserve/kernels/moe_gemm.py (SiLU-and-mul fused, tuned launch configurations). bf16 experts on
+a CPU with AMX (--cpu-isa amx) also keep a copy packed for the tiles (`cpu_packed`, cpu_experts.pack), remade
+whenever slots change.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Experts(nn.Module):
         super().__init__()
         self.runner_backend = runner_backend
         self.use_cpu_kernel = False  # decided by process_weights_after_loading, as are the grouped GEMMs:
+        self.cpu_packed: cpu_experts.Packed | None = None  # the AMX copy of (w13, w2), where the tiles run them
         self.gemm, self.gemm_masked = moe_gemm_reference, moe_gemm_masked_reference  # Triton's where they run
         self.hidden_size = hidden_size
         self.tp_size, self.tp_rank = tp_size, tp_rank  # tp_size > 1: a tensor-parallel MoE, `rows` of every expert
@@ -72,7 +75,7 @@ class Experts(nn.Module):
         offs, counts = layout.expert_offsets, layout.num_tokens_per_expert
         if self.use_cpu_kernel:
             record_local_tokens(counts[:self.num_local_experts])
-            return cpu_experts.cpu_experts(layout.rows(), self.w13, self.w2, offs, counts)
+            return cpu_experts.cpu_experts(layout.rows(), self.w13, self.w2, offs, counts, self.cpu_packed)
         # SiLU-and-mul fused in the Triton kernel, which also gathers the layout's rows from the tokens
         h = self.gemm(layout.x, self.w13, offs, counts, silu=True, pairs=layout.pairs, top_k=layout.top_k,
                       tally=local_tally(self.num_local_experts, layout.x.device))
@@ -104,6 +107,10 @@ class Experts(nn.Module):
     def _cpu_layout(self) -> None:
         for w in (self.w13, self.w2):
             w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
+        self._pack()
+
+    def _pack(self) -> None:
+        self.cpu_packed = cpu_experts.pack(self.w13.data, self.w2.data) if self.use_cpu_kernel else None
 
     slot_params = ("w13", "w2")  # the per-slot parameters, in add_slots' dict
 
@@ -126,7 +133,9 @@ class Experts(nn.Module):
         return first
 
     def slots_changed(self) -> None:
-        """Slots were overwritten in place (an EPLB swap): nothing is derived from them here."""
+        """Slots were overwritten in place (an EPLB swap): the AMX copy is made again."""
+        if self.cpu_packed is not None:
+            self._pack()
 
     def expert_slot(self, read: Callable[[str], torch.Tensor], keys: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
         """One expert's slot_params ([2I, H], [H, I]) from `read(checkpoint key)` of its keys (expert_keys): what the

@@ -145,7 +145,8 @@ class MoE(nn.Module):
         """forward on one CPU rank: routing straight into one kernel call (grouping the pairs by expert, the
         experts, the weighted sum), no dispatcher. For few rows per expert (decode)."""
         topk_ids, topk_weights = self.route(x)
-        y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
+        y, counts = cpu_experts.cpu_moe_local(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2,
+                                              self.experts.cpu_packed)
         record_local_tokens(counts[:self.experts.num_local_experts])
         shared = self._shared_out(x)
         return all_reduce(y + shared if shared is not None else y, self.tp_group)

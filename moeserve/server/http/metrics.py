@@ -85,6 +85,18 @@ class Metrics:
         self.spec_accept_length = gauge("spec_accept_length", "Tokens a verify round emits per request (accepted "
                                         "drafts + 1), over the rounds since the last update.")
         self._spec_seen = (0, 0, 0)
+        # hierarchical KV cache: prompt tokens by the tier they were cached on (each response's
+        # cached_tokens_details), and each DP group's host tier (LoadOut.hicache)
+        self.hicache_hit_tokens = Counter("moeserve:hicache_hit_tokens", "Prompt tokens served from the prefix "
+                                          "cache, by tier (device, host).", [*names, "tier"], registry=r)
+        self.hicache_bytes = Counter("moeserve:hicache_bytes", "KV bytes the hierarchical cache copied, by "
+                                     "direction (to_host, to_device, to_storage, from_storage).",
+                                     [*names, "direction"], registry=r)
+        self.hicache_load_back_seconds = Counter(
+            "moeserve:hicache_load_back_seconds", "Time spent loading host pages back to the device (the requests "
+            "whose prefix they were waited for it).", names, registry=r).labels(**self.labels)
+        self.hicache_host_tokens = gauge("hicache_host_tokens", "KV tokens held in the host tier (all DP groups).")
+        self._hicache_seen: dict[str, float] = {}
         self._pd_seen = (0, 0, 0.0, 0.0)
         self._pd_failures_seen: dict[str, int] = {}
         self._prompt_total = 0
@@ -108,6 +120,8 @@ class Metrics:
         self.generation_tokens.inc(int(meta.get("completion_tokens") or 0))
         self.cached_tokens.inc(cached)
         self.request_success.labels(**self.labels, finished_reason=reason).inc()
+        for tier, n in (meta.get("cached_tokens_details") or {}).items():
+            self.hicache_hit_tokens.labels(**self.labels, tier=tier).inc(n)
         self._prompt_total += prompt
         self._cached_total += cached
 
@@ -127,6 +141,9 @@ class Metrics:
         pd = [x.disagg for x in loads if getattr(x, "disagg", None)]
         if pd:
             self._update_pd(pd)
+        tiers = [x.hicache for x in loads if getattr(x, "hicache", None)]
+        if tiers:
+            self._update_hicache(tiers)
         spec = [x.spec for x in loads if getattr(x, "spec", None)]
         if spec:
             self._update_spec(spec)
@@ -142,6 +159,21 @@ class Metrics:
         if rounds:
             self.spec_accept_length.set((accepted + rounds) / rounds)
         self._spec_seen = now
+
+    def _update_hicache(self, groups: list[dict]) -> None:
+        """From each DP group's cumulative host-tier counters: their growth since the last scrape."""
+        self.hicache_host_tokens.set(sum(g["host_used_tokens"] for g in groups))
+        for name in ("bytes_to_host", "bytes_to_device", "bytes_to_storage", "bytes_from_storage",
+                     "load_back_seconds"):
+            now = sum(g.get(name, 0) for g in groups)
+            grown = now - self._hicache_seen.get(name, 0)
+            self._hicache_seen[name] = now
+            if grown <= 0:
+                continue
+            if name == "load_back_seconds":
+                self.hicache_load_back_seconds.inc(grown)
+            else:
+                self.hicache_bytes.labels(**self.labels, direction=name.removeprefix("bytes_")).inc(grown)
 
     def _update_pd(self, groups: list[dict]) -> None:
         """From each DP group's cumulative PD counters: the state gauges, and the counters' growth since the last

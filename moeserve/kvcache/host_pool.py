@@ -1,0 +1,90 @@
+"""The host tier's KV memory: the device pool's buffers, same layout, in host memory (pinned on CUDA).
+
+Buffer i here mirrors `kv_buffers(device_pool)[i]` (MLA: one latent buffer per layer; GQA: K then V per layer), with
+its own slots in whole pages and its own page allocator. Copies are by slot lists, every buffer in one call, and
+return only once the bytes have arrived: a device page may be freed, or a host page read, right after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.kvcache.kv_pool import KVPool, kv_buffers
+from moeserve.kvcache.page_allocator import PageAllocator
+
+
+@dataclass
+class TierTraffic:
+    """What the host tier moved, since start (the Prometheus counters read it)."""
+
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    load_back_seconds: float = 0.0
+    bytes_to_storage: int = 0  # with a storage tier (storage_tier.py)
+    bytes_from_storage: int = 0
+
+
+class HostKVPool:
+    """num_pages pages of the device pool's layout in host memory, page 0 unused as on the device."""
+
+    def __init__(self, device_pool: KVPool, num_pages: int):
+        self.page_size = device_pool.page_size
+        self.num_pages = num_pages
+        self.device_buffers = kv_buffers(device_pool)
+        pin = device_pool.device.type == "cuda"
+        rows = (num_pages + 1) * self.page_size
+        # empty: a host page is always written (from the device) before it is read
+        self.buffers = [torch.empty((rows, *b.shape[1:]), dtype=b.dtype, pin_memory=pin)
+                        for b in self.device_buffers]
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.bytes_per_token = sum(b[0].numel() * b.element_size() for b in self.buffers)
+        self.page_numel = self.page_size * sum(b[0].numel() for b in self.buffers)  # one page, every buffer
+        self.dtype = self.buffers[0].dtype
+        self.traffic = TierTraffic()
+
+    @staticmethod
+    def num_pages_for(device_pool: KVPool, ratio: float, size_gb: int) -> int:
+        """Host pages for --hicache-size GB when > 0, else --hicache-ratio times the device pool's pages."""
+        if size_gb > 0:
+            page_bytes = device_pool.bytes_per_token * device_pool.page_size
+            return max(1, size_gb * (1 << 30) // page_bytes)
+        return max(1, int(device_pool.num_pages * ratio))
+
+    def report(self) -> dict[str, int | float]:
+        """Tokens held and total, and the traffic since start (LoadOut.hicache, the /metrics counters)."""
+        used = self.num_pages - self.allocator.num_free_pages
+        return {"host_used_tokens": used * self.page_size, "host_total_tokens": self.num_pages * self.page_size,
+                **dataclasses.asdict(self.traffic)}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token * (self.num_pages + 1) * self.page_size
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Host slots [num_tokens] for whole pages, or None when fewer pages are free."""
+        return self.allocator.alloc_whole_pages(num_tokens)
+
+    def free(self, host_slots: np.ndarray) -> None:
+        self.allocator.free_slots(host_slots.tolist())
+
+    def backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> None:
+        """Copy device slots [n] to host slots [n]; done when it returns."""
+        dev_idx = torch.from_numpy(device_slots).to(self.device_buffers[0].device)
+        host_idx = torch.from_numpy(host_slots)
+        for dev, host in zip(self.device_buffers, self.buffers, strict=True):
+            host.index_copy_(0, host_idx, dev.index_select(0, dev_idx).cpu())  # .cpu() waits for the copy
+        self.traffic.bytes_to_host += len(host_slots) * self.bytes_per_token
+
+    def load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None:
+        """Copy host slots [n] to device slots [n], on the device's current stream: ahead of any forward that
+        reads them (the scheduler launches that later, on the same stream)."""
+        device = self.device_buffers[0].device
+        dev_idx = torch.from_numpy(device_slots).to(device)
+        host_idx = torch.from_numpy(host_slots)
+        for dev, host in zip(self.device_buffers, self.buffers, strict=True):
+            dev.index_copy_(0, dev_idx, host.index_select(0, host_idx).to(device))
+        self.traffic.bytes_to_device += len(host_slots) * self.bytes_per_token

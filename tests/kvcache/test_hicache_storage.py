@@ -1,0 +1,128 @@
+"""HiRadixCache over a file storage tier: host copies are written to storage, a fresh cache on fresh pools (a
+restarted server) finds a prefix's pages by their tokens and loads exactly their KV, a corrupt page ends the match
+there (a miss, never used), and pages of another layout root are never read."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from moeserve.kvcache import HiRadixCache, HostKVPool, PageAllocator, storage_tier
+from moeserve.kvcache.kv_pool import kv_buffers
+from moeserve.kvcache.storage.base import StorageBackend
+from moeserve.kvcache.storage.file import SUFFIX, FileStorage
+from moeserve.kvcache.storage.keys import KVLayout
+from moeserve.kvcache.storage_tier import StorageTier
+from tests.kvcache.test_hicache import _check, _pool, _write
+
+PAGES = 16
+
+
+def _cache(kind: str, page_size: int, directory, policy: str = "write_through", model: str = "m"):
+    pool = _pool(kind, PAGES, page_size)
+    for buf in kv_buffers(pool):
+        buf.normal_()
+    alloc, host = PageAllocator(PAGES, page_size), HostKVPool(pool, 2 * PAGES)
+    root = KVLayout.of_pool(pool, model).root()
+    storage = StorageTier(FileStorage(directory), host, root, "wait_complete")
+    return pool, alloc, HiRadixCache(alloc, page_size, host, policy, storage)
+
+
+def _insert(pool, alloc, cache, tokens):
+    slots = alloc.alloc_whole_pages(len(tokens))
+    _write(pool, tokens, 0, slots)
+    cache.insert(tokens, slots)
+
+
+@pytest.mark.parametrize(("kind", "page_size", "policy"), [("mla", 2, "write_through"), ("mha", 4, "write_back")])
+def test_a_restarted_cache_finds_its_prefixes_in_storage(tmp_path, kind, page_size, policy):
+    rng = random.Random(7)
+    seqs = [[rng.randrange(100) for _ in range(4 * page_size)] for _ in range(3)]
+    pool, alloc, cache = _cache(kind, page_size, tmp_path, policy)
+    for s in seqs:
+        _insert(pool, alloc, cache, s)
+    if policy == "write_back":
+        cache.evict(cache.evictable_size)  # write_back: copies to host (and storage) happen at eviction
+    assert len(list(tmp_path.rglob("*" + SUFFIX))) == 12
+    pool2, alloc2, fresh = _cache(kind, page_size, tmp_path, policy)  # new pools: nothing on device or host
+    for s in seqs:
+        query = s + [1] * page_size
+        match = fresh.match_prefix(query)
+        assert len(match.slots) == len(s) and match.storage_tokens == len(s) == match.host_tokens
+        _check(pool2, s, match.slots)
+        again = fresh.match_prefix(query)
+        assert len(again.slots) == len(s) and again.host_tokens == 0  # on device now
+    # a longer prompt sharing two pages of a stored prefix: those two pages, no more
+    half = seqs[0][: 2 * page_size] + [999] * (2 * page_size)
+    _, alloc3, third = _cache(kind, page_size, tmp_path, policy)
+    assert len(third.match_prefix(half).slots) == 2 * page_size
+
+
+def test_a_corrupt_page_is_a_miss_and_other_layouts_are_not_read(tmp_path):
+    page_size = 2
+    tokens = list(range(10, 18))
+    pool, alloc, cache = _cache("mla", page_size, tmp_path)
+    _insert(pool, alloc, cache, tokens)
+    keys = cache._node_keys(cache.match_prefix(tokens).node)
+    assert len(keys) == 4
+    path = FileStorage(tmp_path).path_of(keys[2])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the third page's payload
+    path.write_bytes(bytes(data))
+    pool2, _, fresh = _cache("mla", page_size, tmp_path)
+    match = fresh.match_prefix(tokens + [0, 0])
+    assert len(match.slots) == 2 * page_size  # pages 0 and 1; the corrupt page 2 ends the match
+    _check(pool2, tokens, match.slots)
+    assert not path.exists()  # deleted as corrupt
+    _, _, other = _cache("mla", page_size, tmp_path, model="another model")
+    assert len(other.match_prefix(tokens + [0, 0]).slots) == 0
+
+
+class _SlowMemory(StorageBackend):
+    """Pages in a dict; each read takes `delay` seconds."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.pages: dict[str, bytes] = {}
+        self.delay = delay
+
+    def _read(self, key):
+        time.sleep(self.delay)
+        return self.pages.get(key)
+
+    def _write(self, key, data):
+        self.pages[key] = data
+        return True
+
+    def _delete(self, key):
+        self.pages.pop(key, None)
+
+    def _exists(self, key):
+        return key in self.pages
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_timeout_policy_stops_reading_at_its_deadline(monkeypatch, policy):
+    monkeypatch.setattr(storage_tier, "TIMEOUT_BASE_S", 0.05)
+    monkeypatch.setattr(storage_tier, "TIMEOUT_PER_KI_TOKEN_S", 0.0)
+    pool = _pool("mla", PAGES, 1)
+    backend = _SlowMemory(delay=0.03)
+    tokens = list(range(40, 48))
+    host = HostKVPool(pool, 2 * PAGES)
+    tier = StorageTier(backend, host, KVLayout.of_pool(pool, "m").root(), policy)
+    slots = host.alloc(8)
+    for buf in host.buffers:
+        buf.normal_()
+    tier.write(tier.keys(tokens), slots)
+    pages = tier.read(tier.keys(tokens))
+    if policy == "timeout":
+        assert 1 <= len(pages) < 8  # it stopped after the page that crossed 50 ms
+    else:
+        assert len(pages) == 8
+    fresh = host.alloc(len(pages))
+    tier.fill(fresh, pages)
+    for buf in host.buffers:
+        assert torch.equal(buf[torch.from_numpy(fresh)], buf[torch.from_numpy(slots[: len(pages)])])

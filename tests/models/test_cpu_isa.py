@@ -1,0 +1,159 @@
+"""Every ISA build of the C++ CPU kernels (--cpu-isa amx, avx512, avx2; kernels/cpu_isa.py) against float64
+references, in bf16 and float32: the experts kernel on ragged loads with empty experts, the one-call MoE with
+tokens routed nowhere, MLA decode over the paged latent cache. A path the CPU lacks is skipped, saying why."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.args import ServerArgs
+from moeserve.kernels import build, cpu_experts, cpu_isa, cpu_mla_decode
+from moeserve.layers.moe.experts import Experts
+
+pytestmark = pytest.mark.skipif(cpu_experts.load() is None, reason="no C++ compiler: the kernels cannot build")
+
+
+@pytest.fixture(params=cpu_isa.ISAS)
+def isa(request):
+    """The kernels forced to one ISA for the test, then back to the process's pick."""
+    if request.param not in cpu_isa.supported():
+        pytest.skip(f"this CPU lacks {request.param}: no {', '.join(cpu_isa.missing(request.param))}")
+    before = cpu_isa.current()
+    cpu_isa.select(request.param)
+    yield request.param
+    cpu_isa.select(before)
+
+
+def _weights(gen, E, H, inter, dtype):
+    """w13 [E, 2I, H], w2 [E, H, I] stored transposed (as Experts keeps them on the CPU), unit output scale."""
+    w13 = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(dtype)
+    return tuple(w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
+
+
+def _expert(x, w13, w2, e):
+    """One expert on rows x, in float64."""
+    h = x.double() @ w13[e].double().T
+    inter = w13.shape[1] // 2
+    return (F.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].double().T
+
+
+def _tol(dtype):
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_experts_on_ragged_loads(isa, dtype, seed):
+    """Random widths (multiples of 32 so that AMX runs them, and some that are not), 0-40 rows per expert."""
+    gen = torch.Generator().manual_seed(10 * seed + len(isa))
+    E = int(torch.randint(2, 9, (1,), generator=gen))
+    H, inter = [(64, 32), (256, 128), (96, 160), (72, 40)][seed if dtype == torch.float32 else seed + 1]
+    w13, w2 = _weights(gen, E, H, inter, dtype)
+    counts = torch.randint(0, 41, (E,), generator=gen)
+    counts[int(torch.randint(0, E, (1,), generator=gen))] = 0  # an expert nobody picked
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    x = torch.randn(int(offsets[-1]), H, generator=gen).to(dtype)
+    packed = cpu_experts.pack(w13, w2)
+    assert (packed is not None) == (isa == "amx" and dtype == torch.bfloat16 and H % 32 == 0 and inter % 32 == 0)
+    got = cpu_experts.cpu_experts(x, w13, w2, offsets, counts.int(), packed)
+    for e in range(E):
+        rows = slice(int(offsets[e]), int(offsets[e + 1]))
+        torch.testing.assert_close(got[rows].double(), _expert(x[rows], w13, w2, e), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_moe_local_with_tokens_routed_nowhere(isa, dtype, T):
+    """The one-call MoE (grouping, experts, weighted sum): top-4 of 16 experts with some tokens' weights all
+    zero and a skewed load (half the pairs on two experts)."""
+    gen = torch.Generator().manual_seed(T + len(isa))
+    E, H, inter, k = 16, 256, 128, 4
+    w13, w2 = _weights(gen, E, H, inter, dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    ids[: T // 2, :2] = torch.tensor([3, 9])
+    weights = torch.rand(T, k, generator=gen)
+    weights[::3] = 0.0  # routed nowhere: their output is zero
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    got, counts = cpu_experts.cpu_moe_local(x, ids, weights, w13, w2, cpu_experts.pack(w13, w2))
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            want[t] += weights[t, j].double() * _expert(x[t:t + 1], w13, w2, int(ids[t, j]))[0]
+    torch.testing.assert_close(counts, torch.bincount(ids.flatten(), minlength=E))
+    torch.testing.assert_close(got.double(), want, **_tol(dtype))
+    assert not got[::3].any()
+
+
+def test_loaded_experts_pack_for_amx_and_repack_on_swap(isa):
+    ex = Experts(64, 32, 4, list(range(4)), runner_backend="auto").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        ex.w13.copy_(torch.randn(ex.w13.shape, generator=gen) * 0.125)
+        ex.w2.copy_(torch.randn(ex.w2.shape, generator=gen) * 0.18)
+    ex.process_weights_after_loading(torch.device("cpu"))
+    assert (ex.cpu_packed is not None) == (isa == "amx")
+    with torch.no_grad():  # an EPLB swap: slot 1 rewritten in place
+        ex.w13[1].copy_(torch.randn(ex.w13[1].shape, generator=gen) * 0.125)
+    ex.slots_changed()
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    offsets, counts = torch.tensor([0, 0, 5, 5, 5], dtype=torch.int32), torch.tensor([0, 5, 0, 0], dtype=torch.int32)
+    got = cpu_experts.cpu_experts(x, ex.w13, ex.w2, offsets, counts, ex.cpu_packed)
+    torch.testing.assert_close(got.double(), _expert(x, ex.w13, ex.w2, 1), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("B", "H", "D", "v_dim"), [(3, 4, 576, 512), (5, 16, 576, 512), (4, 3, 40, 24)])
+def test_mla_decode(isa, dtype, B, H, D, v_dim):
+    """DeepSeek's 576-wide latent at 4 and 16 heads, and a width that is not a multiple of 32."""
+    gen = torch.Generator().manual_seed(B * H + len(isa))
+    cache = torch.randn(400, D, generator=gen).to(dtype)
+    lens = torch.randint(1, 90, (B,), generator=gen)
+    lens[0] = 1
+    indices = torch.randint(0, 400, (int(lens.sum()),), generator=gen)
+    indptr = torch.zeros(B + 1, dtype=torch.int64)
+    indptr[1:] = lens.cumsum(0)
+    q = (torch.randn(B, H, D, generator=gen) * D**-0.25).to(dtype)
+    want = cpu_mla_decode.mla_decode_reference(q.double(), cache.double(), indices, indptr, v_dim, D**-0.5)
+    got = cpu_mla_decode.mla_decode(q, cache, indices, indptr, v_dim, D**-0.5)
+    torch.testing.assert_close(got.double(), want, **_tol(dtype))
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
+def test_each_build_holds_only_its_isa(isa):
+    """The avx2 build has no AVX-512 register (zmm, or ymm16-31 of EVEX); only the amx build multiplies on tiles."""
+    cpu_experts.load()
+    path = next(p for p in (build.cache_root() / "kernels").glob(f"cpu_experts-{isa}-*.so"))
+    asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, timeout=120).stdout
+    if isa == "avx2":
+        assert re.search(r"%zmm|%ymm(1[6-9]|2[0-9]|3[01])\b", asm) is None
+    assert ("tdpbf16ps" in asm) == (isa == "amx")
+
+
+def test_an_isa_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "supported", lambda: ("avx2",))
+    monkeypatch.setattr(cpu_isa, "missing", lambda isa: ("amx_tile", "amx_bf16"))
+    monkeypatch.setattr(cpu_isa, "is_x86", lambda: True)
+    with pytest.raises(ValueError, match="--cpu-isa amx: this CPU lacks amx_tile, amx_bf16"):
+        ServerArgs(cpu_isa="amx")
+    assert cpu_isa.check("avx2") is None
+
+
+def test_compiled_call_with_the_amx_copy(isa):
+    """Under torch.compile the packed weights go through the custom op's optional arguments."""
+    gen = torch.Generator().manual_seed(9)
+    w13, w2 = _weights(gen, 4, 64, 32, torch.bfloat16)
+    packed = cpu_experts.pack(w13, w2)
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    ids = torch.randint(0, 4, (6, 2), generator=gen)
+    weights = torch.rand(6, 2, generator=gen)
+    fn = torch.compile(lambda *a: cpu_experts.cpu_moe_local(*a, packed)[0] * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x, ids, weights, w13, w2), cpu_experts.cpu_moe_local(x, ids, weights, w13, w2,
+                                                                                      packed)[0] * 2)
