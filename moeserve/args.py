@@ -48,7 +48,7 @@ REFUSED_SPECULATIVE = {
 }
 # NOTE: False until the draft/verify loop (moeserve/rank/) is in this build: every --speculative-algorithm is refused
 # by ServerArgs.check, after the speculative flags themselves are checked. The loop's change flips it.
-SPECULATIVE_LOOP_READY = False
+SPECULATIVE_LOOP_READY = True
 # SGLang's choice for DeepSeek when none of the three is given: (num_steps, eagle_topk, num_draft_tokens)
 SPECULATIVE_DEFAULTS = (3, 1, 4)
 # SGLang's other spellings of a flag (its short and long forms), so that an SGLang launch command runs unchanged.

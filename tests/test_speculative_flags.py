@@ -1,6 +1,6 @@
 """SGLang's speculative-decoding flags (--speculative-*): NEXTN and EAGLE draft with DeepSeek's MTP layer, a chain
-(top-k 1) of num_steps tokens verified as num_steps + 1; the rest refused by name. Until the draft/verify loop is
-in the build (args.SPECULATIVE_LOOP_READY), any --speculative-algorithm is refused after its flags are checked."""
+(top-k 1) of num_steps tokens verified as num_steps + 1; the rest refused by name. The draft/verify loop is in the
+build (args.SPECULATIVE_LOOP_READY; moeserve/rank/speculative/)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,11 @@ def loop_ready(monkeypatch):
     monkeypatch.setattr(moeserve.args, "SPECULATIVE_LOOP_READY", True)
 
 
-def test_refused_until_the_loop_is_in_the_build():
-    if moeserve.args.SPECULATIVE_LOOP_READY:
-        pytest.skip("the draft/verify loop is in this build")
+def test_accepted_now_that_the_loop_is_in_the_build():
+    assert moeserve.args.SPECULATIVE_LOOP_READY
     for algorithm in ("NEXTN", "EAGLE"):
-        with pytest.raises(ValueError, match=f"--speculative-algorithm {algorithm}: the draft/verify loop is not in "
-                                             "this build"):
-            parse(["--speculative-algorithm", algorithm])
-    with pytest.raises(ValueError, match="--speculative-eagle-topk 2: tree drafting"):  # the flags first
+        assert parse(["--speculative-algorithm", algorithm]).speculative_num_steps == 3
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 2: tree drafting"):
         ServerArgs(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=2)
 
 

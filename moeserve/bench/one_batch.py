@@ -41,6 +41,8 @@ def _median_round(rounds: list[dict], batch_size: int, input_len: int, output_le
          "decode_s": statistics.median(x["decode_s"] for x in rounds), "rounds": len(rounds)}
     r["prefill_tok_s"] = batch_size * input_len / r["prefill_s"]
     r["decode_tok_s"] = batch_size * (output_len - 1) / max(r["decode_s"], 1e-9)
+    if rounds[0].get("accept_length") is not None:  # speculative decoding: tokens per verify round
+        r["accept_length"] = statistics.median(x["accept_length"] for x in rounds)
     if len(rounds) > 1:
         r["decode_tok_s_all"] = [batch_size * (output_len - 1) / max(x["decode_s"], 1e-9) for x in rounds]
     return r
@@ -62,7 +64,8 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     gen = torch.Generator().manual_seed(seed)
 
     def one_round(tag: str) -> dict:
-        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0, kv_pool=runner.kv_pool)
+        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
+                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
         prompts = [torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
                    for _ in range(batch_size)]
         tokens: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(batch_size)}
@@ -84,8 +87,10 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
             decode_steps += 1
         _sync(runner.device)
         t2 = time.perf_counter()
+        st = sched.stats
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_steps": prefill_steps,
-                "decode_steps": decode_steps, "prompts": prompts, "tokens": list(tokens.values())}
+                "decode_steps": decode_steps, "prompts": prompts, "tokens": list(tokens.values()),
+                "accept_length": (st.spec_accepted + st.spec_rounds) / st.spec_rounds if st.spec_rounds else None}
 
     if warmup:
         one_round("warmup")
@@ -119,7 +124,8 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.steps import StepPipeline
 
-    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0, kv_pool=runner.kv_pool)
+    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
+                      num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
     steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
@@ -315,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         line = (f"batch {bs:4d}  in {ns.input_len}  out {ns.output_len}  moeserve: prefill {m['prefill_tok_s']:9.1f} "
                 f"tok/s  decode {m['decode_tok_s']:9.1f} tok/s")
+        if m.get("accept_length") is not None:
+            line += f"  accept length {m['accept_length']:.2f}"
         if ns.compare_transformers:
             t = r["transformers"]
             line += (f" | transformers: prefill {t['prefill_tok_s']:9.1f}  decode {t['decode_tok_s']:9.1f}"

@@ -64,6 +64,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
     error: str = ""
     expected_output_len: int = 0
+    spec_verify_ct: int | None = None  # native API with speculative decoding: the request's verify steps
     cached_tokens: int = 0  # prompt tokens the server reports it had cached (0 where it does not say)
     turn: int = 0  # a multi-turn conversation's turn (1-based); 0 for single requests
     output_text: str = ""  # the answer (a multi-turn conversation's next prompt holds it)
@@ -119,6 +120,7 @@ async def send_request(session: Any, url: str, kind: str, model: str | None, req
                     tokens_seen = ev["meta_info"]["completion_tokens"]
                     if ev["meta_info"].get("prompt_tokens"):
                         res.prompt_len = ev["meta_info"]["prompt_tokens"]
+                    res.spec_verify_ct = ev["meta_info"].get("spec_verify_ct", res.spec_verify_ct)
                     res.cached_tokens = int(ev["meta_info"].get("cached_tokens") or 0)
                     text_parts = [ev.get("text", "")]  # the text so far
                 else:
@@ -283,8 +285,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "ttft_ms": _stats([r.ttft for r in ok]),
         "tpot_ms": _stats(tpots),
         "itl_ms": _stats([g for r in ok for g in r.itl]),
+        "accept_length": _accept_length(ok),
         "turns": per_turn(results),
     }
+
+
+def _accept_length(ok: list[RequestResult]) -> float | None:
+    """Speculative decoding (native API): output tokens per verify step over all requests (SGLang's per-request
+    completion_tokens / spec_verify_ct, pooled); None without it."""
+    spec = [r for r in ok if r.spec_verify_ct]
+    return sum(r.output_len for r in spec) / sum(r.spec_verify_ct for r in spec) if spec else None
 
 
 def per_turn(results: list[RequestResult]) -> list[dict[str, Any]]:
@@ -326,6 +336,8 @@ def format_report(summary: dict[str, Any], backend: str, request_rate: float, ma
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_throughput"])
     row("Concurrency:", summary["concurrency"])
+    if summary.get("accept_length") is not None:
+        row("Accept length:", summary["accept_length"])
     for key, title, short in (("e2e_ms", "End-to-End Latency", "E2E Latency"), ("ttft_ms", "Time to First Token",
                                                                                  "TTFT"),
                               ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),

@@ -77,10 +77,13 @@ class LoadOut:
     # steps this group ran, by kind: "static_decode" (padded to the agreed size, rank/static_shape.py), and with
     # --enable-two-batch-overlap "tbo N" / "no_tbo N" (steps whose largest group had N tokens, overlapped or not)
     step_counts: dict[str, int] = field(default_factory=dict)
+    # speculative decoding, cumulative: verify rounds (one per request per verify step), drafted and accepted
+    # drafts (rank/speculative/); None without it
+    spec: tuple[int, int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The group's load as /get_load and /get_server_info show it (the rebalancer's counters go to /metrics)."""
-        apart = ("eplb", "disagg", "hicache", "step_counts")
+        apart = ("eplb", "disagg", "hicache", "step_counts", "spec")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in apart}
         if self.disagg is not None:
             out["disagg"] = self.disagg
@@ -154,6 +157,7 @@ class TokenOut:
     # once, in the first output after the prompt is scored.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int | None = None  # speculative decoding: the request's verify steps so far (SGLang's field)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from moeserve.core.forward_batch import ForwardBatch
 from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.kernels import cpu_isa
 from moeserve.kvcache.kv_pool import make_kv_pool
-from moeserve.models.decoder import CausalLM
+from moeserve.models.decoder import CausalLM, logit_rows
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import eplb_staging_bytes, make_rebalancer, make_recorder
 from moeserve.rank.prompt_logprobs import score
@@ -25,6 +25,8 @@ from moeserve.rank.sampler import SampleOutput, SamplingBatch, sample
 if TYPE_CHECKING:
     from moeserve.constrained.base import TokenMask
     from moeserve.rank.scheduled_batch import ScheduledBatch
+    from moeserve.rank.speculative.drafter import Drafter
+    from moeserve.rank.speculative.round import SpeculativeRound
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,12 @@ class ModelRunner:
         from moeserve.models.loader import load_model, weight_format
 
         self.args = server_args
+        if server_args.speculative_algorithm is not None:
+            from moeserve.rank.speculative.support import unsupported_with_speculation
+
+            refused = unsupported_with_speculation(server_args)
+            if refused:
+                raise ValueError(refused)
         self.device = resolve_device(server_args.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
@@ -115,9 +123,15 @@ class ModelRunner:
         else:
             cpu_isa.select(server_args.cpu_isa)  # before the model's kernels build
         self.model, self.config = load_model(server_args, self.device)
+        self.mtp = None  # DeepSeek's MTP layer, the draft model of --speculative-algorithm NEXTN (models/mtp.py)
+        if server_args.speculative_algorithm is not None:
+            from moeserve.models.loader import load_mtp
+
+            self.mtp = load_mtp(server_args, self.model, self.device)
         self.weight_format = weight_format(self.model)
         self.dtype = next(self.model.parameters()).dtype
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.model, self.mtp) if m is not None
+                                for p in m.parameters())
         self.ep = _EPInfo.collect(self.model)
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
@@ -134,7 +148,14 @@ class ModelRunner:
         self.rebalancer = (make_rebalancer(server_args, self.config, self.model, self.expert_recorder, self.device,
                                            self.eplb_staging_bytes)
                            if self.expert_recorder is not None else None)
+        self.speculative: SpeculativeRound | None = None  # set by enable_speculation
         self.runners = self._graph_runners()
+        if self.mtp is not None:
+            from moeserve.rank.speculative.mtp_drafter import MTPDrafter
+
+            mtp_pool = self.mtp.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device,
+                                             get_parallel_state().attn_tp_size)
+            self.enable_speculation(MTPDrafter(self.mtp, mtp_pool), server_args.speculative_num_steps)
         with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
             for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
                 runner.capture_all(progress=get_parallel_state().rank == 0)
@@ -205,6 +226,8 @@ class ModelRunner:
             buffers = f", EP dispatch buffers {_fmt_bytes(ep.dispatch_buffer_bytes)} ({ep.backend_desc})"
         if self.eplb_staging_bytes:
             buffers += f", EPLB staging at most {_fmt_bytes(self.eplb_staging_bytes)}"
+        if self.speculative is not None:  # the draft model's own pool, as many slots as the target's
+            buffers += f", draft KV pool {_fmt_bytes(self.speculative.drafter.kv_pool.total_bytes)}"
         return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
                 f"{_fmt_bytes(self.weight_bytes)} {self.weight_format}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
                 f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "
@@ -231,6 +254,8 @@ class ModelRunner:
     def _num_kv_pages(self) -> int:
         a = self.args
         per_token = self.config.kv_bytes_per_token(self.dtype, get_parallel_state().attn_tp_size)
+        if self.mtp is not None:  # its own pool, as many slots as the target's
+            per_token += self.mtp.config.kv_bytes_per_token(self.dtype, get_parallel_state().attn_tp_size)
         if a.max_total_tokens is not None:
             tokens = a.max_total_tokens
         elif self.device.type == "cuda":
@@ -263,6 +288,32 @@ class ModelRunner:
         if self.expert_recorder is not None:
             self.expert_recorder.on_pass_end(self._first_moe.recorded_rows(fb.num_tokens))
         return logits
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager model on one batch: (logits as `forward` gives them, the final-normed hidden states [T, H] of
+        every row) for a draft model to read."""
+        fb = batch.to(self.device)
+        fb.kv_pool = self.kv_pool
+        hidden = self.model.head_hidden_states(fb)  # final-normed: what the head and DeepSeek's MTP read
+        return self.model.head_logits(logit_rows(hidden, fb)), hidden
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per request of a verify step (k), 0 without speculative decoding: the scheduler's decode_len."""
+        return self.speculative.k if self.speculative is not None else 0
+
+    def enable_speculation(self, drafter: Drafter, num_draft_tokens: int) -> None:
+        """Decode by speculative rounds (rank/speculative/round.py) with this draft model."""
+        from moeserve.rank.speculative.round import SpeculativeRound
+        from moeserve.rank.speculative.support import unsupported_with_speculation
+
+        refused = unsupported_with_speculation(self.args)
+        if refused:
+            raise ValueError(refused)
+        if self.runners:
+            logger.info("speculative decoding: verify and draft steps run eagerly (not in CUDA graphs yet)")
+        self.speculative = SpeculativeRound(self, drafter, num_draft_tokens)
 
     def _run_first(self, runners: list[GraphRunner], fb: ForwardBatch) -> torch.Tensor:
         """The step on the first of `runners` that takes it, else the eager model."""

@@ -31,6 +31,7 @@ class StepHeader:
     any_stop: bool  # some rank is shutting down: every rank leaves its loop at this step
     eplb: list[int]  # each rank's online-rebalancer status (moeserve/eplb/rebalancer.py)
     all_static: bool = False  # every rank can run a static-shape decode step (rank/static_shape.py)
+    any_verify: bool = False  # some group runs a speculative verify step: every rank runs the k draft forwards
 
     def padded_decode_size(self, buckets: list[int]) -> int | None:
         """The batch size every DP group runs this decode step (padded), or None: the step runs eagerly."""
@@ -71,17 +72,18 @@ class RankSync:
         return parts
 
     def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False,
-                        eplb: int = 0, static_ok: bool = False) -> StepHeader:
+                        eplb: int = 0, static_ok: bool = False, verify: bool = False) -> StepHeader:
         """Every rank's part of this step's header, the same on all ranks (see StepHeader). static_ok: this rank
-        can run its part of a static-shape decode step."""
+        can run its part of a static-shape decode step; verify: it runs a speculative verify step."""
         if not self.multi:
-            return StepHeader([num_tokens], is_extend, stop, [eplb], static_ok)
-        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb, int(static_ok)], dtype=torch.int64)
-        out = torch.zeros(self.state.world_size * 5, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+            return StepHeader([num_tokens], is_extend, stop, [eplb], static_ok, verify)
+        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb, int(static_ok), int(verify)],
+                         dtype=torch.int64)
+        out = torch.zeros(self.state.world_size * 6, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
         _all_gather(out, t, group=self.state.world_cpu_group)
-        out = out.view(self.state.world_size, 5)
+        out = out.view(self.state.world_size, 6)
         return StepHeader(out[:: self.group_size, 0].tolist(), bool(out[:, 1].any()), bool(out[:, 2].any()),
-                          out[:, 3].tolist(), bool(out[:, 4].all()))
+                          out[:, 3].tolist(), bool(out[:, 4].all()), bool(out[:, 5].any()))
 
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""

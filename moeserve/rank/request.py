@@ -10,6 +10,8 @@ from moeserve.rank.prompt_logprobs import first_scored_position
 from moeserve.rank.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from moeserve.constrained.base import GrammarMatcher
 
 NO_POSITION = 1 << 62  # next_scored_position when no prompt position is left to score
@@ -44,6 +46,11 @@ class Req:
     input_logprobs_sent: bool = False
     # structured outputs: where the output stands in its grammar (it has accepted every known output token)
     grammar: GrammarMatcher | None = None
+    # speculative decoding (rank/speculative/round.py): the target's hidden states [P, H] (on the device) of the
+    # positions [draft_start, draft_start + P) the draft model has not read yet, and the verify steps run
+    draft_hidden: torch.Tensor | None = None
+    draft_start: int = 0
+    spec_verify_ct: int | None = None  # (0 once the scheduler decodes it speculatively)
 
     @classmethod
     def from_generate(cls, r: GenerateReq, eos_token_ids: list[int]) -> Req:
@@ -148,4 +155,5 @@ class Req:
                           else None),
             input_logprobs=inputs[0] if inputs else None,
             input_top_logprobs=inputs[1] if inputs else None,
+            spec_verify_ct=self.spec_verify_ct,
         )

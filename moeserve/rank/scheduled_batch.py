@@ -24,6 +24,8 @@ class ScheduledBatch:
     prompt_reqs: list[Req] = field(default_factory=list)
     prompt_counts: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
+    # a verify step (speculative decoding, rank/speculative/): an EXTEND of [t, d_1..d_k] per running request
+    num_draft_tokens: int = 0
 
     @property
     def num_prompt_rows(self) -> int:
@@ -35,9 +37,13 @@ class ScheduledBatch:
         return len(self.reqs) if self.mode.is_decode else self.forward.num_decodes
 
     @property
+    def is_verify(self) -> bool:
+        return self.num_draft_tokens > 0
+
+    @property
     def num_prefill_tokens(self) -> int:
         """Prompt (or recomputed) tokens of this step; a MIXED step's decode tokens are not among them."""
-        if self.mode.is_decode:
+        if self.mode.is_decode or self.is_verify:
             return 0
         return sum(self.extend_lens[:len(self.extend_lens) - self.forward.num_decodes])
 
@@ -53,8 +59,18 @@ class SchedulerStats:
         self.mixed_steps = 0  # steps that ran a prefill and decodes together (--enable-mixed-chunk)
         self.last_log = time.monotonic()
         self.launched: ForwardMode | None = None  # the mode of the step launch_step last launched
+        # speculative decoding: verify steps' drafts, accepted drafts, and rounds (request-rounds)
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_rounds = 0
         self.step_counts: dict[str, int] = {}  # per mode since the last log line: steps, and their wall seconds
         self.step_seconds: dict[str, float] = {}
+
+    def add_round(self, num_accepted: list[int], num_draft_tokens: int) -> None:
+        """A verify step's accepted drafts per request."""
+        self.spec_rounds += len(num_accepted)
+        self.spec_drafted += num_draft_tokens * len(num_accepted)
+        self.spec_accepted += sum(num_accepted)
 
     def add_step_time(self, mode: ForwardMode, seconds: float) -> None:
         name = mode.name.lower()

@@ -33,7 +33,7 @@ from moeserve.kvcache.storage_tier import StorageTier
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
 from moeserve.rank.pd_host import PDHost
 from moeserve.rank.prompt_logprobs import scored_positions
-from moeserve.rank.request import Req
+from moeserve.rank.request import FUTURE_TOKEN, Req
 from moeserve.rank.scheduled_batch import ScheduledBatch, SchedulerStats
 from moeserve.rank.step_results import StepResults
 
@@ -52,9 +52,13 @@ class Scheduler(PDHost, StepResults):
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
                  eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None,
-                 kv_pool: KVPool | None = None):
-        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to."""
+                 kv_pool: KVPool | None = None, num_draft_tokens: int = 0):
+        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to.
+        num_draft_tokens: speculative decoding's k (rank/speculative/), 0 without it."""
         self.args = server_args
+        # speculative decoding (rank/speculative/): decode steps verify [t, d_1..d_k], k + 1 tokens per request
+        self.num_draft_tokens = num_draft_tokens
+        self.decode_len = num_draft_tokens + 1 if num_draft_tokens else DECODE_LEN
         self.dp_rank = dp_rank
         self.page_size = server_args.page_size
         self.context_length = context_length
@@ -75,7 +79,8 @@ class Scheduler(PDHost, StepResults):
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
                                        server_args.hicache_write_policy, self.storage)
         self.max_running = server_args.max_running_requests
-        self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size)
+        # (a verify step near the context's end holds slots for its k drafts past it)
+        self.req_table = ReqToTokenPool(self.max_running + 2, context_length + self.page_size + num_draft_tokens)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prompt partway through chunked prefill
@@ -117,6 +122,12 @@ class Scheduler(PDHost, StepResults):
             except GrammarError as e:
                 self._reject(req, str(e))
                 return
+        if self.num_draft_tokens and (req.params.uses_penalties or req.grammar is not None):
+            self._reject(req, "penalties (frequency, presence, repetition) and structured outputs are not "
+                              "supported with --speculative-algorithm yet")
+            return
+        if self.num_draft_tokens:
+            req.spec_verify_ct = 0
         if self.pd is not None and not req.asked.local:
             self._add_pd_request(req)
             return
@@ -193,6 +204,8 @@ class Scheduler(PDHost, StepResults):
             kv_used_tokens=self.num_used_tokens, kv_total_tokens=self.allocator.num_pages * self.page_size,
             num_cached_tokens=self.cache.total_size,
             disagg=self.pd.stats.to_json() if self.pd is not None else None,
+            spec=((self.stats.spec_rounds, self.stats.spec_drafted, self.stats.spec_accepted)
+                  if self.num_draft_tokens else None),
             hicache=self.host_pool.report() if self.host_pool is not None else None,
         )
 
@@ -219,7 +232,7 @@ class Scheduler(PDHost, StepResults):
         if self.stats.retractions == retractions:
             picked = self._pick_extend(reserved_tokens=len(decodes) * DECODE_LEN)
         if picked is None:
-            return self._make_batch(ForwardMode.DECODE, decodes, [DECODE_LEN] * len(decodes)) if decodes else None
+            return self._make_decode_batch(decodes) if decodes else None
         reqs, extend_lens = picked
         if not decodes:
             return self._make_batch(ForwardMode.EXTEND, reqs, extend_lens)
@@ -331,13 +344,22 @@ class Scheduler(PDHost, StepResults):
         reqs = self._take_decode_slots()
         if not reqs:
             return None
+        return self._make_decode_batch(reqs)
+
+    def _make_decode_batch(self, reqs: list[Req]) -> ScheduledBatch:
+        """A decode step of reqs, their slots taken: DECODE_LEN tokens each, or with speculative decoding a verify
+        step of [t, d_1..d_k] each, run as an extend of k + 1 tokens over the paged KV (the drafts are filled in
+        when it launches)."""
+        if self.num_draft_tokens:
+            return self._make_batch(ForwardMode.EXTEND, reqs, [self.decode_len] * len(reqs),
+                                    num_draft_tokens=self.num_draft_tokens)
         return self._make_batch(ForwardMode.DECODE, reqs, [DECODE_LEN] * len(reqs))
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled while the running requests' last tokens are still being sampled
         (steps.py): only when no request would have to be retracted, since a retracted request is recomputed
         from tokens the host must know."""
-        need = sum(self.allocator.pages_needed(r.kv_len, DECODE_LEN) for r in self.running)
+        need = sum(self.allocator.pages_needed(r.kv_len, self.decode_len) for r in self.running)
         return need <= self._available_pages()
 
     def _will_finish(self, req: Req) -> bool:
@@ -354,7 +376,7 @@ class Scheduler(PDHost, StepResults):
             for req in list(reqs):
                 if req.kv_len >= len(req.fill_ids):
                     continue  # took its slots in an earlier pass of this loop
-                slots = self._alloc(req, DECODE_LEN)
+                slots = self._alloc(req, self.decode_len)
                 if slots is None:
                     victim = self._retract_one(reqs)
                     if victim is None:
@@ -362,11 +384,11 @@ class Scheduler(PDHost, StepResults):
                     reqs.remove(victim)
                     break
                 self.req_table.write(req.row, req.kv_len, slots)
-                req.kv_len += DECODE_LEN  # provisional: the slots now belong to the tokens this step computes
+                req.kv_len += self.decode_len  # provisional: the slots now belong to the tokens this step computes
             else:
                 break
         for req in reqs:
-            req.kv_len -= DECODE_LEN  # _make_batch counts this step's tokens as new
+            req.kv_len -= self.decode_len  # _make_batch counts this step's tokens as new
         return reqs
 
     def _retract_one(self, reqs: list[Req]) -> Req | None:
@@ -385,7 +407,7 @@ class Scheduler(PDHost, StepResults):
         return victim
 
     def _make_batch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int],
-                    num_decodes: int = 0) -> ScheduledBatch:
+                    num_decodes: int = 0, num_draft_tokens: int = 0) -> ScheduledBatch:
         input_ids: list[int] = []
         seq_lens, rows = [], []
         out_loc_parts = []
@@ -403,12 +425,14 @@ class Scheduler(PDHost, StepResults):
                     prompt_targets.extend(fill[scored.start + 1 : scored.stop + 1])
                     req.next_scored_position = scored.stop
             offset += n
-            input_ids.extend(fill[req.kv_len : req.kv_len + n])
+            known = fill[req.kv_len : req.kv_len + n]  # a verify step: [t], its drafts come at launch
+            input_ids.extend(known)
+            input_ids.extend([FUTURE_TOKEN] * (n - len(known)))
             out_loc_parts.append(self.req_table.table[req.row, req.kv_len : req.kv_len + n])
             req.kv_len += n
             seq_lens.append(req.kv_len)
             rows.append(req.row)
-            finishes.append(req.kv_len == len(fill))
+            finishes.append(req.kv_len == len(fill) or num_draft_tokens > 0)
         kv_indices = self.req_table.gather(rows, seq_lens)
         fb = ForwardBatch.build(mode, input_ids, seq_lens, extend_lens,
                                 np.concatenate(out_loc_parts), kv_indices, num_decodes=num_decodes)
@@ -419,7 +443,16 @@ class Scheduler(PDHost, StepResults):
         if mode.is_decode or num_decodes:  # the decodes' cache rows as one padded block (a MIXED step's tail)
             tail = slice(len(rows) - (num_decodes or len(rows)), len(rows))
             fb.decode_slots = torch.from_numpy(self.req_table.table[rows[tail], : max(seq_lens[tail])])
-        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets)
+        return ScheduledBatch(mode, reqs, extend_lens, fb, finishes, prompt_reqs, prompt_counts, prompt_targets,
+                              num_draft_tokens)
+
+    def trim_kv(self, req: Req, kv_len: int) -> None:
+        """Give back the request's KV past its first kv_len tokens (a verify step's rejected drafts, or tokens
+        after a stop inside the accepted run): freed, never cached."""
+        if req.kv_len <= kv_len:
+            return
+        self.allocator.free_slots(self.req_table.table[req.row, kv_len : req.kv_len].tolist())
+        req.kv_len = kv_len
 
     def _release(self, req: Req, cache: bool) -> None:
         """Return the request's KV: into the prefix cache (finished requests) or straight to the free list."""

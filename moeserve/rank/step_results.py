@@ -68,6 +68,8 @@ class StepResults:
                 outs.append(req.take_output())
                 continue
             kept = self._check_finish(req, len(tokens))
+            if req.finished and batch.is_verify:  # the KV of tokens past a stop inside the run: never cached
+                self.trim_kv(req, len(req.fill_ids))
             if req.asked.return_logprob and logprobs is not None:
                 req.logprobs.extend(logprobs[i][:kept])
                 req.top_logprobs.extend(top_logprobs[i][:kept] if top_logprobs else [[]] * kept)

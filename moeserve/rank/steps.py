@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch
+from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import TokenOut
 from moeserve.rank.sampler import SampleOutput
 from moeserve.rank.scheduled_batch import ScheduledBatch
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from moeserve.rank.rank_sync import RankSync, StepHeader
     from moeserve.rank.request import Req
     from moeserve.rank.scheduler import Scheduler
+    from moeserve.rank.speculative.round import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ class LaunchedStep:
     """A step whose device work is queued; its sampled tokens may still be on their way to the host."""
 
     batch: ScheduledBatch
-    out: SampleOutput | None  # None when nothing samples
+    out: SampleOutput | None  # None when nothing samples (or a verify step: `round`)
     host: dict[str, torch.Tensor] | None = None  # out.device's tensors, pinned, filled by async copies
     copied: torch.cuda.Event | None = None  # recorded after those copies
+    round: RoundResult | None = None  # a verify step's accepted tokens (speculative decoding), on the host
 
     @property
     def in_flight(self) -> bool:
@@ -67,9 +69,21 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
     the device and start their copy to the host (the caller checked the step may stay in flight)."""
     fb = batch.forward
     scheduler.stats.launched = batch.mode
+    spec = runner.speculative
+    if batch.is_verify:  # the decode step of speculative decoding (its step times and log line are decode's)
+        scheduler.stats.launched = ForwardMode.DECODE
+        result = spec.run(scheduler, batch)
+        for r in batch.reqs:
+            r.add_future()
+        scheduler.stats.add_round(result.num_accepted, spec.k)
+        return LaunchedStep(batch, None, round=result)
     if tokens is not None:
         fb = _with_known_inputs(fb, batch, tokens, runner.device)
-    logits = runner.forward(fb)
+    if spec is not None:  # the draft model reads the target's hidden states
+        logits, hidden = runner.forward_hidden(fb)
+        spec.after_extend(batch, hidden)
+    else:
+        logits = runner.forward(fb)
     if batch.num_prompt_rows:  # the first rows score prompt tokens (prompt_logprobs.py), the rest sample
         scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
         logits = logits[batch.num_prompt_rows:]
@@ -116,6 +130,9 @@ def _with_known_inputs(fb: ForwardBatch, batch: ScheduledBatch, tokens: torch.Te
 
 def resolve_step(scheduler: Scheduler, step: LaunchedStep, sync: RankSync | None = None) -> list[TokenOut]:
     """Wait for the step's tokens on the host and hand them to the scheduler: the step's outputs."""
+    if step.round is not None:
+        r = step.round
+        return scheduler.process_result(step.batch, r.tokens, r.logprobs, r.top_logprobs)
     if step.out is None:
         return scheduler.process_result(step.batch, [], None, None)
     out = step.out
@@ -149,6 +166,8 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
             return None
         if eplb is not None:  # between passes, on every rank at once: maybe a chunk of a rebalance
             eplb.begin_pass(header.eplb, forward=any(header.global_num_tokens))
+        if header.any_verify and not (batch is not None and batch.is_verify):
+            runner.speculative.join_drafts()  # another group drafts: its draft forwards' collectives, with none
         if batch is None:
             join_idle(runner, header)
             return []
@@ -171,7 +190,8 @@ def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb:
     static = runner.static_decode if runner is not None else None
     header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
                                   bool(batch is not None and batch.mode.is_extend), stop, eplb,
-                                  runner is not None and runner.static_ready(fb))
+                                  runner is not None and runner.static_ready(fb),
+                                  bool(batch is not None and batch.is_verify))
     if fb is not None:
         fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
         fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
@@ -195,6 +215,8 @@ def overlap_refusal(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | 
         return "the ranks of an attention TP group run each step on the leader's tokens, shared on the host"
     if runner.expert_recorder is not None or runner.rebalancer is not None:
         return "the expert distribution recorder (and the rebalancer) act between passes"
+    if runner.speculative is not None:
+        return "speculative decoding's steps are run back to back"
     return None
 
 
@@ -204,6 +226,8 @@ class StepPipeline:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = None,
                  overlap: bool = True):
         self.scheduler, self.runner, self.sync = scheduler, runner, sync
+        if runner.speculative is not None and sync is not None:
+            runner.speculative.sync = sync
         why = overlap_refusal(scheduler, runner, sync) if overlap else None
         if why is not None:
             logger.info("overlap scheduling is off: %s", why)

@@ -121,7 +121,8 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     dp_rank = state.dp_rank
     grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, runner.vocab_size)
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
-                          tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar, kv_pool=runner.kv_pool)
+                          tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar,
+                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 
@@ -163,10 +164,10 @@ class WorkerLoop:
         self.running = True
         self.server_pid = os.getppid()
         self.last_log = time.monotonic()
-        self.last_counts = (0, 0)
+        self.last_counts = (0, 0, 0, 0)
         self.watchdog = StepWatchdog(args.watchdog_timeout)
         self.decode_steps = 0  # --decode-log-interval
-        self.decode_log = (time.monotonic(), 0)  # (time, tokens generated) at the last decode line
+        self.decode_log = (time.monotonic(), 0, 0, 0)  # (time, tokens generated, verify rounds, accepted drafts)
 
     def run(self) -> None:
         try:
@@ -282,13 +283,17 @@ class WorkerLoop:
         self.decode_steps += 1
         if self.decode_steps % self.args.decode_log_interval:
             return
-        now, generated = time.monotonic(), self.scheduler.stats.generated
+        st = self.scheduler.stats
+        now, generated = time.monotonic(), st.generated
         dt = max(now - self.decode_log[0], 1e-9)
+        rounds, accepted = st.spec_rounds - self.decode_log[2], st.spec_accepted - self.decode_log[3]
         load = self.scheduler.get_load()
-        logger.info("decode step %d: running %d, queued %d, KV %d/%d tokens, %.1f tok/s over the last %d steps",
+        logger.info("decode step %d: running %d, queued %d, KV %d/%d tokens, %.1f tok/s%s over the last %d steps",
                     self.decode_steps, load.num_running, load.num_waiting, load.kv_used_tokens,
-                    load.kv_total_tokens, (generated - self.decode_log[1]) / dt, self.args.decode_log_interval)
-        self.decode_log = (now, generated)
+                    load.kv_total_tokens, (generated - self.decode_log[1]) / dt,
+                    f", accept length {(accepted + rounds) / rounds:.2f}" if rounds else "",
+                    self.args.decode_log_interval)
+        self.decode_log = (now, generated, st.spec_rounds, st.spec_accepted)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -297,17 +302,19 @@ class WorkerLoop:
             return
         st = self.scheduler.stats
         gen, pre = st.generated - self.last_counts[0], st.prefilled - self.last_counts[1]
+        rounds, accepted = st.spec_rounds - self.last_counts[2], st.spec_accepted - self.last_counts[3]
+        spec = f", accept length {(accepted + rounds) / rounds:.2f}" if rounds else ""
         steps = st.take_step_times(dt)
         if gen or pre or self.scheduler.has_work():
             load = self.scheduler.get_load()
             logger.info(
                 "decode %.1f tok/s, prefill %.1f tok/s, running %d, queued %d, KV %d/%d tokens (%.1f%%), "
-                "cached %d, retracted %d%s%s", gen / dt, pre / dt, load.num_running, load.num_waiting,
+                "cached %d, retracted %d%s%s%s", gen / dt, pre / dt, load.num_running, load.num_waiting,
                 load.kv_used_tokens, load.kv_total_tokens, 100 * load.kv_used_tokens / max(load.kv_total_tokens, 1),
                 load.num_cached_tokens, st.retractions,
-                f", mixed steps {st.mixed_steps}" if self.args.enable_mixed_chunk else "", steps)
+                f", mixed steps {st.mixed_steps}" if self.args.enable_mixed_chunk else "", spec, steps)
         util = self.runner.expert_utilization_line(dt)  # also on ranks whose own group is idle
         if util:
             logger.info("%s", util)
         self.last_log = now
-        self.last_counts = (st.generated, st.prefilled)
+        self.last_counts = (st.generated, st.prefilled, st.spec_rounds, st.spec_accepted)

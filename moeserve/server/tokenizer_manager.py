@@ -258,6 +258,8 @@ class TokenizerManager:
             "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - st.created,
         }
+        if out.spec_verify_ct is not None:
+            meta["spec_verify_ct"] = out.spec_verify_ct
         if out.cached_tokens_details is not None:  # SGLang's split by tier, with the hierarchical cache
             meta["cached_tokens_details"] = dict(out.cached_tokens_details)
         if out.logprobs is not None:

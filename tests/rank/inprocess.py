@@ -19,6 +19,7 @@ class InProcessEngine:
                                    self.runner.config.eos_token_ids, tokenizer=tokenizer,
                                    grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
                                                                 self.runner.vocab_size),
+                                   num_draft_tokens=self.runner.num_draft_tokens,
                                    kv_pool=self.runner.kv_pool)
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
@@ -43,6 +44,7 @@ class InProcessEngine:
                     continue
                 r["output_ids"].extend(o.new_token_ids)
                 r["cached_tokens"] = o.cached_tokens
+                r["spec_verify_ct"] = o.spec_verify_ct
                 r["cached_tokens_details"] = o.cached_tokens_details
                 if o.logprobs:
                     r["logprobs"].extend(o.logprobs)

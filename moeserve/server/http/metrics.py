@@ -75,6 +75,16 @@ class Metrics:
             "overlap: bytes over this is one write's rate).", names, registry=r).labels(**self.labels)
         self.pd_failures = Counter("moeserve:pd_failures", "PD requests failed or cancelled, by cause "
                                    "(docs/disaggregation.md).", [*names, "side", "cause"], registry=r)
+        # speculative decoding (LoadOut.spec of each DP group)
+        self.spec_draft_tokens = Counter("moeserve:spec_draft_tokens", "Draft tokens verified.", names,
+                                         registry=r).labels(**self.labels)
+        self.spec_accepted_tokens = Counter("moeserve:spec_accepted_tokens", "Draft tokens accepted.", names,
+                                            registry=r).labels(**self.labels)
+        self.spec_verify_steps = Counter("moeserve:spec_verify_steps", "Verify rounds (one per request per "
+                                         "verify step).", names, registry=r).labels(**self.labels)
+        self.spec_accept_length = gauge("spec_accept_length", "Tokens a verify round emits per request (accepted "
+                                        "drafts + 1), over the rounds since the last update.")
+        self._spec_seen = (0, 0, 0)
         # hierarchical KV cache: prompt tokens by the tier they were cached on (each response's
         # cached_tokens_details), and each DP group's host tier (LoadOut.hicache)
         self.hicache_hit_tokens = Counter("moeserve:hicache_hit_tokens", "Prompt tokens served from the prefix "
@@ -134,6 +144,21 @@ class Metrics:
         tiers = [x.hicache for x in loads if getattr(x, "hicache", None)]
         if tiers:
             self._update_hicache(tiers)
+        spec = [x.spec for x in loads if getattr(x, "spec", None)]
+        if spec:
+            self._update_spec(spec)
+
+    def _update_spec(self, groups: list[tuple[int, int, int]]) -> None:
+        """From each DP group's cumulative (rounds, drafted, accepted): the counters' growth since the last update
+        and the accept length over it."""
+        now = tuple(sum(g[i] for g in groups) for i in range(3))
+        rounds, drafted, accepted = (max(0, n - o) for n, o in zip(now, self._spec_seen, strict=True))
+        self.spec_verify_steps.inc(rounds)
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        if rounds:
+            self.spec_accept_length.set((accepted + rounds) / rounds)
+        self._spec_seen = now
 
     def _update_hicache(self, groups: list[dict]) -> None:
         """From each DP group's cumulative host-tier counters: their growth since the last scrape."""

@@ -1,0 +1,23 @@
+"""What speculative decoding runs with today, and what it refuses by name (never accepted and ignored)."""
+
+from __future__ import annotations
+
+from moeserve.args import PDRole, ServerArgs
+
+
+def unsupported_with_speculation(args: ServerArgs) -> str | None:
+    """The first flag set in `args` that speculative decoding does not run with yet, as an error message; None
+    when every flag set is supported. The round runs eagerly, steps back to back, on any layout of attention
+    groups (a group that does not draft in a step joins the draft forwards' collectives, round.join_drafts)."""
+    refused = [
+        (args.enable_mixed_chunk, "--enable-mixed-chunk"),
+        (args.disagg.role is not PDRole.NULL, "--disaggregation-mode"),
+        (args.enable_torch_compile, "--enable-torch-compile"),
+        (args.enable_hierarchical_cache, "--enable-hierarchical-cache"),
+        (args.enable_eplb or args.expert_distribution_recorder_mode is not None,
+         "--enable-eplb and --expert-distribution-recorder-mode"),
+    ]
+    for on, flag in refused:
+        if on:
+            return f"--speculative-algorithm with {flag} is not supported yet"
+    return None
