@@ -39,10 +39,11 @@ def batched_skinny_gemm_reference(x: torch.Tensor, w: torch.Tensor, out: torch.T
 
 
 def _takes_kernel(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    return (use_triton(x) and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    # The compiler's check first: a row-count test it traced would split the compiled forward by batch size.
+    return (not torch.compiler.is_compiling() and use_triton(x) and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and 1 <= rows <= MAX_ROWS and x.shape[-1] == w.shape[-1]
-            and (rows == 1 or rows * w.numel() * w.element_size() <= MAX_WORK_BYTES)
-            and not torch.compiler.is_compiling())
+            and (rows == 1 or rows * w.numel() * w.element_size() <= MAX_WORK_BYTES))
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ def _prompts(seed: int, lengths: list[int], prefix: list[int] | None = None) -> 
 
 
 def _same_with_and_without(path: str, steps: int, batches: list[list[list[int]]], **kwargs) -> InProcessEngine:
+    kwargs.setdefault("max_total_tokens", 4096)  # two engines in one process: on a GPU the first must leave room
     plain = InProcessEngine(model_path=path, **kwargs)
     spec = InProcessEngine(model_path=path, speculative_algorithm="NEXTN", speculative_num_steps=steps, **kwargs)
     assert spec.runner.num_draft_tokens == steps and spec.scheduler.decode_len == steps + 1
@@ -181,8 +182,9 @@ def test_default_model_with_its_trained_mtp_layer():
     ids = tok.encode(text)
     prompts = [ids[i:i + 48] for i in (0, 400, 900, 1500)]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    want = InProcessEngine(model_path=path, dtype="float32").run(prompts, params)
-    spec = InProcessEngine(model_path=path, dtype="float32", speculative_algorithm="NEXTN", speculative_num_steps=2)
+    want = InProcessEngine(model_path=path, dtype="float32", max_total_tokens=4096).run(prompts, params)
+    spec = InProcessEngine(model_path=path, dtype="float32", max_total_tokens=4096,
+                           speculative_algorithm="NEXTN", speculative_num_steps=2)
     got = spec.run(prompts, params)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
     st = spec.scheduler.stats
