@@ -142,9 +142,9 @@ class SpeculativeRound:
         last = torch.as_tensor(np.cumsum(extend_lens) - 1, device=device)
         token, g = logits.argmax(dim=-1), g[last]
         drafts = [token]
-        for j in range(1, self.k):  # position L + j - 1 reads (d_j, g_j)
+        for j in range(1, self.k):  # position L + j - 1 reads (d_j, g_j); one token each: the decode path
             lens = [kv_len + j for kv_len in kv_lens]
-            fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * len(reqs), lens, [1] * len(reqs),
+            fb = ForwardBatch.build(ForwardMode.DECODE, [0] * len(reqs), lens, [1] * len(reqs),
                                     np.array([table.table[r.row, n - 1] for r, n in zip(reqs, lens, strict=True)]),
                                     table.gather(rows, lens)).to(device)
             logits, g = self.drafter.forward(fb, token, g)
