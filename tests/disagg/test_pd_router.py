@@ -22,27 +22,45 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (it 
 pytestmark = pytest.mark.slow
 
 
-def _start_router(prefill, decode, tmp_path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = tmp_path / f"router-{port}.log"
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
-           "--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60",
-           "--prometheus-port", str(free_port())]  # not its default 29000: routers started side by side
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+def _start_router(prefill, decode, tmp_path, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """sglang-router in PD mode in front of `prefill` and `decode`, once it routes. Its ports are picked free here
+    and bound by the router later, so another process may take one in between: a router that exits with "Address
+    already in use" is started again on fresh ports (at most `tries` times)."""
+    for attempt in range(tries):
+        port = free_port()
+        log = tmp_path / f"router-{port}.log"
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+               "--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60",
+               "--prometheus-port", str(free_port())]  # not its default 29000: routers started side by side
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        if _wait_routing(proc, url, log, last_try=attempt == tries - 1):
+            return proc, url
+    raise AssertionError("unreachable: the last try raises")
+
+
+def _wait_routing(proc: subprocess.Popen, url: str, log, last_try: bool) -> bool:
+    """True once the router routes (it does only after its checks of both workers passed); False when it exited on a
+    port taken in the meantime (and this is not the last try); any other exit, or 90 s without routing, fails."""
     deadline = time.monotonic() + 90
-    while True:  # it routes only once its checks of both workers passed
-        assert proc.poll() is None, f"router exited:\n{log.read_text()[-3000:]}"
+    while True:
+        if proc.poll() is not None:
+            text = log.read_text()
+            if "Address already in use" in text and not last_try:
+                return False
+            raise AssertionError(f"router exited:\n{text[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200 and httpx.post(
                     url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}},
                     timeout=30).status_code == 200:
-                return proc, url
+                return True
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, f"router never routed:\n{log.read_text()[-3000:]}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"router never routed:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
 
 
