@@ -21,17 +21,24 @@ SEND_HWM = 10_000  # messages queued per peer before new ones are dropped
 
 def advertised_host(bind_host: str, peer_host: str | None = None) -> str:
     """The address peers reach this machine at: the bind host, or for a wildcard bind the interface that routes
-    to peer_host (no packet is sent)."""
+    to peer_host (no packet is sent). With no peer known (one node: the other server of the pair may be on another
+    machine) a wildcard bind advertises the interface of the default route, so a decode server elsewhere can reach
+    it; only a machine without any route gets the loopback address."""
     if bind_host not in ("0.0.0.0", "::", ""):
         return bind_host
-    if peer_host in (None, "localhost", "127.0.0.1"):
+    if peer_host in ("localhost", "127.0.0.1"):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            s.connect((peer_host, 9))
+            s.connect((peer_host or "10.255.255.255", 9))  # a UDP connect picks the route and sends nothing
             return s.getsockname()[0]
         except OSError:
-            return socket.gethostbyname(socket.gethostname())
+            pass
+    try:
+        found = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    return "127.0.0.1" if found.startswith("127.") else found
 
 
 class ControlChannel:
