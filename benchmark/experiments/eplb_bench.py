@@ -54,11 +54,16 @@ def main() -> None:
     p.add_argument("--model-path", default="benchmarks/configs/deepseek-v2-lite")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=(None, "fp8"),
+                   help="fp8: the experts in DeepSeek's block FP8 (quantized at load), moved with their scales")
+    p.add_argument("--staging-max-mb", type=float, default=None,
+                   help="--eplb-staging-max-mb: the bound on the prepare phase's device staging")
     a = p.parse_args()
     args = ServerArgs(model_path=a.model_path, load_format=a.load_format, dtype=a.dtype,
                       context_length=4096, mem_fraction_static=a.mem_fraction_static, max_running_requests=a.batch,
                       enable_eplb=True, eplb_rebalance_num_iterations=10**9, ep_num_redundant_experts=a.redundant,
-                      eplb_rebalance_layers_per_chunk=a.layers_per_chunk, eplb_expert_weights=a.weights)
+                      eplb_rebalance_layers_per_chunk=a.layers_per_chunk, eplb_expert_weights=a.weights,
+                      quantization=a.quantization, eplb_staging_max_mb=a.staging_max_mb)
     t0 = time.perf_counter()
     runner = ModelRunner(args)
     startup_s = time.perf_counter() - t0
@@ -101,9 +106,10 @@ def main() -> None:
         execute_steps.append(_step(sched, runner))
     stalls = reb.report.stalls_s[stalls_before - reb.report.num_stalls:] if reb.report.num_stalls > stalls_before else []
     after = [_step(sched, runner) for _ in range(40)]
-    expert_mib = sum(t[0].nbytes for t in reb.layers[0].slot_weights()) / 2**20
+    expert_mib = sum(t[0].nbytes for t in reb.layers[0].slot_weights()) / 2**20  # weights and FP8 scales
     result = {
         "batch": a.batch, "redundant": a.redundant, "move": a.move, "layers_per_chunk": a.layers_per_chunk, "weights": a.weights,
+        "quantization": a.quantization, "staging_max_mb": a.staging_max_mb, "staging_bytes": runner.eplb_staging_bytes,
         "startup_s": startup_s, "experts_moved": moved, "moved_gib": moved * expert_mib / 1024,
         "baseline_tok_s": a.batch * len(baseline) / sum(baseline), "prepare_s": prepare_s,
         "during_prepare_steps": len(during),
