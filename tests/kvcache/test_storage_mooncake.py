@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +37,14 @@ pytestmark = pytest.mark.skipif(MASTER is None, reason="Mooncake's store is not 
 SMALL = {"global_segment_size": 32 << 20, "local_buffer_size": 16 << 20}
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     port = free_port()
@@ -44,8 +53,10 @@ def master(tmp_path_factory):
         proc = subprocess.Popen([MASTER, f"--rpc_port={port}", f"--metrics_port={free_port()}"], stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        while "listening" not in log.read_text().lower() and "started" not in log.read_text().lower():
+        # NOTE: ready is a TCP connection to the RPC port, not a log line: a CI run found the port refusing
+        # connections after the master had logged "started".
+        deadline = time.monotonic() + 60
+        while not _accepts(port):
             assert proc.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, f"mooncake_master did not start: {log.read_text()[-2000:]}"
             time.sleep(0.2)
