@@ -7,23 +7,18 @@ import asyncio
 import json
 
 import pytest
-from server_fakes import FakeClient, serve_in_thread
+from server_fakes import FakeClient
 
 from moeserve.bench import serving
 from moeserve.bench.datasets import TURN_SEP, multiturn_conversations
 from moeserve.models.default_model import default_model_path
-from moeserve.server.http.app import build_app
 
 
 @pytest.fixture(scope="module")
 def fake(default_tokenizer):
+    """conftest's FakeClient with a longer context and the default model's path (bench serving reads it from
+    /get_model_info to find the tokenizer); conftest's `base_url` serves it."""
     return FakeClient(default_tokenizer, context_length=4096, model_path=default_model_path())
-
-
-@pytest.fixture(scope="module")
-def fake_url(fake):
-    with serve_in_thread(build_app(fake)) as url:
-        yield url
 
 
 def test_conversations(default_tokenizer):
@@ -51,13 +46,13 @@ def test_conversations(default_tokenizer):
         multiturn_conversations(default_tokenizer, 0, 3, 8, 8, 4, seed=0)
 
 
-def test_turns_in_order_with_real_answers(fake, fake_url, default_tokenizer):
+def test_turns_in_order_with_real_answers(fake, base_url, default_tokenizer):
     """Each turn's prompt holds the answer the server gave to the turn before (so it was sent after it arrived), and
     conversations interleave."""
     convs = multiturn_conversations(default_tokenizer, 4, 3, 24, 8, 5, seed=1)
     fake.requests.clear()
     results, duration = asyncio.run(serving.run_benchmark(
-        fake_url, "moeserve", None, convs, max_concurrency=2, warmup_requests=0, show_progress=False,
+        base_url, "moeserve", None, convs, max_concurrency=2, warmup_requests=0, show_progress=False,
         tokenizer=default_tokenizer))
     assert duration > 0 and len(results) == 12 and all(r.success for r in results)
     assert [r.turn for r in results] == [1, 2, 3] * 4
@@ -74,8 +69,8 @@ def test_turns_in_order_with_real_answers(fake, fake_url, default_tokenizer):
     assert max(first_turns) > min(first_turns) + 1
 
 
-def test_failed_turn_skips_the_rest(fake_url, default_tokenizer, capsys):
-    rc = serving.main(["--base-url", fake_url, "--dataset", "multiturn", "--multiturn-num-conversations", "2",
+def test_failed_turn_skips_the_rest(base_url, default_tokenizer, capsys):
+    rc = serving.main(["--base-url", base_url, "--dataset", "multiturn", "--multiturn-num-conversations", "2",
                        "--multiturn-turns", "3", "--multiturn-system-prompt-len", "8", "--multiturn-user-len", "4",
                        "--multiturn-output-len", "3", "--warmup-requests", "0", "--disable-tqdm",
                        "--extra-request-body", json.dumps({"top_p": 5.0})])
@@ -86,9 +81,9 @@ def test_failed_turn_skips_the_rest(fake_url, default_tokenizer, capsys):
 
 
 @pytest.mark.parametrize("backend", ["openai-chat", "openai"])
-def test_openai_backends(fake_url, tmp_path, backend, capsys):
+def test_openai_backends(base_url, tmp_path, backend, capsys):
     out = tmp_path / "result.json"
-    rc = serving.main(["--base-url", fake_url, "--backend", backend, "--dataset", "multiturn", "--num-clients", "3",
+    rc = serving.main(["--base-url", base_url, "--backend", backend, "--dataset", "multiturn", "--num-clients", "3",
                        "--num-rounds", "2", "--multiturn-system-prompt-len", "16", "--multiturn-user-len", "6",
                        "--multiturn-output-len", "4", "--max-concurrency", "2", "--output-file", str(out),
                        "--disable-tqdm"])

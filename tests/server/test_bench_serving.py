@@ -8,24 +8,19 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from server_fakes import FakeClient, serve_in_thread
+from server_fakes import FakeClient
 
 from moeserve.bench import serving
 from moeserve.bench.datasets import random_requests, shared_prefix_requests, sharegpt_requests
 from moeserve.models.default_model import default_model_path
-from moeserve.server.http.app import build_app
 from moeserve.server.launch import free_port
 
 
 @pytest.fixture(scope="module")
 def fake(default_tokenizer):
+    """conftest's FakeClient with a longer context and the default model's path (bench serving reads it from
+    /get_model_info to find the tokenizer); conftest's `base_url` serves it."""
     return FakeClient(default_tokenizer, context_length=4096, model_path=default_model_path())
-
-
-@pytest.fixture(scope="module")
-def base_url(fake):
-    with serve_in_thread(build_app(fake)) as url:
-        yield url
 
 
 def test_random_lengths(default_tokenizer):
