@@ -56,6 +56,17 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds: a helper process (router, Mooncake master) never outlives its
+    test."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def alive(pid: int) -> bool:
     """True while pid runs (a zombie counts as gone)."""
     try:

@@ -21,6 +21,7 @@ import pytest
 from tests.disagg.pd_procs import sse_events, start
 from tests.disagg.test_pd_router import _start_router
 from tests.disagg.test_pd_server import NEW, _reference
+from tests.procs import stop_process
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (it is in the test extra)")
 pytestmark = pytest.mark.slow
@@ -71,8 +72,7 @@ def pd(tmp_path_factory):
         yield servers, [url for _, url in routers]
     finally:
         for proc, _ in routers:
-            proc.terminate()
-            proc.wait(10)
+            stop_process(proc)
         for s in servers:
             s.stop()
 

@@ -27,7 +27,7 @@ from moeserve.ep.registry import REFUSED_BACKENDS
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
 from tests.disagg.pd_procs import Server
-from tests.procs import wait_healthy
+from tests.procs import stop_process, wait_healthy
 from tests.rank.inprocess import InProcessEngine
 
 # The commands as SGLang publishes them (`python3 -m sglang.launch_server` and its environment left out; decode's
@@ -160,8 +160,7 @@ def sglang_pd(tmp_path_factory):
         yield url, model, servers
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(10)
+            stop_process(router)
         for s in servers:
             s.stop()
 

@@ -19,6 +19,7 @@ import torch
 from moeserve.kvcache.storage.keys import KVLayout, page_keys
 from moeserve.kvcache.storage.registry import make_storage
 from moeserve.server.launch import free_port
+from tests.procs import stop_process
 
 
 def _master_binary() -> str | None:
@@ -62,12 +63,7 @@ def master(tmp_path_factory):
             time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        stop_process(proc, timeout=20)
 
 
 def test_roundtrip_and_threads(master):

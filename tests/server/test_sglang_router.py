@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from moeserve.server.launch import free_port
-from tests.procs import descendants, sigterm_leaves_nothing, wait_healthy
+from tests.procs import descendants, sigterm_leaves_nothing, stop_process, wait_healthy
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install sglang-router; it is in "
                                             "the test extra)")
@@ -58,12 +58,7 @@ def router(server, tmp_path_factory):
         _wait_routing(proc, url, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _wait_routing(proc: subprocess.Popen, url: str, log) -> None:
