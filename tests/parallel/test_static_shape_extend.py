@@ -4,11 +4,12 @@ ranks.
 With --enable-static-shape-extend every group runs each extend step at one padded token count that all ranks agree
 on through the step header (the largest group's, bucketed as the piecewise CUDA graphs are), an idle group too.
 Greedy tokens of random prompts on 2 ranks (2 DP groups) and on 4 ranks (2 groups of 2), through all2all and its
-low_latency mode, must equal the single-rank in-process run's (which test_generation ties to transformers) and,
-on 2 ranks, the same server's without the flag: with both groups busy, with one group idle, with 1 request in one
-group beside 7 in the other, with prompts chunked (--chunked-prefill-size) beside running decodes (mixed steps),
-and with prefix-cache hits. The groups' step counts show the padded path ran, the same number of times in each
-group; afterwards every page of the KV pool is free again.
+low_latency mode (there with the decode steps padded too, --enable-static-shape-decode), must equal the
+single-rank in-process run's (which test_generation ties to transformers) and, on 2 ranks, the same server's
+without the flag: with both groups busy, with one group idle, with 1 request in one group beside 7 in the other,
+with prompts chunked (--chunked-prefill-size) beside running decodes (mixed steps), and with prefix-cache hits.
+The groups' step counts show the padded path ran, the same number of times in each group; afterwards every page
+of the KV pool is free again.
 """
 
 from __future__ import annotations
@@ -73,14 +74,16 @@ def _padded_in_both(eng, before: list[int]) -> list[int]:
     return after
 
 
-@pytest.mark.parametrize(("tp", "mode"), [(2, "auto"), (4, "auto"), (2, "low_latency")])
-def test_static_shape_extend_gives_the_single_rank_tokens(tiny_checkpoint, tp, mode):
+# (ranks, dispatch mode, decode steps padded too)
+@pytest.mark.parametrize(("tp", "mode", "decode"), [(2, "auto", False), (4, "auto", False), (2, "low_latency", True)])
+def test_static_shape_extend_gives_the_single_rank_tokens(tiny_checkpoint, tp, mode, decode):
     path = tiny_checkpoint("v3_groups")
     prompts = _prompts()
     ref = _single_rank(path, prompts)
     more = _continued(prompts)
     ref_more = _single_rank(path, more)
-    eng = _engine(path, **dict(DP2, tp_size=tp, deepep_mode=mode), enable_static_shape_extend=True)
+    eng = _engine(path, **dict(DP2, tp_size=tp, deepep_mode=mode), enable_static_shape_extend=True,
+                  enable_static_shape_decode=decode, cuda_graph_max_bs=16)
     try:
         steps = _static_steps(eng)
         # both groups busy (the least-loaded group of each request)
@@ -101,6 +104,8 @@ def test_static_shape_extend_gives_the_single_rank_tokens(tiny_checkpoint, tp, m
         assert _ids(outs) == ref_more
         assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs), [o["meta_info"] for o in outs]
         _padded_in_both(eng, steps)
+        decode_steps = [load.step_counts.get("static_decode", 0) for load in eng.get_load()]
+        assert all(n > 0 for n in decode_steps) if decode else decode_steps == [0, 0], decode_steps
         # the padding never took a page: with the prefix cache flushed, every page is free
         assert eng.flush_cache()
         assert all(load.kv_used_tokens == 0 and load.num_cached_tokens == 0 for load in eng.get_load())

@@ -13,7 +13,7 @@ import torch
 from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache.kv_pool import kv_buffers
-from moeserve.rank.piecewise_graph_runner import token_buckets
+from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner, token_buckets
 from moeserve.rank.rank_sync import StepHeader
 from moeserve.rank.static_extend import forward_padded, pad_extend, padded_extend_size, static_extend_ready
 from tests.checkpoints import VOCAB, build_checkpoint
@@ -125,6 +125,23 @@ def test_the_padded_forward_gives_the_eager_logits(tmp_path, name):
     for old, new in zip(before, kv_buffers(pool), strict=True):
         assert torch.equal(old[_scratch_page(pool):], new[_scratch_page(pool):])
         assert torch.isfinite(new).all()
+
+
+def test_the_piecewise_runner_takes_several_groups_only_at_the_agreed_count():
+    runner = PiecewiseGraphRunner.__new__(PiecewiseGraphRunner)  # (its buffers and stream need a GPU)
+    runner.max_tokens, runner.groups = 16, 1
+    fb = _batch(ForwardMode.EXTEND, [(9, 9)], random.Random(2))
+    fb.global_num_tokens = [9]
+    assert runner.can_run(fb)  # one group: any extend step up to the largest bucket
+    fb.global_num_tokens = [9, 4]
+    assert not runner.can_run(fb)  # several groups, the flag off
+    runner.groups = 2
+    assert not runner.can_run(fb)  # no count agreed
+    fb.static_num_tokens = 16
+    assert runner.can_run(fb)
+    idle = ForwardBatch.idle()
+    idle.global_num_tokens, idle.static_num_tokens = [9, 0], 16
+    assert runner.can_run(idle)  # an idle group runs the padding rows
 
 
 def test_the_flag_is_refused_where_it_would_do_nothing():
