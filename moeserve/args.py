@@ -313,6 +313,11 @@ class ServerArgs:
         False, "With several DP groups, decode steps where every group runs one agreed padded batch size (an idle "
         "group too), as the CUDA graphs do; always on where decode CUDA graphs run. This flag runs the same padded "
         "steps eagerly where they do not (a CPU, --disable-cuda-graph).")
+    enable_static_shape_extend: bool = _flag(
+        False, "With several DP groups, prefill (extend) and mixed steps where every group runs one agreed padded "
+        "token count (the largest group's, bucketed as the piecewise CUDA graphs; an idle group too): the piecewise "
+        "graphs then replay these steps (written, not run on GPUs); where they do not run (a CPU, "
+        "--disable-cuda-graph) the same padded steps run eagerly.")
     cuda_graph_bs: list[int] | None = _flag(
         None, "The decode batch sizes captured in CUDA graphs, as SGLang's list (--cuda-graph-bs 1 2 4 8 256); the "
         "largest becomes --cuda-graph-max-bs. Default: buckets up to --cuda-graph-max-bs.", nargs="+")
@@ -431,6 +436,10 @@ class ServerArgs:
         if self.enable_static_shape_decode and self.tp_size == 1:
             raise ValueError("--enable-static-shape-decode pads the decode steps of several ranks to one size they agree "
                              "on; one rank has nothing to agree: leave the flag out (CUDA graphs pad its steps)")
+        if self.enable_static_shape_extend and self.num_dp_groups == 1:
+            raise ValueError("--enable-static-shape-extend pads the extend steps of several DP groups to one token "
+                             "count they agree on; one DP group has nothing to agree: leave the flag out (piecewise "
+                             "CUDA graphs pad its steps)")
         if self.enable_dp_lm_head and not self.enable_dp_attention:
             raise ValueError("--enable-dp-lm-head splits the LM head over each attention-TP group of DP attention: "
                              "it needs --enable-dp-attention")
@@ -691,7 +700,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                               "max_prefill_tokens", "schedule_policy", "enable_mixed_chunk",
                               "disable_overlap_schedule", "new_token_ratio"),
     "CUDA graphs and torch.compile": ("disable_cuda_graph", "cuda_graph_max_bs", "enable_static_shape_decode",
-                                      "cuda_graph_bs", "disable_piecewise_cuda_graph",
+                                      "enable_static_shape_extend", "cuda_graph_bs", "disable_piecewise_cuda_graph",
                                       "piecewise_cuda_graph_max_tokens", "enable_torch_compile",
                                       "torch_compile_max_bs"),
     "speculative decoding": ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",

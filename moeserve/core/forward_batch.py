@@ -92,6 +92,8 @@ class ForwardBatch:
     global_num_tokens: list[int] | None = None
     any_extend: bool = False  # some rank prefills this step: `auto` dispatch picks normal mode
     static_bs: int | None = None  # DECODE/IDLE: the padded size every DP group runs (rank/static_shape.py)
+    # EXTEND/MIXED/IDLE: the padded token count every DP group runs (rank/static_extend.py)
+    static_num_tokens: int | None = None
     # Which rows of the output need logits: last token of each request by default.
     logits_indices: torch.Tensor | None = None  # [B] int64 rows of the hidden states fed to the LM head
     return_all_logits: bool = False  # tests and prompt logprobs: logits for every new token

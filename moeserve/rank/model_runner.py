@@ -185,12 +185,10 @@ class ModelRunner:
             elif not a.disable_piecewise_cuda_graph:
                 from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
 
-                # no extend step is larger than the prefill budget (larger ones, such as an unchunked long prompt,
-                # run eagerly)
-                max_tokens = min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens,
-                                 a.max_prefill_tokens)
-                self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, max_tokens, self.device,
-                                                      self.graph_runner.pool)
+                # several DP groups: only steps padded to the count they agreed (--enable-static-shape-extend)
+                self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, self._extend_max_tokens(),
+                                                      self.device, self.graph_runner.pool,
+                                                      a.num_dp_groups if a.enable_static_shape_extend else 1)
         # the static-shape decode step (rank/static_shape.py): the decode graphs, else the padded step eagerly
         self.static_decode = self.graph_runner
         if self.graph_runner is None and a.enable_static_shape_decode:
@@ -200,16 +198,38 @@ class ModelRunner:
             self.static_decode = StaticShapeDecode(
                 lambda fb: self._run_first(self.runners[1:], fb),
                 batch_buckets(min(a.cuda_graph_max_bs, a.max_running_requests), a.cuda_graph_bs), a.num_dp_groups)
-        return [r for r in (self.static_decode, self.piecewise, self.compiled) if r is not None]
+        # the static-shape extend step (rank/static_extend.py): the piecewise graphs, else the padded step eagerly
+        self.static_extend = self.piecewise if a.enable_static_shape_extend else None
+        if self.piecewise is None and a.enable_static_shape_extend:
+            from moeserve.rank.piecewise_graph_runner import token_buckets
+            from moeserve.rank.static_extend import StaticShapeExtend
+
+            self.static_extend = StaticShapeExtend(self.model, token_buckets(self._extend_max_tokens()),
+                                                   a.num_dp_groups)
+        extend = self.static_extend or self.piecewise
+        return [r for r in (self.static_decode, extend, self.compiled) if r is not None]
+
+    def _extend_max_tokens(self) -> int:
+        """The largest extend step padded to a token bucket: no extend step is larger than the prefill budget
+        (larger ones, such as an unchunked long prompt, run eagerly)."""
+        a = self.args
+        return min(a.piecewise_cuda_graph_max_tokens, a.chunk_size or a.max_prefill_tokens, a.max_prefill_tokens)
 
     def static_ready(self, fb: ForwardBatch | None) -> bool:
         """This rank can run its part of a static-shape decode step (rank/static_shape.py). Not while the expert
         recorder counts: its counts would include the padding rows."""
         return self.static_decode is not None and self.expert_recorder is None and self.static_decode.ready(fb)
 
+    def static_extend_ready(self, fb: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape extend step (rank/static_extend.py); not while the expert
+        recorder counts (as static_ready)."""
+        return self.static_extend is not None and self.expert_recorder is None and self.static_extend.ready(fb)
+
     def step_counts(self) -> dict[str, int]:
         """Steps run, by kind (LoadOut.step_counts)."""
         out = {"static_decode": self.static_decode.num_steps} if self.static_decode is not None else {}
+        if self.static_extend is not None:
+            out["static_extend"] = self.static_extend.num_steps
         for (n, tbo), count in sorted(getattr(self.model, "tbo_steps", {}).items()):
             out[f"{'tbo' if tbo else 'no_tbo'} {n}"] = count
         return out

@@ -18,6 +18,10 @@ another on one stream), so they cost one layer's attention rows at the largest b
 calls run on the step's own metadata, built without rotary (`AttentionMetadata.build(batch, None)`). Padding
 tokens embed token 0 at position 0 and write their cache rows to the scratch slot 0, which no request owns; they
 go through the MoE like any token (a few padded rows of work) and never reach attention or the logits.
+
+With several DP groups (--enable-static-shape-extend) the runner replays only at the token count all ranks agreed
+on in the step header (rank/static_extend.py), an idle group's step too (padding rows only), and its graphs are
+captured with the header [n] * groups; a step without that agreement runs eagerly. Written, not run on GPUs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts
 from moeserve.rank.cuda_graph_runner import capture_each, try_capture
+from moeserve.rank.static_extend import forward_padded, static_extend_ready
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,10 @@ class _Bucket:
 class PiecewiseGraphRunner:
     """Captures and replays one rank's extend and mixed forwards in pieces (see the module doc)."""
 
-    def __init__(self, model, kv_pool, max_tokens: int, device: torch.device, pool=None):
+    def __init__(self, model, kv_pool, max_tokens: int, device: torch.device, pool=None, groups: int = 1):
         self.model = model
+        self.groups = groups  # DP groups whose agreed token count it replays at (1: one group only)
+        self.num_steps = 0  # steps run at an agreed count (several groups), replayed or padded eagerly
         self.kv_pool = kv_pool
         self.device = device
         self.buckets = token_buckets(max_tokens)
@@ -85,7 +92,13 @@ class PiecewiseGraphRunner:
         self.replays = 0  # steps that ran from the graphs, and the padding tokens they computed
         self.padded_tokens = 0
 
+    def ready(self, batch: ForwardBatch | None) -> bool:
+        """This rank can run its part of a static-shape extend step (rank/static_extend.py)."""
+        return static_extend_ready(batch, self.max_tokens)
+
     def can_run(self, batch: ForwardBatch) -> bool:
+        if self.groups > 1:  # several DP groups: only at the count all ranks agreed on (an idle group too)
+            return batch.static_num_tokens is not None and self.ready(batch)
         one_group = batch.global_num_tokens is None or len(batch.global_num_tokens) == 1
         return one_group and batch.mode.is_extend and 0 < batch.num_tokens <= self.max_tokens
 
@@ -113,7 +126,7 @@ class PiecewiseGraphRunner:
             prefix_lens=torch.zeros(1, **i64), out_cache_loc=self.out_cache_loc[:n],
             kv_indices=self.out_cache_loc[:n], kv_indptr=torch.tensor([0, n], **i64),
             qo_indptr=torch.tensor([0, n], **i64), kv_pool=self.kv_pool, seq_lens_cpu=[n], extend_lens_cpu=[n],
-            prefix_lens_cpu=[0], global_num_tokens=[n], any_extend=True,
+            prefix_lens_cpu=[0], global_num_tokens=[n] * self.groups, any_extend=True,
         )
 
     def _capture(self, n: int) -> _Bucket:
@@ -151,12 +164,13 @@ class PiecewiseGraphRunner:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of an extend or mixed batch whose tensors are already on the device (as model.forward)."""
         t = batch.num_tokens
-        n = self.bucket(t)
+        n = batch.static_num_tokens or self.bucket(t)
+        self.num_steps += batch.static_num_tokens is not None
         if n not in self.captured:  # capture_all was not called (tests): capture now
             self.captured[n] = try_capture(self._capture, n, "piecewise CUDA graphs")
         bucket = self.captured[n]
-        if bucket is None:
-            return self.model(batch)
+        if bucket is None:  # several groups: the collectives still need the agreed count
+            return forward_padded(self.model, batch, n, self.groups) if self.groups > 1 else self.model(batch)
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
         self.out_cache_loc[:t].copy_(batch.out_cache_loc)
@@ -166,10 +180,10 @@ class PiecewiseGraphRunner:
             self.out_cache_loc[t:n].zero_()
         self.replays += 1
         self.padded_tokens += n - t
-        meta = AttentionMetadata.build(batch, None)
+        meta = AttentionMetadata.build(batch, None) if t else None  # an idle group: no attention to run
         for graph, b in zip(bucket.graphs, [*bucket.boundaries, None], strict=True):
             graph.replay()
-            if b is not None:
+            if b is not None and meta is not None:
                 b.output[:t].copy_(attend_parts(meta, b.attend, *(x[:t] for x in b.inputs)))
         return self.model.compute_logits(self.hidden[:t], batch)
 

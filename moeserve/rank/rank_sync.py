@@ -2,9 +2,9 @@
 
 Every rank of an attention TP group runs the same scheduler on the same messages: the group's leader (attention
 TP rank 0) reads the ZeroMQ socket and broadcasts what it got. Before each forward, all ranks exchange a small
-header (tokens this step, is it a prefill, the rebalancer's state, can it run a static-shape decode) because MoE
-layers are collective: a rank with nothing to do runs an IDLE batch (or, in a static-shape decode step, the agreed
-padded batch: rank/static_shape.py), and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
+header (tokens this step, is it a prefill, the rebalancer's state, can it run a static-shape decode or extend)
+because MoE layers are collective: a rank with nothing to do runs an IDLE batch (or, in a static-shape step, the
+agreed padded batch: rank/static_shape.py, rank/static_extend.py), and when no rank has work nobody runs. After sampling, the leader's token ids are broadcast so the
 group's schedulers never diverge.
 """
 
@@ -32,6 +32,7 @@ class StepHeader:
     eplb: list[int]  # each rank's online-rebalancer status (moeserve/eplb/rebalancer.py)
     all_static: bool = False  # every rank can run a static-shape decode step (rank/static_shape.py)
     any_verify: bool = False  # some group runs a speculative verify step: every rank runs the k draft forwards
+    all_static_extend: bool = False  # every rank can run a static-shape extend step (rank/static_extend.py)
 
     def padded_decode_size(self, buckets: list[int]) -> int | None:
         """The batch size every DP group runs this decode step (padded), or None: the step runs eagerly."""
@@ -40,6 +41,14 @@ class StepHeader:
         if not self.all_static or self.any_extend:
             return None
         return padded_size(self.global_num_tokens, buckets)
+
+    def padded_extend_size(self, buckets: list[int]) -> int | None:
+        """The token count every DP group runs this extend step (padded), or None: the step runs eagerly."""
+        from moeserve.rank.static_extend import padded_extend_size
+
+        if not self.all_static_extend or not self.any_extend:
+            return None
+        return padded_extend_size(self.global_num_tokens, buckets)
 
 
 class RankSync:
@@ -72,18 +81,21 @@ class RankSync:
         return parts
 
     def exchange_header(self, num_tokens: int, is_extend: bool, stop: bool = False,
-                        eplb: int = 0, static_ok: bool = False, verify: bool = False) -> StepHeader:
+                        eplb: int = 0, static_ok: bool = False, verify: bool = False,
+                        static_extend_ok: bool = False) -> StepHeader:
         """Every rank's part of this step's header, the same on all ranks (see StepHeader). static_ok: this rank
-        can run its part of a static-shape decode step; verify: it runs a speculative verify step."""
+        can run its part of a static-shape decode step; verify: it runs a speculative verify step;
+        static_extend_ok: it can run its part of a static-shape extend step."""
         if not self.multi:
-            return StepHeader([num_tokens], is_extend, stop, [eplb], static_ok, verify)
-        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb, int(static_ok), int(verify)],
-                         dtype=torch.int64)
-        out = torch.zeros(self.state.world_size * 6, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
+            return StepHeader([num_tokens], is_extend, stop, [eplb], static_ok, verify, static_extend_ok)
+        t = torch.tensor([num_tokens, int(is_extend), int(stop), eplb, int(static_ok), int(verify),
+                          int(static_extend_ok)], dtype=torch.int64)
+        n = t.numel()
+        out = torch.zeros(self.state.world_size * n, dtype=torch.int64)  # flat: gloo wants [R * n] for [n]
         _all_gather(out, t, group=self.state.world_cpu_group)
-        out = out.view(self.state.world_size, 6)
+        out = out.view(self.state.world_size, n)
         return StepHeader(out[:: self.group_size, 0].tolist(), bool(out[:, 1].any()), bool(out[:, 2].any()),
-                          out[:, 3].tolist(), bool(out[:, 4].all()), bool(out[:, 5].any()))
+                          out[:, 3].tolist(), bool(out[:, 4].all()), bool(out[:, 5].any()), bool(out[:, 6].all()))
 
     def share_sample(self, sample: Any) -> Any:
         """The leader's sampling result on every rank of the group."""

@@ -185,27 +185,32 @@ def run_step(scheduler: Scheduler, runner: ModelRunner, sync: RankSync | None = 
 def group_header(sync: RankSync, batch: ScheduledBatch | None, stop: bool, eplb: int = 0,
                  runner: ModelRunner | None = None) -> StepHeader:
     """Several ranks: this step's header, exchanged by all; the batch (if any) learns every group's tokens (and
-    the padded size of a static-shape decode step, rank/static_shape.py)."""
+    the padded size of a static-shape step, rank/static_shape.py and rank/static_extend.py)."""
     fb = batch.forward if batch is not None else None
-    static = runner.static_decode if runner is not None else None
     header = sync.exchange_header(fb.num_tokens if fb is not None else 0,
                                   bool(batch is not None and batch.mode.is_extend), stop, eplb,
                                   runner is not None and runner.static_ready(fb),
-                                  bool(batch is not None and batch.is_verify))
+                                  bool(batch is not None and batch.is_verify),
+                                  runner is not None and runner.static_extend_ready(fb))
     if fb is not None:
-        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
-        fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
+        _take_header(fb, header, runner)
     return header
+
+
+def _take_header(fb: ForwardBatch, header: StepHeader, runner: ModelRunner | None) -> None:
+    """What the step's batch learns from the header: every group's tokens and the agreed padded sizes."""
+    fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
+    static, extend = (runner.static_decode, runner.static_extend) if runner is not None else (None, None)
+    fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
+    fb.static_num_tokens = header.padded_extend_size(extend.buckets) if extend is not None else None
 
 
 def join_idle(runner: ModelRunner, header: StepHeader) -> None:
     """A rank with nothing to run joins the MoE collectives with an IDLE batch, when some other group runs (in a
-    static-shape decode step, with the agreed number of padding rows)."""
+    static-shape step, with the agreed number of padding rows)."""
     if any(header.global_num_tokens):
         fb = ForwardBatch.idle()
-        fb.global_num_tokens, fb.any_extend = header.global_num_tokens, header.any_extend
-        static = runner.static_decode
-        fb.static_bs = header.padded_decode_size(static.bs_buckets) if static is not None else None
+        _take_header(fb, header, runner)
         runner.forward(fb)
 
 

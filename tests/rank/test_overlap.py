@@ -121,7 +121,8 @@ class _DpGroupRank:
     def __init__(self, other: int):
         self.other, self.headers = other, []
 
-    def exchange_header(self, num_tokens, is_extend, stop=False, eplb=0, static_ok=False, verify=False):
+    def exchange_header(self, num_tokens, is_extend, stop=False, eplb=0, static_ok=False, verify=False,
+                        static_extend_ok=False):
         from moeserve.rank.rank_sync import StepHeader
 
         self.headers.append(num_tokens)
