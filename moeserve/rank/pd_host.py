@@ -63,7 +63,8 @@ class PDHost:
             req.top_logprobs.extend([tuple(x) for x in top] for top in (done.get("top_logprobs") or [[]] * kept)[:kept])
         req.cached_tokens = int(done.get("cached_tokens", 0))
         req.cached_tokens_details = done.get("cached_tokens_details")  # prefill's hierarchical cache, by tier
-        if self.num_draft_tokens:  # the first draft extend reads (x_L, h_{L-1}) at position L - 1 (round.py)
+        if done.get("draft_hidden") is not None:  # speculative decoding (both sides: the bootstrap checks it):
+            # the first draft extend reads (x_L, h_{L-1}) at position L - 1 (speculative/round.py)
             req.draft_start, req.draft_hidden = req.kv_len - 1, unpack_tensor(done["draft_hidden"])
         self.stats.generated += kept
         if req.finished:
