@@ -4,16 +4,20 @@ and its `done` carries h_{L-1}; the decode server drafts and verifies from there
 greedy tokens equal the plain and the speculative single server's, and each request's verify rounds
 (spec_verify_ct: the accept length) equal the speculative single server's, on a random tiny DeepSeek-V3 checkpoint
 with an MTP layer and on the trained default model, with chunked prefill (chunks of 8, pages of 4) and prefix hits
-on the prefill side; seeded sampling gives the speculative single server's tokens; aborts in every state, from
+on the prefill side; seeded sampling and an FP8 checkpoint give the speculative single server's tokens; the
+hidden state's JSON form keeps its bits; aborts in every state, from
 either side, and decode's retractions leak no page; a side without speculation refuses to pair. (Decode keeps no
 prefix cache in PD: a prompt's prefix is hit on the prefill side, whose cached draft KV travels too.)"""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import torch
 
+from moeserve.disagg.messages import BadMessage, pack_tensor, unpack_tensor
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
 from tests.disagg.pd_harness import PDPair
@@ -165,6 +169,46 @@ def test_pd_nextn_decode_retraction(mtp_checkpoint):
         assert (pair.prefill.free_pages(), pair.decode.free_pages()) == start
     finally:
         pair.close()
+
+
+def test_pd_nextn_fp8_equals_the_single_server(fp8_mtp_checkpoint):
+    """An FP8 checkpoint: the draft KV pool is just more buffers (after the target's, in kv_buffers' order). One
+    prompt at a time on both (an FP8 extend's logits move with the batch around it, test_speculative_mtp.py): the
+    speculative single server's tokens and verify rounds."""
+    from moeserve.kvcache.kv_pool import kv_buffers
+
+    fp8, _ = fp8_mtp_checkpoint
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (6, 19, 11)]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    flags = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=2048, **SPEC)
+    single = InProcessEngine(model_path=fp8, **flags)
+    ref = [single.run([p], params)[0] for p in prompts]
+    del single
+    pair = PDPair(model_path=fp8, **flags)
+    try:
+        runner = pair.prefill.runner
+        want = kv_buffers(runner.kv_pool) + kv_buffers(runner.speculative.drafter.kv_pool)
+        got_buffers = pair.prefill.scheduler.pd.backend.buffers
+        assert len(got_buffers) == len(want) and all(a is b for a, b in zip(got_buffers, want, strict=True))
+        got = [pair.run([p], params)[0] for p in prompts]
+        assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+        assert [g["spec_verify_ct"] for g in got] == [r["spec_verify_ct"] for r in ref]
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_hidden_state_travels_as_json(dtype):
+    """`done`'s h_{L-1}: the tensor's exact bits through JSON (bf16 has no numpy form); a mangled one is refused."""
+    h = torch.randn(1, 48).to(dtype)
+    packed = json.loads(json.dumps(pack_tensor(h)))
+    back = unpack_tensor(packed)
+    assert back.dtype == dtype and back.shape == h.shape and torch.equal(back, h)
+    with pytest.raises(BadMessage, match="not a packed tensor"):
+        unpack_tensor({**packed, "shape": [2, 48]})
+    with pytest.raises(BadMessage, match="not a packed tensor"):
+        unpack_tensor({**packed, "dtype": "Tensor"})
 
 
 @pytest.mark.parametrize("spec_side", ["prefill", "decode"])
