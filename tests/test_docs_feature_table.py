@@ -32,6 +32,7 @@ SAME_PIECES = {
     "Tensor-parallel MoE": ["tensor-parallel MoE"],
     "Several nodes": ["several nodes"],
     "PD disaggregation on two GPUs": ["Mooncake over RDMA, PD on two GPUs"],
+    "Speculative decoding with DeepSeek's MTP layer": ["PD with speculative decoding"],
     "FP8 on several GPUs": ["FP8 on several GPUs, online EPLB on several GPUs", "online EPLB with FP8 experts"],
     "Structured outputs": ["structured outputs' token mask on CUDA"],
     "Watchdog": ["`--watchdog-timeout`"],

@@ -227,6 +227,10 @@ class DecodeRooms:
         for key, mine in self.identity.items():
             if theirs.get(key) == mine:
                 continue
+            if key == "speculative":
+                return ("speculative decoding is on one side only: the prefill server sends the draft model's KV "
+                        "and hidden state that the decode server drafts from; give both sides the same "
+                        "--speculative-algorithm (or neither)")
             if key == "attn_tp_size":
                 return (f"GQA's KV heads are split over attention-TP ranks: the prefill server runs attention TP "
                         f"{theirs.get(key)}, this decode server {mine}; run both with the same attention TP size "

@@ -7,19 +7,22 @@ a nonce: a receiver drops a message older than MAX_AGE_S or one it has seen (Rep
 cannot be replayed.
 
 decode -> prefill: `wait` (the room waits in decode's queue: time it by decode's heartbeat), `dest` (write the prompt's KV into these pages, then report), `cancel` (stop; acknowledge).
-prefill -> decode: `started` (the first write is under way: decode's transfer deadline runs from here), `done` (every page written; the sampled tokens, their logprobs, cached_tokens), `failed` (the
+prefill -> decode: `started` (the first write is under way: decode's transfer deadline runs from here), `done` (every page written; the sampled tokens, their logprobs, cached_tokens; with speculative decoding the hidden state the first draft reads, `pack_tensor`), `failed` (the
 transfer stopped: an error, a cancellation or an abort; every write this rank started for the room has returned).
 Both ways, between the ranks' heartbeat threads (liveness.py): `ping`, answered by `pong`.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import secrets
 import time
 from typing import Any
+
+import torch
 
 KINDS = ("wait", "dest", "cancel", "ping", "started", "done", "failed", "pong")
 MAX_AGE_S = 60.0  # a signed message older than this (or this far ahead: clock skew) is dropped
@@ -75,3 +78,24 @@ class ReplayGuard:
         if len(self.seen) > 1000:  # forget the nonces that have aged out
             self.seen = {n: t for n, t in self.seen.items() if now - t <= MAX_AGE_S}
         self.seen[nonce] = ts
+
+
+def pack_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A small tensor as JSON: its raw bytes in base64 (bf16 has no JSON or numpy form), shape and dtype."""
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"b64": base64.b64encode(raw).decode(), "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def unpack_tensor(packed: dict[str, Any]) -> torch.Tensor:
+    """`pack_tensor`'s tensor, on the CPU; BadMessage when the fields do not describe one."""
+    try:
+        dtype = getattr(torch, packed["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(packed["dtype"])
+        raw = bytearray(base64.b64decode(packed["b64"], validate=True))
+        shape = [int(n) for n in packed["shape"]]
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.view(shape)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise BadMessage(f"not a packed tensor: {e}") from None

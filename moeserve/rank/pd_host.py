@@ -11,6 +11,7 @@ from moeserve.disagg.control import ControlChannel, advertised_host
 from moeserve.disagg.decode import DecodeRooms
 from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
+from moeserve.disagg.messages import pack_tensor, unpack_tensor
 from moeserve.disagg.prefill import PrefillRooms
 from moeserve.disagg.transfer.base import TransferBackend
 from moeserve.disagg.transfer.registry import backend_class
@@ -62,6 +63,9 @@ class PDHost:
             req.top_logprobs.extend([tuple(x) for x in top] for top in (done.get("top_logprobs") or [[]] * kept)[:kept])
         req.cached_tokens = int(done.get("cached_tokens", 0))
         req.cached_tokens_details = done.get("cached_tokens_details")  # prefill's hierarchical cache, by tier
+        if done.get("draft_hidden") is not None:  # speculative decoding (both sides: the bootstrap checks it):
+            # the first draft extend reads (x_L, h_{L-1}) at position L - 1 (speculative/round.py)
+            req.draft_start, req.draft_hidden = req.kv_len - 1, unpack_tensor(done["draft_hidden"])
         self.stats.generated += kept
         if req.finished:
             self._release(req, cache=False)
@@ -107,22 +111,27 @@ class PDHost:
 
     @staticmethod
     def pd_first(req: Req) -> dict[str, Any]:
-        """What decode needs of the prefill's sampled tokens (their logprobs: lists as long, or None)."""
-        return {"tokens": list(req.output_ids), "cached_tokens": req.cached_tokens,
-                "cached_tokens_details": req.cached_tokens_details,
-                "logprobs": list(req.logprobs) or None, "top_logprobs": list(req.top_logprobs) or None}
+        """What decode needs of the prefill's sampled tokens (their logprobs: lists as long, or None); with
+        speculative decoding also h_{L-1} [1, H], the hidden state its first draft reads (round.draft_prompt)."""
+        first = {"tokens": list(req.output_ids), "cached_tokens": req.cached_tokens,
+                 "cached_tokens_details": req.cached_tokens_details,
+                 "logprobs": list(req.logprobs) or None, "top_logprobs": list(req.top_logprobs) or None}
+        if req.draft_hidden is not None:
+            first["draft_hidden"] = pack_tensor(req.draft_hidden)
+        return first
 
 
 def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, scheduler: PDHost, dp_rank: int,
-                  sync: RankSync | None = None) -> DecodeRooms | PrefillRooms:
-    """The PD state machine of one rank of an attention group, over its KV pool. The group's leader also gets
-    the control socket and the heartbeat, and (prefill) registers with its server's bootstrap server; with
+                  sync: RankSync | None = None, draft_pool: KVPool | None = None) -> DecodeRooms | PrefillRooms:
+    """The PD state machine of one rank of an attention group, over its KV pool (and the draft model's, with
+    speculative decoding: its buffers after the target's, written at the same pages). The group's leader also
+    gets the control socket and the heartbeat, and (prefill) registers with its server's bootstrap server; with
     attention TP the group's ranks first share their transfer endpoints (group.py)."""
     from moeserve.disagg.bootstrap import register_rank
 
     peer_host = args.dist_init_addr.rpartition(":")[0] if args.nnodes > 1 else None
     host = advertised_host(args.host, peer_host)
-    buffers = kv_buffers(kv_pool)
+    buffers = kv_buffers(kv_pool) + (kv_buffers(draft_pool) if draft_pool is not None else [])
     backend = backend_class(args.disagg.transfer_backend)(
         buffers, args.page_size, host=host, api_key=args.api_key, ib_device=args.disagg.ib_device)
     decode = args.disagg.is_decode
@@ -133,9 +142,10 @@ def make_pd_rooms(args: ServerArgs, kv_pool: KVPool, config: ModelConfig, schedu
         heartbeat = Heartbeat(args.host, host, args.api_key, args.disagg.heartbeat_interval,
                               args.disagg.heartbeat_timeout)
     replicated = config.is_mla  # the latent is the same on every attention-TP rank; GQA's heads are split
+    # (the draft's KV pool is buffers of its own: "speculative" is named before the page bytes it changes)
     identity = {"architecture": config.architecture, "num_layers": config.num_hidden_layers,
-                "page_size": args.page_size, "page_bytes": backend.page_bytes,
-                "backend": args.disagg.transfer_backend}
+                "speculative": draft_pool is not None, "page_size": args.page_size,
+                "page_bytes": backend.page_bytes, "backend": args.disagg.transfer_backend}
     if not replicated:
         identity = {"attn_tp_size": group.size, **identity}
     if decode:

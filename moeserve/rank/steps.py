@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeserve.args import PDRole
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.rank.io_struct import TokenOut
 from moeserve.rank.sampler import SampleOutput
@@ -88,11 +89,17 @@ def launch_step(scheduler: Scheduler, runner: ModelRunner, batch: ScheduledBatch
         scheduler.add_prompt_logprobs(batch, *runner.score_prompt(logits[:batch.num_prompt_rows], batch))
         logits = logits[batch.num_prompt_rows:]
     sampled = scheduler.sampling_inputs(batch)
+    # a PD prefill server's draft KV of the prompt travels to decode with the target's (speculative/round.py)
+    drafts_prompt = spec is not None and scheduler.pd_role is PDRole.PREFILL and batch.mode.is_extend
     if not sampled:
+        if drafts_prompt:
+            spec.draft_prompt(scheduler, batch, sampled, None)
         return LaunchedStep(batch, None)
     mask = scheduler.grammar.token_mask([r.grammar for r in sampled], runner.device)
     out = runner.sample(logits, sampled, to_host=not keep_on_device, token_mask=mask)
     ids = out.next_token_ids_device
+    if drafts_prompt:
+        spec.draft_prompt(scheduler, batch, sampled, ids)
     if tokens is not None:
         rows = torch.tensor([r.row for r in sampled], dtype=torch.int64).to(ids.device, non_blocking=True)
         tokens.index_copy_(0, rows, ids.view(len(sampled), -1))

@@ -126,7 +126,9 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 
-        scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank, sync)
+        draft_pool = runner.speculative.drafter.kv_pool if runner.speculative is not None else None
+        scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank, sync,
+                                     draft_pool)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)

@@ -54,8 +54,9 @@ class PDPair:
         args = ServerArgs.from_kwargs(disaggregation_mode=mode, disaggregation_bootstrap_port=self.port, **kwargs)
         runner = ModelRunner(args)
         sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
-                          kv_pool=runner.kv_pool)
-        sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0)
+                          kv_pool=runner.kv_pool, num_draft_tokens=runner.num_draft_tokens)
+        draft_pool = runner.speculative.drafter.kv_pool if runner.speculative is not None else None
+        sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0, draft_pool=draft_pool)
         return Side(args, runner, sched, StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule))
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,
@@ -99,7 +100,7 @@ class PDPair:
         if inputs["prefill"] is not None and inputs["decode"] is not None:
             merged = inputs["prefill"].input_logprobs + inputs["decode"].input_logprobs
         return {"output_ids": [t for o in outs for t in o.new_token_ids], "finish_reason": outs[-1].finish_reason,
-                "cached_tokens": outs[-1].cached_tokens,
+                "cached_tokens": outs[-1].cached_tokens, "spec_verify_ct": outs[-1].spec_verify_ct,
                 "logprobs": [lp for o in outs for lp in (o.logprobs or [])], "input_logprobs": merged,
                 "prefill_inputs": inputs["prefill"], "decode_inputs": inputs["decode"]}
 

@@ -128,3 +128,44 @@ def test_sglang_router_pd(tmp_path):
             router.wait(10)
         prefill.stop()
         decode.stop()
+
+
+def test_sglang_router_pd_nextn(tmp_path):
+    """Both servers with --speculative-algorithm NEXTN (prefill drafts over the prompt and sends the draft KV and
+    h_{L-1}; decode drafts and verifies): /generate and the openai client's chat completion through the router give
+    the plain colocated engine's greedy tokens, and decode reports its verify rounds."""
+    from moeserve.models.default_model import default_model_path
+    from moeserve.text.tokenizer import load_tokenizer
+
+    spec = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")
+    prompts = _prompts(3, 12)
+    ref = _reference(prompts)
+    prefill = start("prefill", tmp_path, *spec)
+    decode = start("decode", tmp_path, *spec)
+    router = None
+    try:
+        router, url = _start_router(prefill, decode, tmp_path)
+        sp = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        for ids, want in zip(prompts, ref, strict=True):
+            r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want["output_ids"]
+            assert 1 <= r.json()["meta_info"]["spec_verify_ct"] <= NEW - 1
+
+        path = default_model_path()
+        tok = load_tokenizer(path)
+        msgs = [{"role": "user", "content": "Tell me about the sea."}]
+        ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+        eng = InProcessEngine(model_path=path, dtype="float32", page_size=4, chunked_prefill_size=16)
+        want = eng.run([ids], SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))[0]
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        whole = oai.chat.completions.create(model="default", messages=msgs, max_tokens=NEW, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert whole.usage.completion_tokens == NEW
+        assert whole.choices[0].message.content == tok.decode(want["output_ids"])
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        prefill.stop()
+        decode.stop()

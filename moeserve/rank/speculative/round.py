@@ -13,6 +13,11 @@ Positions. A request whose target KV holds positions [0, L) and whose last token
     (never cached), draft_start = L and draft_hidden = h_L .. h_{L+a}.
 A prefill's (or chunk's) hidden states join draft_hidden the same way (`after_extend`).
 
+PD disaggregation: the prefill server runs the draft over the prompt's rows right after each extend
+(`draft_prompt`; the last row reads the token it sampled), so the draft's KV of the prompt travels to decode with
+the target's, and its `done` carries h_{L-1}; decode seeds draft_start = L - 1, draft_hidden = h_{L-1}
+(rank/pd_host.py) and drafts from there as above.
+
 Drafts are the draft model's argmax (q one-hot), for greedy and sampled requests alike: the sampling rule keeps the
 target's distribution for any q (acceptance.py).
 """
@@ -125,20 +130,14 @@ class SpeculativeRound:
         """d_1..d_k per request, [B, k] int64 on the device (module docstring: positions)."""
         table = scheduler.req_table
         device = self.runner.device
-        ids, seq_lens, extend_lens, locs, rows = [], [], [], [], []
+        rows = [req.row for req in reqs]
         for req, kv_len in zip(reqs, kv_lens, strict=True):
-            start = req.draft_start
-            assert req.draft_hidden is not None and start + len(req.draft_hidden) == kv_len, (
-                req.rid, start, None if req.draft_hidden is None else len(req.draft_hidden), kv_len)
-            ids.extend(req.fill_ids[start + 1:kv_len + 1])
-            seq_lens.append(kv_len)
-            extend_lens.append(kv_len - start)
-            locs.append(table.table[req.row, start:kv_len])
-            rows.append(req.row)
-        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, seq_lens, extend_lens, np.concatenate(locs),
-                                table.gather(rows, seq_lens)).to(device)
-        hidden = torch.cat([r.draft_hidden for r in reqs])
-        logits, g = self.drafter.forward(fb, fb.input_ids, hidden)
+            assert req.draft_hidden is not None and req.draft_start + len(req.draft_hidden) == kv_len, (
+                req.rid, req.draft_start, None if req.draft_hidden is None else len(req.draft_hidden), kv_len)
+        pairs = list(zip(reqs, kv_lens, strict=True))
+        ids = [t for req, kv_len in pairs for t in req.fill_ids[req.draft_start + 1:kv_len + 1]]
+        extend_lens = [kv_len - req.draft_start for req, kv_len in pairs]
+        logits, g = self._draft_extend(scheduler, reqs, kv_lens, ids)
         last = torch.as_tensor(np.cumsum(extend_lens) - 1, device=device)
         token, g = logits.argmax(dim=-1), g[last]
         drafts = [token]
@@ -151,6 +150,70 @@ class SpeculativeRound:
             token = logits.argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+    def _draft_extend(self, scheduler, reqs: list[Req], ends: list[int], ids: list[int],
+                      last_ids: torch.Tensor | None = None, last_of: list[bool] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft extend over positions [req.draft_start, end) of each request, reading ids (the token after
+        each position, host ints) and the first end - draft_start rows of req.draft_hidden; writes the draft's KV.
+        last_ids [sum(last_of)] on the device: the ids of the last rows of the requests flagged in last_of, in
+        order (tokens sampled this step, not on the host yet). Returns the drafter's (logits of each request's
+        last row, hidden [T, H])."""
+        table = scheduler.req_table
+        device = self.runner.device
+        rows = [req.row for req in reqs]
+        extend_lens = [end - req.draft_start for req, end in zip(reqs, ends, strict=True)]
+        locs = [table.table[req.row, req.draft_start:end] for req, end in zip(reqs, ends, strict=True)]
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, ends, extend_lens, np.concatenate(locs),
+                                table.gather(rows, ends)).to(device)
+        input_ids = fb.input_ids
+        if last_ids is not None:
+            at = np.cumsum(extend_lens)[np.asarray(last_of, dtype=bool)] - 1
+            input_ids = input_ids.index_put((torch.as_tensor(at, device=device),), last_ids.view(-1))
+        hidden = torch.cat([req.draft_hidden[:n].to(device) for req, n in zip(reqs, extend_lens, strict=True)])
+        return self.drafter.forward(fb, input_ids, hidden)
+
+    # ------------------------------------------------------------------ PD prefill
+    @torch.inference_mode()
+    def draft_prompt(self, scheduler, batch: ScheduledBatch, sampled: list[Req],
+                     next_ids: torch.Tensor | None) -> None:
+        """The prefill server of a PD pair, after an extend (a chunk, or a prompt's end): the draft model's KV of
+        the positions it computed, now, so that it travels to decode with the target's (disagg/prefill.py sends
+        a chunk's complete pages after its step; the draft's KV pool is one more buffer beside the target's, at
+        the same slots). Row p reads x_{p+1}: a prompt token, or for the last prompt row the token sampled this
+        step (next_ids [len(sampled)] on the device, in `sampled`'s order).
+
+        Afterwards a request that sampled holds h_{L-1} alone, at draft_start L - 1: what decode's first draft
+        extend reads (it recomputes that row, writing the same KV) and what prefill's `done` carries
+        (rank/pd_host.py). A chunk holds nothing (draft_start at its end): the next chunk's rows join it."""
+        fb = batch.forward
+        index = {id(r): i for i, r in enumerate(sampled)}
+        reqs, ends, ids, last_of, order = [], [], [], [], []
+        for req, n, prefix, done in zip(batch.reqs, fb.extend_lens_cpu, fb.prefix_lens_cpu, batch.finishes_prefill,
+                                        strict=True):
+            end = prefix + n
+            fresh = done and id(req) in index  # its last row reads the token sampled now
+            stop = end if fresh or not done else end - 1  # (a prompt that samples nothing: its last row waits)
+            start = req.draft_start
+            assert req.draft_hidden is not None and start + len(req.draft_hidden) == end, (req.rid, start, end)
+            if stop > start:
+                reqs.append(req)
+                ends.append(stop)
+                known = req.fill_ids[start + 1:stop + 1]
+                ids.extend(known + [0] * (stop - start - len(known)))  # the sampled token: filled on the device
+                last_of.append(fresh)
+                if fresh:
+                    order.append(index[id(req)])
+        if reqs:
+            last_ids = None
+            if order:
+                last_ids = next_ids.view(len(sampled), -1)[:, 0][torch.as_tensor(order, device=next_ids.device)]
+            self._draft_extend(scheduler, reqs, ends, ids, last_ids, last_of)
+        for req, n, prefix, done in zip(batch.reqs, fb.extend_lens_cpu, fb.prefix_lens_cpu, batch.finishes_prefill,
+                                        strict=True):
+            keep = prefix + n - 1 if done else prefix + n
+            req.draft_hidden = req.draft_hidden[keep - req.draft_start:]
+            req.draft_start = keep
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: list[list[int]], reqs: list[Req]

@@ -11,7 +11,10 @@ def unsupported_with_speculation(args: ServerArgs) -> str | None:
     groups (a group that does not draft in a step joins the draft forwards' collectives, round.join_drafts)."""
     refused = [
         (args.enable_mixed_chunk, "--enable-mixed-chunk"),
-        (args.disagg.role is not PDRole.NULL, "--disaggregation-mode"),
+        # a PD prefill server drafts over each prompt after its step (round.draft_prompt), outside the step
+        # pipeline's collectives that other DP groups join
+        (args.disagg.role is not PDRole.NULL and args.enable_dp_attention,
+         "--disaggregation-mode and --enable-dp-attention"),
         (args.enable_torch_compile, "--enable-torch-compile"),
         (args.enable_hierarchical_cache, "--enable-hierarchical-cache"),
         (args.enable_static_shape_extend, "--enable-static-shape-extend"),  # its extends run forward_hidden
