@@ -1,6 +1,6 @@
 """Speculative decoding with DeepSeek's MTP layer (--speculative-algorithm NEXTN) through the real scheduler and
 model runner: greedy tokens identical with speculation on and off on random tiny DeepSeek-V3 checkpoints carrying
-an MTP layer in the published layout (float32; FP8 token by token against the target's prefill, see its test), with chunked prefill, pages of 4 tokens and prefix hits; the
+an MTP layer in the published layout (float32; FP8 token by token against the target's prefill or decode step, see its test), with chunked prefill, pages of 4 tokens and prefix hits; the
 KV pool's pages all come back. (A random MTP layer drafts badly: the tokens must not depend on it.)"""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
+from tests.models.harness import Runner
 from tests.rank.inprocess import InProcessEngine
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -57,25 +59,31 @@ FP8_TIE = 0.05  # log-prob: how far FP8 extends of the same tokens differ with t
 
 
 def test_mtp_fp8_greedy_follows_the_target(fp8_mtp_checkpoint):
-    """FP8: a verify step is an extend, and on this near-uniform checkpoint (init std 0.02: top-2 gaps of 0.01) the
-    FP8 extend and decode paths disagree by more than near-ties already without speculation (up to ~0.2 in a
-    token's log-prob), and an extend's logits move by ~0.01 with the batch around it. So each token of the
-    speculative run is checked against a fresh prefill over the tokens before it: the target's argmax, or within
-    FP8_TIE of it."""
+    """FP8: on this near-uniform checkpoint (init std 0.02: top-2 gaps of 0.01) the FP8 extend and decode paths
+    disagree by more than near-ties already without speculation (up to ~0.2 in a token's log-prob), and an
+    extend's logits move by ~0.01 with the batch around it. So each token of the speculative run is checked on
+    its own, along the path that chose it: the first (the prefill's) against a fresh prefill, each later one
+    (a verify step's decode rows, rank/speculative/verify_rows.py) against a decode step of the token before
+    it after a fresh prefill of the rest: the target's argmax, or within FP8_TIE of it."""
     fp8, _ = fp8_mtp_checkpoint
     prompts = _prompts(4, [6, 19, 11])
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     spec = InProcessEngine(model_path=fp8, speculative_algorithm="NEXTN", speculative_num_steps=2)
     start = spec.scheduler.allocator.num_free_pages
     got = spec.run(prompts, params)
-    ref = InProcessEngine(model_path=fp8, disable_radix_cache=True)
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    for p, r in zip(prompts, got, strict=True):
+    ref = Runner(fp8)
+    for n, (p, r) in enumerate(zip(prompts, got, strict=True)):
         out = r["output_ids"]
         assert len(out) == params.max_new_tokens
         for i, token in enumerate(out):
-            top = dict(ref.run([p + out[:i]], one, return_logprob=True, top_logprobs_num=8)[0]["top_logprobs"][0])
-            assert token in top and max(top.values()) - top[token] < FP8_TIE, (i, token, top)
+            rid = (n, i)
+            if i == 0:
+                logits = ref.extend([(rid, p)])[-1]
+            else:
+                ref.extend([(rid, p + out[:i - 1])])
+                logits = ref.decode([(rid, out[i - 1])])[0]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            assert logp.max() - logp[token] < FP8_TIE, (i, token, logp.topk(4))
     assert spec.scheduler.stats.spec_rounds > 0
     spec.scheduler.cache.reset()
     assert spec.scheduler.allocator.num_free_pages == start

@@ -1,5 +1,5 @@
 """One speculative round on one rank: draft k tokens per request by chaining the draft model, verify [t, d_1..d_k]
-in one target forward (an extend of k + 1 tokens per request over the paged KV), accept (acceptance.py), and give
+in one target forward (k + 1 tokens per request over the paged KV), accept (acceptance.py), and give
 back the KV of the rejected drafts.
 
 Positions. A request whose target KV holds positions [0, L) and whose last token t = x_L has no KV yet:
@@ -8,7 +8,8 @@ Positions. A request whose target KV holds positions [0, L) and whose last token
   - drafting: one extend over [draft_start, L) (the last row gives d_1 and g_1), then k - 1 one-token steps at
     positions L .. L + k - 2 reading (d_{j-1}, g_{j-1}), which write the draft's KV in the verify step's slots
     (scratch: the next round's extend writes those positions again with the target's hidden states);
-  - verify: the target over [x_L, d_1..d_k] at positions L .. L + k gives k + 1 rows of logits and h_L .. h_{L+k};
+  - verify: the target over [x_L, d_1..d_k] at positions L .. L + k gives k + 1 rows of logits and h_L .. h_{L+k}
+    (run as k + 1 decode rows per request, each over its causal prefix: verify_rows.py);
   - after accepting a drafts: the target's KV keeps [0, L + a + 1), the slots of the rejected positions are freed
     (never cached), draft_start = L and draft_hidden = h_L .. h_{L+a}.
 A prefill's (or chunk's) hidden states join draft_hidden the same way (`after_extend`).
@@ -37,6 +38,7 @@ from moeserve.rank.sampler import SamplingBatch
 from moeserve.rank.scheduled_batch import ScheduledBatch
 from moeserve.rank.speculative.acceptance import accept_greedy, accept_sampled, expand_rows, processed_probs
 from moeserve.rank.speculative.drafter import Drafter
+from moeserve.rank.speculative.verify_rows import verify_as_decode
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class SpeculativeRound:
         kv_lens = fb.prefix_lens_cpu  # L per request
         drafts = self.draft(scheduler, reqs, kv_lens)  # [B, k] on the device
 
-        dev = fb.to(self.runner.device)
+        # the verify as B * (k + 1) decode rows (verify_rows.py): the absorbed MLA path, not an extend
+        dev = verify_as_decode(fb, k + 1).to(self.runner.device)
         ids = dev.input_ids.view(bs, k + 1)
         dev.input_ids = torch.cat([ids[:, :1], drafts], dim=1).reshape(-1)
         dev.logits_indices = None

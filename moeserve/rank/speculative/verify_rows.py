@@ -1,0 +1,42 @@
+"""A verify step run as decode rows: each request's k + 1 tokens become k + 1 one-token "requests" over the same
+slots, row j at position L + j reading the first L + j + 1 of them (its own KV, written first, included).
+
+Causal attention over [0, L + j] is exactly what the extend over [L, L + k] gives that row, so the logits are the
+same; what changes is the path. A DECODE step runs MLA's absorbed form over the latent cache (one query row
+against c_kv), where an EXTEND expands the request's whole prefix through kv_b_proj per step: at batch 1 on a CPU
+the verify extend cost about twice a plain decode step. The MoE and dense layers see the same B * (k + 1) rows.
+
+The rows' slot lists overlap (row j's is row j - 1's plus one slot), so kv_indices grows to about
+(k + 1) * sum(L) entries: slots only, no KV is copied. No decode_slots block: AttentionMetadata pads one from
+kv_indices where a kernel reads it (torch, Triton); the CPU kernel reads kv_indices in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+
+
+def verify_as_decode(fb: ForwardBatch, num_rows: int) -> ForwardBatch:
+    """fb: a verify step as the scheduler builds it (EXTEND, num_rows = k + 1 tokens per request, host tensors)
+    -> a DECODE batch of B * num_rows rows in fb's token order: the same tokens, positions and written slots; row
+    (b, j) reads request b's first L_b + j + 1 slots. The lock-step header (global_num_tokens, any_extend) is
+    fb's: the token count is unchanged, and keeping any_extend keeps the EP dispatch mode a verify extend had."""
+    assert all(n == num_rows for n in fb.extend_lens_cpu), (fb.extend_lens_cpu, num_rows)
+    i64 = torch.int64
+    seq = torch.tensor(fb.seq_lens_cpu, dtype=i64)  # L + num_rows per request
+    offsets = torch.arange(1 - num_rows, 1, dtype=i64)  # row j reads seq - num_rows + j + 1 slots
+    lens = (seq[:, None] + offsets[None, :]).reshape(-1)  # [B * num_rows]
+    starts = fb.kv_indptr[:-1].repeat_interleave(num_rows)  # each row's slots begin at its request's
+    row_indptr = torch.zeros(lens.shape[0] + 1, dtype=i64)
+    row_indptr[1:] = torch.cumsum(lens, 0)
+    # entry e of row r is slot kv_indices[starts[r] + (e - row_indptr[r])]
+    total = int(row_indptr[-1])
+    shift = torch.repeat_interleave(starts - row_indptr[:-1], lens, output_size=total)
+    kv_indices = fb.kv_indices[torch.arange(total, dtype=i64) + shift]
+    rows = lens.tolist()
+    out = ForwardBatch.build(ForwardMode.DECODE, fb.input_ids.numpy(), rows, [1] * len(rows), fb.out_cache_loc,
+                             kv_indices, kv_pool=fb.kv_pool)
+    out.global_num_tokens, out.any_extend = fb.global_num_tokens, fb.any_extend
+    return out
