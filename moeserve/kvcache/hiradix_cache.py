@@ -16,6 +16,7 @@ host-only leaves. A finished sequence whose path meets a host-only node keeps it
 (the caller frees them): the tree's copy is loaded back by the next match instead.
 With a storage tier below (storage_tier.py), every host copy made here is also written there, and a match that
 goes past what device and host hold first reads the stored continuation into a new host-only node.
+(Storage writes finish in the tier's writer thread from a copy of the pages: storage_tier.py.)
 """
 
 from __future__ import annotations

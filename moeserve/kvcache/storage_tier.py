@@ -3,12 +3,17 @@ read back into host pages on a match that goes past what device and host hold.
 
 A page is stored as one tensor: its rows of every host buffer, flattened and concatenated in kv_buffers' order.
 Keys chain from the layout's root over the sequence's whole pages (storage/keys.py), so a page names its prefix.
-Reads and writes run synchronously in the scheduler's thread (every prefetch policy waits for the pages it reads;
-timeout stops reading at a deadline).
+Writes are asynchronous: write copies each page out of the host pool (so the host page may be freed or rewritten
+right after) and a writer thread puts the copies to the backend; until a put completes its page is served to reads
+from that copy, so a read never misses what was written. Reads run in the scheduler's thread (every prefetch
+policy waits for the pages it reads; timeout stops reading at a deadline).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 
 import numpy as np
@@ -18,10 +23,13 @@ from moeserve.kvcache.host_pool import HostKVPool
 from moeserve.kvcache.storage.base import StorageBackend
 from moeserve.kvcache.storage.keys import page_keys
 
+logger = logging.getLogger(__name__)
+
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # --hicache-storage-prefetch-policy
 # timeout: a prefetch stops reading after this base plus this much per 1,024 tokens asked for
 TIMEOUT_BASE_S = 0.5
 TIMEOUT_PER_KI_TOKEN_S = 0.25
+CLOSE_TIMEOUT_S = 60.0  # close waits this long for the writer thread to put what is queued
 
 
 class StorageTier:
@@ -33,6 +41,11 @@ class StorageTier:
         self.page_size = host.page_size
         self.root = root
         self.prefetch_policy = prefetch_policy
+        self._pending: dict[str, torch.Tensor] = {}  # key -> page copy, until the writer thread put it
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-storage-writer", daemon=True)
+        self._writer.start()
 
     def keys(self, tokens: list[int], after: str | None = None) -> list[str]:
         """Keys of the whole pages of tokens, which follow the page keyed `after` (None: tokens start the
@@ -40,24 +53,69 @@ class StorageTier:
         return page_keys(after or self.root, tokens, self.page_size)
 
     def write(self, keys: list[str], host_slots: np.ndarray) -> None:
-        """Store the host pages at host_slots [len(keys) * page_size] under keys."""
+        """Store the host pages at host_slots [len(keys) * page_size] under keys: copied now (the host pages are
+        free to go when this returns), put by the writer thread."""
         ps = self.page_size
         for i, key in enumerate(keys):
-            page = self._page(host_slots[i * ps : (i + 1) * ps])
-            self.backend.put(key, page)
+            page = self._page(host_slots[i * ps : (i + 1) * ps])  # index_select: a copy
+            with self._lock:
+                if key in self._pending:  # keys name contents: the same page is on its way
+                    continue
+                self._pending[key] = page
+            self._queue.put((key, page))
             self.host.traffic.bytes_to_storage += page.numel() * page.element_size()
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, page = item
+            try:
+                self.backend.put(key, page)
+            except Exception:  # a page not stored is a later miss, never a wrong page
+                logger.exception("KV storage: writing page %s failed", key)
+            with self._lock:
+                del self._pending[key]
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every page written so far was put (or timeout_s passed); whether it was."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.001)
+        return False
+
+    def _stored_count(self, keys: list[str]) -> int:
+        """How many leading keys are stored or on their way (pending)."""
+        i = 0
+        while i < len(keys):
+            with self._lock:
+                while i < len(keys) and keys[i] in self._pending:
+                    i += 1
+            if i == len(keys):
+                break
+            n = self.backend.batch_exists(keys[i:])
+            if n == 0:
+                break
+            i += n
+        return i
+
+    def _get(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            page = self._pending.get(key)
+        return page if page is not None else self.backend.get(key)  # (put completes before the pop)
 
     def read(self, keys: list[str]) -> list[torch.Tensor]:
         """The stored pages of the leading keys, up to the first miss (absent or corrupt) or, with the timeout
         policy, the deadline."""
-        count = self.backend.batch_exists(keys)
+        count = self._stored_count(keys)
         deadline = None
         if self.prefetch_policy == "timeout":
             deadline = time.monotonic() + TIMEOUT_BASE_S + TIMEOUT_PER_KI_TOKEN_S * count * self.page_size / 1024
         pages = []
         want = self.host.page_numel
         for key in keys[:count]:
-            page = self.backend.get(key)
+            page = self._get(key)
             if page is None or page.dtype != self.host.dtype or page.numel() != want:
                 break
             pages.append(page.reshape(-1))
@@ -82,4 +140,9 @@ class StorageTier:
         return torch.cat([buf.index_select(0, idx).reshape(-1) for buf in self.host.buffers])
 
     def close(self) -> None:
+        """Put what is queued (at most CLOSE_TIMEOUT_S), then close the backend."""
+        self._queue.put(None)
+        self._writer.join(CLOSE_TIMEOUT_S)
+        if self._writer.is_alive():
+            logger.warning("KV storage: the writer thread did not finish in %.0f s", CLOSE_TIMEOUT_S)
         self.backend.close()

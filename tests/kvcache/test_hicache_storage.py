@@ -5,6 +5,7 @@ there (a miss, never used), and pages of another layout root are never read."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -46,6 +47,7 @@ def test_a_restarted_cache_finds_its_prefixes_in_storage(tmp_path, kind, page_si
         _insert(pool, alloc, cache, s)
     if policy == "write_back":
         cache.evict(cache.evictable_size)  # write_back: copies to host (and storage) happen at eviction
+    assert cache.storage.flush(10.0)  # the writer thread put every page (a restarted server closed its tier)
     assert len(list(tmp_path.rglob("*" + SUFFIX))) == 12
     pool2, alloc2, fresh = _cache(kind, page_size, tmp_path, policy)  # new pools: nothing on device or host
     for s in seqs:
@@ -66,6 +68,7 @@ def test_a_corrupt_page_is_a_miss_and_other_layouts_are_not_read(tmp_path):
     tokens = list(range(10, 18))
     pool, alloc, cache = _cache("mla", page_size, tmp_path)
     _insert(pool, alloc, cache, tokens)
+    assert cache.storage.flush(10.0)
     keys = cache._node_keys(cache.match_prefix(tokens).node)
     assert len(keys) == 4
     path = FileStorage(tmp_path).path_of(keys[2])
@@ -117,6 +120,7 @@ def test_timeout_policy_stops_reading_at_its_deadline(monkeypatch, policy):
     for buf in host.buffers:
         buf.normal_()
     tier.write(tier.keys(tokens), slots)
+    assert tier.flush(10.0)  # read from the backend, not from the pages on their way
     pages = tier.read(tier.keys(tokens))
     if policy == "timeout":
         assert 1 <= len(pages) < 8  # it stopped after the page that crossed 50 ms
@@ -126,3 +130,47 @@ def test_timeout_policy_stops_reading_at_its_deadline(monkeypatch, policy):
     tier.fill(fresh, pages)
     for buf in host.buffers:
         assert torch.equal(buf[torch.from_numpy(fresh)], buf[torch.from_numpy(slots[: len(pages)])])
+
+
+class _SlowWrites(_SlowMemory):
+    """Puts wait for `gate` (set by the test), so pages stay on their way to the backend."""
+
+    def __init__(self):
+        super().__init__(delay=0.0)
+        self.gate = threading.Event()
+
+    def _write(self, key, data):
+        assert self.gate.wait(10.0), "the test never opened the gate"
+        return super()._write(key, data)
+
+
+def test_writes_are_put_by_a_thread_and_read_back_while_on_their_way():
+    """write returns before the backend has the pages; a read meanwhile returns exactly the written bytes, even
+    after the host pages were freed and overwritten; flush and close wait for the puts (deadlines on each)."""
+    pool = _pool("mla", PAGES, 2)
+    backend = _SlowWrites()
+    host = HostKVPool(pool, 2 * PAGES)
+    tier = StorageTier(backend, host, KVLayout.of_pool(pool, "m").root(), "wait_complete")
+    tokens = [random.Random(3).randrange(1000) for _ in range(12)]
+    slots = host.alloc(len(tokens))
+    for buf in host.buffers:
+        buf.normal_()
+    want = [buf[torch.from_numpy(slots)].clone() for buf in host.buffers]
+    keys = tier.keys(tokens)
+    tier.write(keys, slots)
+    assert backend.pages == {}  # nothing put yet: the writer thread waits at the gate
+    host.free(slots)
+    for buf in host.buffers:
+        buf.normal_()  # the host pages are rewritten: the pages on their way are copies
+    pages = tier.read(keys)
+    assert len(pages) == len(keys)
+    fresh = host.alloc(len(tokens))
+    tier.fill(fresh, pages)
+    for buf, w in zip(host.buffers, want, strict=True):
+        assert torch.equal(buf[torch.from_numpy(fresh)], w)
+    assert not tier.flush(0.05)  # still held at the gate
+    backend.gate.set()
+    assert tier.flush(10.0)
+    assert sorted(backend.pages) == sorted(keys)
+    tier.close()
+    assert not tier._writer.is_alive()
