@@ -34,12 +34,6 @@ constexpr int kMaxRows = 4;  // cpu_skinny_gemm.py's MAX_ROWS
 constexpr int64_t kCols = 16;                 // columns per work item
 constexpr int64_t kOneThreadElems = 1 << 16;  // below this many weight elements (128 KB), one thread
 
-inline uint16_t to_bf16(float f) {  // round to nearest even (no NaN in a product of finite weights)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 inline void put(float* y, int64_t i, float v) { y[i] = v; }
 inline void put(uint16_t* y, int64_t i, float v) { y[i] = to_bf16(v); }
 

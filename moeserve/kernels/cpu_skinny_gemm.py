@@ -37,12 +37,13 @@ def uses_dpbf16() -> bool:
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether cpu_skinny_gemm runs x W^T (module docstring); cheap enough to ask on every call."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+    """Whether cpu_skinny_gemm runs x W^T (module docstring). Asked on every dense product, so the cheap tests (and
+    the ones that reject other dtypes and devices) come first."""
+    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (1 <= rows <= MAX_ROWS and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-            and x.shape[-1] == w.shape[1] and load() is not None)
+    K = x.shape[-1]
+    return (0 < x.numel() <= MAX_ROWS * K and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
+            and not torch.compiler.is_compiling() and load() is not None)
 
 
 def cpu_skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -50,16 +51,14 @@ def cpu_skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU skinny GEMM does not run here; check takes()")
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    M, N = x2.shape[0], w.shape[0]
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).contiguous()  # (no copy where x is contiguous)
+    M = x2.shape[0]
     if not 1 <= M <= MAX_ROWS or w.shape[1] != K:
         raise ValueError(f"cpu_skinny_gemm: x {tuple(x.shape)} (1-{MAX_ROWS} rows) does not fit w {tuple(w.shape)}")
-    y = torch.empty(*x.shape[:-1], N, dtype=torch.bfloat16)
+    y = x2.new_empty(M, N)
     lib.moeserve_skinny_gemm_bf16(x2.data_ptr(), w.data_ptr(), M, N, K, y.data_ptr(), torch.get_num_threads())
-    return y
+    return y.view(*x.shape[:-1], N)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

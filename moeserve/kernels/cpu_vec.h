@@ -1,6 +1,6 @@
 // Vectors of kLanes floats for moeserve's CPU kernels (GCC/Clang vector extensions): 16, one AVX-512 register, in
 // the avx512 and amx builds (kernels/cpu_isa.py); else 8, one AVX2 register or two NEON registers. Loads from fp32
-// and bfloat16 memory, stores, scalar bfloat16 -> float. Included by the kernels' .cpp files;
+// and bfloat16 memory, stores, scalar bfloat16 <-> float. Included by the kernels' .cpp files;
 // moeserve/kernels/build.py rebuilds them when this file changes.
 
 #pragma once
@@ -41,5 +41,11 @@ inline float to_f32(uint16_t v) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline uint16_t to_bf16(float f) {  // round to nearest even (as torch rounds; the kernels see no NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline uint16_t to_bf16(uint16_t v) { return v; }
 
 }  // namespace moeserve_vec

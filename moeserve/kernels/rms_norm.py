@@ -24,8 +24,11 @@ from moeserve.kernels.triton_available import use_triton
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     h = x if residual is None else x + residual
-    # one fused op instead of five: at decode sizes the per-op cost, not the arithmetic, is what counts
-    y = weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    # one fused op instead of five: at decode sizes the per-op cost, not the arithmetic, is what counts. On the CPU
+    # torch's rms_norm of bf16 sums in fp32 and rounds once (the same bits as the upcast, tests/kernels/
+    # test_rms_norm.py): no dtype copy in and out, two per norm of a CPU decode step.
+    y = weight * (F.rms_norm(h, (h.shape[-1],), eps=eps) if h.is_cpu
+                  else F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype))
     return y if residual is None else (y, h)
 
 

@@ -26,6 +26,17 @@ def test_rms_norm_matches_reference(dtype, shape, with_residual, device):
         torch.testing.assert_close(g.cpu().float(), r.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", [(1, 256), (3, 576), (64, 1536), (2, 3, 7168), (4, 100)])
+def test_cpu_reference_in_bf16_rounds_as_the_fp32_upcast(shape):
+    """On the CPU the reference normalizes bf16 directly (no dtype copies): the same bits as normalizing its fp32
+    upcast and rounding, rows of very different scales."""
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 20).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(torch.bfloat16)
+    upcast = w * torch.nn.functional.rms_norm(x.float(), (shape[-1],), eps=1e-6).to(torch.bfloat16)
+    assert torch.equal(rms_norm_reference(x, w, 1e-6), upcast)
+
+
 @pytest.mark.parametrize("shape", [(1, 128), (6, 300), (2, 3, 512)])  # one row; a partial group; 3-d input
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quant_matches_norm_then_quantizer(shape, with_residual, device):
