@@ -170,6 +170,19 @@ void scores_bf16(const uint16_t* qb, const uint16_t* cache, const int64_t* idx, 
 
 #endif
 
+// q as fp32 for the fp32 score loop: a bf16 q widened once per work item (thread-local), not at every row tile.
+template <typename Q>
+const float* q_f32(const Q* q, int64_t n) {
+  if constexpr (std::is_same_v<Q, float>) {
+    return q;
+  } else {
+    thread_local std::vector<float> qf;
+    qf.resize(n);
+    for (int64_t i = 0; i < n; ++i) qf[i] = to_f32(q[i]);
+    return qf.data();
+  }
+}
+
 // One work item: nh heads of one request, L rows.
 template <int NH, typename Q, typename C>
 void attend(const Q* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float scale,
@@ -183,10 +196,10 @@ void attend(const Q* q, const C* cache, const int64_t* idx, int64_t L, int64_t D
     for (int64_t i = 0; i < NH * D; ++i) qb[i] = to_bf16(q[i]);  // (a bf16 q as it is)
     scores_bf16<NH, NTB>(qb.data(), reinterpret_cast<const uint16_t*>(cache), idx, L, D, scale, s, L);
   } else {
-    scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+    scores<NH, NT>(q_f32(q, NH * D), D, cache, idx, L, D, scale, s, L);
   }
 #else
-  scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+  scores<NH, NT>(q_f32(q, NH * D), D, cache, idx, L, D, scale, s, L);
 #endif
   softmax(s, NH, L);
   values<NH>(s, cache, idx, L, D, Dv, o, Dv);
