@@ -21,5 +21,7 @@ Other kernels: rms_norm.py (RMSNorm, optionally with the residual add fused); sk
 x W^T at one to four rows: a GEMV at the memory's rate); mla_decode.py (MLA decode attention
 over the latent cache); mla_rope_cache.py (MLA's latent write with its RMSNorm and rotary, fused; rotary.py holds
 the rotary arithmetic it shares with layers/rotary.py).
-CPU-only kernels: cpu_experts.py and cpu_mla_decode.py (C++, not Triton), compiled per ISA (cpu_isa.py).
+CPU-only kernels (C++, not Triton), compiled per ISA (cpu_isa.py): cpu_experts.py, cpu_mla_decode.py,
+cpu_skinny_gemm.py (the bf16 dense layers at one to four rows, which skinny_gemm.py calls on the CPU) and
+cpu_rms_norm.py (bf16 RMSNorm, which rms_norm.py calls on the CPU).
 """

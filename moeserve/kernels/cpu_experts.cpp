@@ -251,12 +251,6 @@ void configure() {
   _tile_loadconfig(&c);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // n floats (a multiple of 16) -> bf16.
 inline void row_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {

@@ -46,8 +46,8 @@ constexpr int64_t kLineElemsOf = 64 / sizeof(C);
 
 // s[j * lds + t] = scale * q_j · row_t for NH heads (q rows ldq apart), D wide; NT rows at a time, so that
 // each vector of q loaded serves NT rows and each vector of a row NH heads.
-template <int NH, int NT, typename C>
-void scores(const float* q, int64_t ldq, const C* cache, const int64_t* idx, int64_t L, int64_t D, float scale,
+template <int NH, int NT, typename Q, typename C>
+void scores(const Q* q, int64_t ldq, const C* cache, const int64_t* idx, int64_t L, int64_t D, float scale,
             float* s, int64_t lds) {
   const int64_t Dvec = D / kLanes * kLanes;
   int64_t t = 0;
@@ -74,11 +74,11 @@ void scores(const float* q, int64_t ldq, const C* cache, const int64_t* idx, int
     for (int j = 0; j < NH; ++j)
       for (int i = 0; i < NT; ++i) {
         float v = hsum(acc[j][i]);
-        for (int64_t d = Dvec; d < D; ++d) v += q[j * ldq + d] * to_f32(row[i][d]);
+        for (int64_t d = Dvec; d < D; ++d) v += to_f32(q[j * ldq + d]) * to_f32(row[i][d]);
         s[j * lds + t + i] = scale * v;
       }
   }
-  if (NT > 1 && t < L) scores<NH, 1>(q, ldq, cache, idx + t, L - t, D, scale, s + t, lds);
+  if (NT > 1 && t < L) scores<NH, 1, Q, C>(q, ldq, cache, idx + t, L - t, D, scale, s + t, lds);
 }
 
 // s[j, :L] -> softmax in place, for nh heads.
@@ -168,16 +168,24 @@ void scores_bf16(const uint16_t* qb, const uint16_t* cache, const int64_t* idx, 
   if (NT > 1 && t < L) scores_bf16<NH, 1>(qb, cache, idx + t, L - t, D, scale, s + t, lds);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 #endif
 
+// q as fp32 for the fp32 score loop: a bf16 q widened once per work item (thread-local), not at every row tile.
+template <typename Q>
+const float* q_f32(const Q* q, int64_t n) {
+  if constexpr (std::is_same_v<Q, float>) {
+    return q;
+  } else {
+    thread_local std::vector<float> qf;
+    qf.resize(n);
+    for (int64_t i = 0; i < n; ++i) qf[i] = to_f32(q[i]);
+    return qf.data();
+  }
+}
+
 // One work item: nh heads of one request, L rows.
-template <int NH, typename C>
-void attend(const float* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float scale,
+template <int NH, typename Q, typename C>
+void attend(const Q* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv, float scale,
             float* s, float* o) {
   constexpr int NT = NH <= 2 ? 4 : (NH <= 4 ? 2 : 1);  // NH * NT <= 8 score accumulators
 #ifdef __AVX512BF16__
@@ -185,36 +193,37 @@ void attend(const float* q, const C* cache, const int64_t* idx, int64_t L, int64
     constexpr int NTB = NH <= 2 ? 8 : (NH <= 4 ? 4 : 2);  // NH * NTB <= 16 of AVX-512's 32 registers
     thread_local std::vector<uint16_t> qb;
     qb.resize(NH * D);
-    for (int64_t i = 0; i < NH * D; ++i) qb[i] = to_bf16(q[i]);
+    for (int64_t i = 0; i < NH * D; ++i) qb[i] = to_bf16(q[i]);  // (a bf16 q as it is)
     scores_bf16<NH, NTB>(qb.data(), reinterpret_cast<const uint16_t*>(cache), idx, L, D, scale, s, L);
   } else {
-    scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+    scores<NH, NT>(q_f32(q, NH * D), D, cache, idx, L, D, scale, s, L);
   }
 #else
-  scores<NH, NT>(q, D, cache, idx, L, D, scale, s, L);
+  scores<NH, NT>(q_f32(q, NH * D), D, cache, idx, L, D, scale, s, L);
 #endif
   softmax(s, NH, L);
   values<NH>(s, cache, idx, L, D, Dv, o, Dv);
 }
 
-template <typename C>
-void attend_heads(int nh, const float* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv,
+template <typename Q, typename C>
+void attend_heads(int nh, const Q* q, const C* cache, const int64_t* idx, int64_t L, int64_t D, int64_t Dv,
                   float scale, float* s, float* o) {
   switch (nh) {
-    case 8: attend<8>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 7: attend<7>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 6: attend<6>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 5: attend<5>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 4: attend<4>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 3: attend<3>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    case 2: attend<2>(q, cache, idx, L, D, Dv, scale, s, o); break;
-    default: attend<1>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 8: attend<8, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 7: attend<7, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 6: attend<6, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 5: attend<5, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 4: attend<4, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 3: attend<3, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    case 2: attend<2, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
+    default: attend<1, Q, C>(q, cache, idx, L, D, Dv, scale, s, o); break;
   }
 }
 
-template <typename C>
-void mla_decode(const float* q, const C* cache, const int64_t* kv_indices, const int64_t* kv_indptr, int64_t B,
-                int64_t H, int64_t D, int64_t Dv, float scale, float* out, int num_threads) {
+// Q, O: float or uint16_t (bf16) for q and out; a bf16 out is summed in fp32 and rounded once.
+template <typename Q, typename C, typename O>
+void mla_decode(const Q* q, const C* cache, const int64_t* kv_indices, const int64_t* kv_indptr, int64_t B,
+                int64_t H, int64_t D, int64_t Dv, float scale, O* out, int num_threads) {
   // Work items: (request, group of up to kMaxHeads heads); a small batch splits its heads further so that every
   // thread has work.
   int64_t group = H < kMaxHeads ? H : kMaxHeads;
@@ -223,19 +232,26 @@ void mla_decode(const float* q, const C* cache, const int64_t* kv_indices, const
   const int64_t n_items = B * groups;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> s;
+    std::vector<float> s, of;  // scores; the fp32 output of a bf16 out
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
       const int64_t b = i / groups, h0 = (i % groups) * group;
       const int nh = static_cast<int>(H - h0 < group ? H - h0 : group);
       const int64_t L = kv_indptr[b + 1] - kv_indptr[b];
-      float* o = out + (b * H + h0) * Dv;
+      O* o = out + (b * H + h0) * Dv;
       if (L <= 0) {  // nothing to attend to: zeros (the reference's empty softmax would be NaN)
-        std::memset(o, 0, nh * Dv * sizeof(float));
+        std::memset(o, 0, nh * Dv * sizeof(O));
         continue;
       }
       if (static_cast<int64_t>(s.size()) < nh * L) s.resize(nh * L);
-      attend_heads<C>(nh, q + (b * H + h0) * D, cache, kv_indices + kv_indptr[b], L, D, Dv, scale, s.data(), o);
+      float* of_ = reinterpret_cast<float*>(o);
+      if constexpr (!std::is_same_v<O, float>) {
+        of.resize(nh * Dv);
+        of_ = of.data();
+      }
+      attend_heads<Q, C>(nh, q + (b * H + h0) * D, cache, kv_indices + kv_indptr[b], L, D, Dv, scale, s.data(), of_);
+      if constexpr (!std::is_same_v<O, float>)
+        for (int64_t j = 0; j < nh * Dv; ++j) o[j] = to_bf16(of_[j]);
     }
   }
 }
@@ -249,13 +265,20 @@ extern "C" {
 // fp32 = softmax(scale * q · rows) · rows[:, :Dv]. num_threads: OpenMP threads (torch's intra-op count).
 void moeserve_mla_decode_f32(const float* q, const float* cache, const int64_t* kv_indices, const int64_t* kv_indptr,
                              int64_t B, int64_t H, int64_t D, int64_t Dv, float scale, float* out, int num_threads) {
-  mla_decode<float>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
+  mla_decode<float, float, float>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
 }
 
 void moeserve_mla_decode_bf16(const float* q, const uint16_t* cache, const int64_t* kv_indices,
                               const int64_t* kv_indptr, int64_t B, int64_t H, int64_t D, int64_t Dv, float scale,
                               float* out, int num_threads) {
-  mla_decode<uint16_t>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
+  mla_decode<float, uint16_t, float>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
+}
+
+// The same all in bf16: q [B, H, D], cache, out [B, H, Dv] (a bf16 model's decode, no dtype copies around it).
+void moeserve_mla_decode_bf16_io(const uint16_t* q, const uint16_t* cache, const int64_t* kv_indices,
+                                 const int64_t* kv_indptr, int64_t B, int64_t H, int64_t D, int64_t Dv, float scale,
+                                 uint16_t* out, int num_threads) {
+  mla_decode<uint16_t, uint16_t, uint16_t>(q, cache, kv_indices, kv_indptr, B, H, D, Dv, scale, out, num_threads);
 }
 
 }

@@ -37,7 +37,8 @@ def available(dtype: torch.dtype) -> bool:
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
                v_dim: int, scale: float) -> torch.Tensor:
     """q [B, h, D]; cache [N, D] latent rows (fp32 or bf16); kv_indices [S] int64 slots, request b's at
-    kv_indptr[b] .. kv_indptr[b + 1] ([B + 1] int64) -> [B, h, v_dim] in q's dtype (sums in fp32).
+    kv_indptr[b] .. kv_indptr[b + 1] ([B + 1] int64) -> [B, h, v_dim] in q's dtype (sums in fp32; q and cache both
+    bf16 are read and written as bf16, other q dtypes through fp32).
     A request with no rows gets zeros."""
     if torch.compiler.is_compiling():
         return torch.ops.moeserve.cpu_mla_decode(q, cache, kv_indices, kv_indptr, v_dim, scale)
@@ -48,14 +49,17 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor, k
     if cache.dim() != 2 or cache.shape[1] != D or not 0 < v_dim <= D:
         raise ValueError(f"mla_decode: cache {tuple(cache.shape)} and v_dim {v_dim} do not fit q {tuple(q.shape)}")
     assert kv_indptr.shape[0] == B + 1 and cache.is_contiguous()
-    qf = q.float().contiguous()
     idx = kv_indices.to(torch.int64).contiguous()
     indptr = kv_indptr.to(torch.int64).contiguous()
-    out = qf.new_empty(B, H, v_dim)
-    fn = lib.moeserve_mla_decode_f32 if cache.dtype == torch.float32 else lib.moeserve_mla_decode_bf16
-    fn(qf.data_ptr(), cache.data_ptr(), idx.data_ptr(), indptr.data_ptr(), B, H, D, v_dim, float(scale),
+    if q.dtype == cache.dtype == torch.bfloat16:  # a bf16 model: q and out stay bf16 (no dtype copies)
+        qk, fn = q.contiguous(), lib.moeserve_mla_decode_bf16_io
+    else:  # q in fp32, out in fp32
+        qk = q.float().contiguous()
+        fn = lib.moeserve_mla_decode_f32 if cache.dtype == torch.float32 else lib.moeserve_mla_decode_bf16
+    out = qk.new_empty(B, H, v_dim)
+    fn(qk.data_ptr(), cache.data_ptr(), idx.data_ptr(), indptr.data_ptr(), B, H, D, v_dim, float(scale),
        out.data_ptr(), torch.get_num_threads())
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def mla_decode_reference(q: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
@@ -83,7 +87,7 @@ def _(q: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor, kv_indptr:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.moeserve_mla_decode_f32, lib.moeserve_mla_decode_bf16):
+    for fn in (lib.moeserve_mla_decode_f32, lib.moeserve_mla_decode_bf16, lib.moeserve_mla_decode_bf16_io):
         fn.restype = None
         fn.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
     return lib

@@ -1,6 +1,6 @@
 // Vectors of kLanes floats for moeserve's CPU kernels (GCC/Clang vector extensions): 16, one AVX-512 register, in
 // the avx512 and amx builds (kernels/cpu_isa.py); else 8, one AVX2 register or two NEON registers. Loads from fp32
-// and bfloat16 memory, stores, scalar bfloat16 -> float. Included by the kernels' .cpp files;
+// and bfloat16 memory, stores to both (bfloat16 rounded to nearest even), scalar bfloat16 <-> float. Included by the kernels' .cpp files;
 // moeserve/kernels/build.py rebuilds them when this file changes.
 
 #pragma once
@@ -40,6 +40,26 @@ inline float to_f32(uint16_t v) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+inline uint16_t to_bf16(float f) {  // round to nearest even (as torch rounds; the kernels see no NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline uint16_t to_bf16(uint16_t v) { return v; }
+inline f32v round_bf16(f32v v) {  // each lane rounded to bf16 (nearest even), kept as float
+  u32v u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void storev(uint16_t* p, f32v v) {  // float -> bfloat16 (nearest even)
+  u32v u;
+  v = round_bf16(v);
+  std::memcpy(&u, &v, sizeof u);
+  const u16v h = __builtin_convertvector(u >> 16, u16v);
+  std::memcpy(p, &h, sizeof h);
 }
 
 }  // namespace moeserve_vec

@@ -16,6 +16,10 @@ most MAX_WORK_BYTES. The batched form runs only at one row over at most MAX_BATC
 beside torch.bmm on MLA's per-head products (bench_skinny_gemm.py --only mla), it won on V2-Lite's 2 MB W_UK and
 W_UV at one row (3.1 against 3.4 us, 2.9 against 3.8) and lost or tied everywhere else (two or more rows; V3's
 16 MB, 128-head ones). The references (F.linear, torch.bmm) run everywhere else, and under torch.compile.
+
+On the CPU, bf16 products of 1 to 4 rows run the C++ kernel (kernels/cpu_skinny_gemm.py, built for the --cpu-isa
+picked at load): torch's bf16 F.linear pays a fixed cost per call there that a decode step's many small
+projections feel. Other CPU dtypes (float32) keep F.linear.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels import cpu_skinny_gemm
 from moeserve.kernels.triton_available import use_triton
 
 MAX_ROWS = 4
@@ -48,6 +53,8 @@ def _takes_kernel(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Module docstring; x may have leading dimensions ([..., K]) as for F.linear."""
+    if cpu_skinny_gemm.takes(x, w):
+        return cpu_skinny_gemm.cpu_skinny_gemm(x, w)
     rows = x.numel() // max(x.shape[-1], 1)
     if w.dim() == 2 and _takes_kernel(x, w, rows):
         from moeserve.kernels.triton_ops.skinny_gemm import skinny_gemm as triton_skinny_gemm

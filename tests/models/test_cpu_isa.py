@@ -1,6 +1,7 @@
 """Every ISA build of the C++ CPU kernels (--cpu-isa amx, avx512, avx2; kernels/cpu_isa.py) against float64
 references, in bf16 and float32: the experts kernel on ragged loads with empty experts, the one-call MoE with
-tokens routed nowhere, MLA decode over the paged latent cache. A path the CPU lacks is skipped, saying why."""
+tokens routed nowhere, MLA decode over the paged latent cache, the bf16 skinny GEMM of 1 to 4 rows. A path the CPU
+lacks is skipped, saying why."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.args import ServerArgs
-from moeserve.kernels import build, cpu_experts, cpu_isa, cpu_mla_decode
+from moeserve.kernels import build, cpu_experts, cpu_isa, cpu_mla_decode, cpu_skinny_gemm, skinny_gemm
 from moeserve.layers.moe.experts import Experts
 
 pytestmark = pytest.mark.skipif(cpu_experts.load() is None, reason="no C++ compiler: the kernels cannot build")
@@ -124,6 +125,50 @@ def test_mla_decode(isa, dtype, B, H, D, v_dim):
     want = cpu_mla_decode.mla_decode_reference(q.double(), cache.double(), indices, indptr, v_dim, D**-0.5)
     got = cpu_mla_decode.mla_decode(q, cache, indices, indptr, v_dim, D**-0.5)
     torch.testing.assert_close(got.double(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("N", "K"), [(576, 256), (1024, 2048), (33, 70), (7, 512), (130, 40)])
+def test_skinny_gemm(isa, rows, N, K):
+    """bf16 x W^T against float64 on the same bf16 values: widths that are and are not multiples of the vectors
+    (32 bf16, 16 or 8 floats), column counts that are not multiples of the column blocks, weights large enough to
+    be split over the threads and too small to be."""
+    gen = torch.Generator().manual_seed(rows * N + K + len(isa))
+    x = torch.randn(rows, K, generator=gen).bfloat16()
+    w = (torch.randn(N, K, generator=gen) * K**-0.5).bfloat16()
+    assert cpu_skinny_gemm.takes(x, w)
+    assert cpu_skinny_gemm.uses_dpbf16() == (isa == "amx")
+    got = cpu_skinny_gemm.cpu_skinny_gemm(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
+
+
+def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
+    """Linear's product (kernels/skinny_gemm.py) runs the kernel for CPU bf16 of 1-4 rows, with leading dimensions
+    and rows that are not contiguous; F.linear for 5 rows, float32 and a transposed weight."""
+    calls = []
+    kernel = cpu_skinny_gemm.cpu_skinny_gemm
+    monkeypatch.setattr(cpu_skinny_gemm, "cpu_skinny_gemm", lambda x, w: calls.append(x.shape) or kernel(x, w))
+    gen = torch.Generator().manual_seed(len(isa))
+    w = (torch.randn(96, 64, generator=gen) * 0.125).bfloat16()
+    x = torch.randn(2, 2, 128, generator=gen).bfloat16()[..., ::2]  # [2, 2, 64], rows 256 bytes apart
+    got = skinny_gemm.skinny_gemm(x, w)
+    assert calls == [(2, 2, 64)] and got.shape == (2, 2, 96)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
+    for xx, ww in [(torch.randn(5, 64, generator=gen).bfloat16(), w), (x.float(), w.float()),
+                   (x, w.T.contiguous().T)]:
+        torch.testing.assert_close(skinny_gemm.skinny_gemm(xx, ww), F.linear(xx, ww))
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
+def test_only_the_amx_skinny_gemm_has_bf16_dot_products(isa):
+    cpu_skinny_gemm.load()
+    path = next(p for p in (build.cache_root() / "kernels").glob(f"cpu_skinny_gemm-{isa}-*.so"))
+    asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, timeout=120).stdout
+    assert ("vdpbf16ps" in asm) == (isa == "amx")
+    if isa == "avx2":
+        assert re.search(r"%zmm|%ymm(1[6-9]|2[0-9]|3[01])\b", asm) is None
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")

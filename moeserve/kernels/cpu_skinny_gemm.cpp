@@ -1,0 +1,167 @@
+// Dense y = x W^T on the CPU for the one to four rows of a small decode batch, bf16 weights and inputs:
+//
+//     y[m, n] = sum_k x[m, k] * w[n, k]        x [M, K] bf16, w [N, K] bf16 (row n contiguous), M <= 4
+//
+// summed in fp32, written as bf16 (rounded to nearest even, as torch rounds) or fp32. At decode a dense layer
+// reads its whole weight for a few rows, so the time is the weight's bytes plus the call; each weight row is read
+// once, in order, and serves all M rows. The weight needs no packing: a row of W is what a dot product reads.
+// Columns are split over the OpenMP threads in blocks of kCols; one thread runs a weight too small to pay for
+// waking the others.
+//
+// A CPU with AVX-512 BF16 (the amx build, kernels/cpu_isa.py) multiplies with bf16 dot products (vdpbf16ps: 32
+// products a step, no conversion of either operand); the avx512 and avx2 builds widen the weight to fp32 in
+// registers (a shift) and use fused multiply-adds, x widened once before the loop.
+//
+// Plain C++ (GCC/Clang vector extensions, AVX-512 BF16 intrinsics under #if) and OpenMP, no torch headers:
+// moeserve/kernels/build.py compiles it on first use for the process's ISA, moeserve/kernels/cpu_skinny_gemm.py
+// calls it through ctypes.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_vec.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace moeserve_vec;
+
+constexpr int kMaxRows = 4;  // cpu_skinny_gemm.py's MAX_ROWS
+constexpr int64_t kCols = 16;                 // columns per work item
+constexpr int64_t kOneThreadElems = 1 << 16;  // below this many weight elements (128 KB), one thread
+
+inline void put(float* y, int64_t i, float v) { y[i] = v; }
+inline void put(uint16_t* y, int64_t i, float v) { y[i] = to_bf16(v); }
+
+inline float hsum(f32v v) {
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// y[:M, n0:n0 + NC] from xf [M, K] fp32 and w rows n0.. (bf16): M * NC vector accumulators.
+template <int M, int NC, typename Y>
+void cols_fma(const float* xf, const uint16_t* w, int64_t K, int64_t n0, Y* y, int64_t ldy) {
+  const int64_t Kvec = K / kLanes * kLanes;
+  const uint16_t* row[NC];
+  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * K;
+  f32v acc[M][NC];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = f32v{};
+  for (int64_t k = 0; k < Kvec; k += kLanes) {
+    f32v wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = loadv(row[c] + k);
+    for (int m = 0; m < M; ++m) {
+      const f32v xv = loadv(xf + m * K + k);
+      for (int c = 0; c < NC; ++c) acc[m][c] += xv * wv[c];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < NC; ++c) {
+      float v = hsum(acc[m][c]);
+      for (int64_t k = Kvec; k < K; ++k) v += xf[m * K + k] * to_f32(row[c][k]);
+      put(y, m * ldy + n0 + c, v);
+    }
+}
+
+#ifdef __AVX512BF16__
+// The same from x in bf16 with bf16 dot products: 32 products of a row and a column a step; the K tail (K not a
+// multiple of 32) is loaded masked, its missing lanes zero.
+template <int M, int NC, typename Y>
+void cols_dpbf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, Y* y, int64_t ldy) {
+  const uint16_t* row[NC];
+  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * K;
+  __m512 acc[M][NC];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+    __m512bh wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, row[c] + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, wv[c]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < NC; ++c) put(y, m * ldy + n0 + c, _mm512_reduce_add_ps(acc[m][c]));
+}
+#endif
+
+// Columns [n0, n1) for M rows, NC at a time (fewer at the end).
+template <int M, typename Y>
+void col_range(const uint16_t* x, const float* xf, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, Y* y,
+               int64_t ldy) {
+#ifdef __AVX512BF16__
+  (void)xf;
+  constexpr int NC = 4;  // M * NC <= 16 accumulators of AVX-512's 32 registers
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC) cols_dpbf16<M, NC>(x, w, K, n, y, ldy);
+  for (; n < n1; ++n) cols_dpbf16<M, 1>(x, w, K, n, y, ldy);
+#else
+  (void)x;
+  constexpr int NC = kLanes == 16 ? 4 : (M <= 2 ? 4 : 2);  // M * NC accumulators, room left for the loads
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC) cols_fma<M, NC>(xf, w, K, n, y, ldy);
+  for (; n < n1; ++n) cols_fma<M, 1>(xf, w, K, n, y, ldy);
+#endif
+}
+
+template <int M, typename Y>
+void skinny(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, Y* y, int num_threads) {
+  const float* xf = nullptr;
+#ifndef __AVX512BF16__
+  std::vector<float> widened(M * K);  // x in fp32, read once per column block
+  for (int64_t i = 0; i < M * K; ++i) widened[i] = to_f32(x[i]);
+  xf = widened.data();
+#endif
+  const int64_t items = (N + kCols - 1) / kCols;
+  const int threads = N * K < kOneThreadElems ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t n0 = i * kCols, n1 = n0 + kCols < N ? n0 + kCols : N;
+    col_range<M, Y>(x, xf, w, K, n0, n1, y, N);
+  }
+}
+
+template <typename Y>
+void dispatch(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, Y* y, int num_threads) {
+  switch (M) {
+    case 1: skinny<1, Y>(x, w, N, K, y, num_threads); break;
+    case 2: skinny<2, Y>(x, w, N, K, y, num_threads); break;
+    case 3: skinny<3, Y>(x, w, N, K, y, num_threads); break;
+    case 4: skinny<4, Y>(x, w, N, K, y, num_threads); break;
+    default: break;  // the caller checks 1 <= M <= kMaxRows
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build multiplies with AVX-512 BF16 dot products, 0 where it widens to fp32.
+int moeserve_skinny_dpbf16() {
+#ifdef __AVX512BF16__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [M, K] bf16 (rows K apart), w [N, K] bf16 contiguous, 1 <= M <= 4 -> y [M, N] contiguous, bf16 or fp32 by the
+// entry point. num_threads: OpenMP threads (torch's intra-op count).
+void moeserve_skinny_gemm_bf16(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, uint16_t* y,
+                               int num_threads) {
+  dispatch<uint16_t>(x, w, M, N, K, y, num_threads);
+}
+
+void moeserve_skinny_gemm_bf16_f32out(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, float* y,
+                                      int num_threads) {
+  dispatch<float>(x, w, M, N, K, y, num_threads);
+}
+
+}

@@ -1,0 +1,70 @@
+"""bf16 x W^T on the CPU for one to four rows (cpu_skinny_gemm.cpp): the decode batch's dense projections.
+
+    cpu_skinny_gemm(x [..., K] bf16, w [N, K] bf16 contiguous) -> [..., N] bf16, summed in fp32
+
+At one row torch's bf16 F.linear (oneDNN) pays its own fixed cost per call, about three times fp32's on the
+shared Xeon this was aimed at (issue 50); the kernel reads each weight row once for all rows, with AVX-512 BF16
+dot products in the amx build and fp32 fused multiply-adds in the avx512 and avx2 builds (kernels/cpu_isa.py).
+`takes(x, w)` says whether it runs a product: CPU bf16 tensors, 1 to MAX_ROWS rows, w contiguous, not under
+torch.compile (a traced row-count test would split the compiled forward by batch size).
+
+The C++ source is compiled on first use (moeserve/kernels/build.py); where that is impossible `takes` is False and
+callers keep F.linear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from moeserve.kernels.build import load_library
+
+SOURCE = Path(__file__).with_name("cpu_skinny_gemm.cpp")
+MAX_ROWS = 4  # the kernel's kMaxRows
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library; None where it cannot be built."""
+    return load_library(SOURCE, _bind, "bf16 linear layers of few rows run F.linear")
+
+
+def uses_dpbf16() -> bool:
+    """True where the loaded build multiplies with AVX-512 BF16 dot products (the amx build)."""
+    lib = load()
+    return lib is not None and bool(lib.moeserve_skinny_dpbf16())
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether cpu_skinny_gemm runs x W^T (module docstring). Asked on every dense product, so the cheap tests (and
+    the ones that reject other dtypes and devices) come first."""
+    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
+        return False
+    K = x.shape[-1]
+    return (0 < x.numel() <= MAX_ROWS * K and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
+            and not torch.compiler.is_compiling() and load() is not None)
+
+
+def cpu_skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 (at most MAX_ROWS rows), w [N, K] bf16 contiguous -> x W^T [..., N] bf16; check takes()."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU skinny GEMM does not run here; check takes()")
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).contiguous()  # (no copy where x is contiguous)
+    M = x2.shape[0]
+    if not 1 <= M <= MAX_ROWS or w.shape[1] != K:
+        raise ValueError(f"cpu_skinny_gemm: x {tuple(x.shape)} (1-{MAX_ROWS} rows) does not fit w {tuple(w.shape)}")
+    y = x2.new_empty(M, N)
+    lib.moeserve_skinny_gemm_bf16(x2.data_ptr(), w.data_ptr(), M, N, K, y.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], N)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moeserve_skinny_gemm_bf16.restype = None
+    lib.moeserve_skinny_gemm_bf16.argtypes = [p, p, i64, i64, i64, p, ctypes.c_int]
+    lib.moeserve_skinny_dpbf16.restype = ctypes.c_int
+    lib.moeserve_skinny_dpbf16.argtypes = []
+    return lib
