@@ -362,8 +362,8 @@ class ServerArgs:
     # speculative decoding
     speculative_algorithm: str | None = _flag(
         None, "NEXTN (or EAGLE, as SGLang accepts for DeepSeek): draft tokens with the model's multi-token-prediction "
-        "layer (DeepSeek-V3/R1's model.layers.61) and verify them in one target step. Refused until the draft/verify "
-        "loop is in this build.", SPECULATIVE_ALGORITHMS)
+        "layer (DeepSeek-V3/R1's model.layers.61) and verify them in one target step. A model without that "
+        "layer is refused at start.", SPECULATIVE_ALGORITHMS)
     speculative_num_steps: int | None = _flag(
         None, "Draft steps per round (chained MTP steps). Default with --speculative-algorithm: 3, as SGLang picks "
         "for DeepSeek.")
@@ -502,7 +502,7 @@ class ServerArgs:
 
     def _check_speculative(self) -> None:
         """The speculative flags (SGLang's rules for a chain: top-k 1, num_steps + 1 draft tokens), their defaults
-        filled in; then the refusal while the draft/verify loop is not in this build."""
+        filled in."""
         given = [n for n in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
                              "speculative_draft_model_path") if getattr(self, n) is not None]
         if self.speculative_algorithm is None:
