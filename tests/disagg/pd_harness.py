@@ -124,3 +124,40 @@ class PDPair:
             pd.channel.close()
             pd.backend.close()
         self.bootstrap.close()
+
+
+# (side, state) pairs: the abort comes from that side the first step its request is in that state
+ABORTS = [("decode", "bootstrapping"), ("decode", "waiting"), ("decode", "transferring"),
+          ("prefill", "bootstrapping"), ("prefill", "prefilling"), ("prefill", "transferring"),
+          ("decode", "running")]
+
+
+def pd_state(pair: PDPair, side: str, rid: str) -> str | None:
+    """Request rid's PD state on one side ("running" / "queued" once past PD, None when gone)."""
+    s = getattr(pair, side).scheduler
+    req = s.reqs.get(rid)
+    if req is None:
+        return None
+    rec = s.pd.by_req.get(id(req))
+    if rec is not None:
+        return rec.state
+    return "running" if req in s.running else "queued"
+
+
+def abort_in_every_state(pair: PDPair, rids: list[str]) -> dict[str, tuple[str, str]]:
+    """Step the pair until every request finished on both sides, aborting one request in each of ABORTS (the
+    latest submitted that reaches the state first); -> rid -> the (side, state) it was aborted in."""
+    plan: dict[str, tuple[str, str]] = {}
+
+    def step() -> bool:
+        for side, state in ABORTS:
+            if (side, state) in plan.values():
+                continue
+            rid = next((r for r in rids[::-1] if r not in plan and pd_state(pair, side, r) == state), None)
+            if rid is not None:
+                getattr(pair, side).scheduler.abort(rid)
+                plan[rid] = (side, state)
+        return all(pair.finished(pair.decode, r) and pair.finished(pair.prefill, r) for r in rids)
+
+    pair.step_until(step)
+    return plan

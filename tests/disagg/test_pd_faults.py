@@ -10,28 +10,11 @@ import random
 import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
-from tests.disagg.pd_harness import PDPair
+from tests.disagg.pd_harness import ABORTS, PDPair, abort_in_every_state
 from tests.rank.inprocess import InProcessEngine
 
 FLAGS = dict(page_size=4, chunked_prefill_size=8)
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-
-# (side, state) pairs: the abort comes from that side the first step its request is in that state
-ABORTS = [("decode", "bootstrapping"), ("decode", "waiting"), ("decode", "transferring"),
-          ("prefill", "bootstrapping"), ("prefill", "prefilling"), ("prefill", "transferring"),
-          ("decode", "running")]
-
-
-def _state(pair: PDPair, side: str, rid: str) -> str | None:
-    s = getattr(pair, side).scheduler
-    req = s.reqs.get(rid)
-    if req is None:
-        return None
-    rec = s.pd.by_req.get(id(req))
-    if rec is not None:
-        return rec.state
-    return "running" if req in s.running else "queued"
-
 
 @pytest.fixture(scope="module")
 def model_path():
@@ -60,20 +43,7 @@ def test_aborts_in_every_state_from_either_side(model_path):
         rids = [f"a{i}" for i in range(len(prompts))]
         for rid, ids in zip(rids, prompts, strict=True):
             pair.submit(rid, ids, PARAMS)
-        plan: dict[str, tuple[str, str]] = {}  # rid -> the (side, state) it was aborted in; the rest run to the end
-
-        def step() -> bool:
-            for side, state in ABORTS:
-                if (side, state) in plan.values():
-                    continue
-                rid = next((r for r in rids[::-1] if r not in plan and _state(pair, side, r) == state), None)
-                if rid is not None:
-                    getattr(pair, side).scheduler.abort(rid)
-                    plan[rid] = (side, state)
-            return all(pair.finished(pair.decode, r) for r in rids) and all(
-                pair.finished(pair.prefill, r) for r in rids)
-
-        pair.step_until(step)
+        plan = abort_in_every_state(pair, rids)  # the rest run to the end
         _settle(pair)
         assert sorted(plan.values()) == sorted(ABORTS), plan
         assert len(plan) < len(rids) - 4

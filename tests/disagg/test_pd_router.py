@@ -16,6 +16,7 @@ from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
 from tests.disagg.pd_procs import sse_events, start
 from tests.disagg.test_pd_server import NEW, _prompts, _reference
+from tests.procs import stop_process
 from tests.rank.inprocess import InProcessEngine
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (it is in the test extra)")
@@ -124,8 +125,7 @@ def test_sglang_router_pd(tmp_path):
         assert text == whole.choices[0].message.content and text
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(10)
+            stop_process(router)
         prefill.stop()
         decode.stop()
 
@@ -165,7 +165,6 @@ def test_sglang_router_pd_nextn(tmp_path):
         assert whole.choices[0].message.content == tok.decode(want["output_ids"])
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(10)
+            stop_process(router)
         prefill.stop()
         decode.stop()

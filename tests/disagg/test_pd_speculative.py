@@ -20,8 +20,7 @@ import torch
 from moeserve.disagg.messages import BadMessage, pack_tensor, unpack_tensor
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
-from tests.disagg.pd_harness import PDPair
-from tests.disagg.test_pd_faults import ABORTS, _state
+from tests.disagg.pd_harness import ABORTS, PDPair, abort_in_every_state
 from tests.rank.inprocess import InProcessEngine
 
 FLAGS = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=2048, dtype="float32")
@@ -122,19 +121,7 @@ def test_pd_nextn_aborts_and_retractions_leak_no_page(mtp_checkpoint):
         rids = [f"a{i}" for i in range(len(prompts))]
         for rid, ids in zip(rids, prompts, strict=True):
             pair.submit(rid, ids, params)
-        plan: dict[str, tuple[str, str]] = {}
-
-        def step() -> bool:
-            for side, state in ABORTS:
-                if (side, state) in plan.values():
-                    continue
-                rid = next((r for r in rids[::-1] if r not in plan and _state(pair, side, r) == state), None)
-                if rid is not None:
-                    getattr(pair, side).scheduler.abort(rid)
-                    plan[rid] = (side, state)
-            return all(pair.finished(pair.decode, r) and pair.finished(pair.prefill, r) for r in rids)
-
-        pair.step_until(step)
+        plan = abort_in_every_state(pair, rids)
         pair.step_until(pair.idle)
         assert sorted(plan.values()) == sorted(ABORTS), plan
         for i, rid in enumerate(rids):
