@@ -161,3 +161,16 @@ def abort_in_every_state(pair: PDPair, rids: list[str]) -> dict[str, tuple[str, 
 
     pair.step_until(step)
     return plan
+
+
+def bootstrap_refusal(pair: PDPair, params: SamplingParams) -> str:
+    """Submit one request to a pair whose sides cannot pair: it fails at bootstrap (abort, 500) before decode
+    reserves any page, and every page stays free; -> the error message."""
+    start = pair.decode.scheduler.allocator.num_free_pages
+    pair.submit("m", list(range(3, 20)), params)
+    pair.step_until(lambda: pair.finished(pair.decode, "m") and pair.finished(pair.prefill, "m"))
+    finish = pair.result("m")["finish_reason"]
+    assert finish.type == "abort" and finish.status_code == 500
+    pair.step_until(pair.idle)
+    assert pair.decode.scheduler.allocator.num_free_pages == start
+    return finish.message

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeserve.rank.sampling_params import SamplingParams
-from tests.disagg.pd_harness import PDPair
+from tests.disagg.pd_harness import PDPair, bootstrap_refusal
 from tests.rank.inprocess import InProcessEngine
 
 FLAGS = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=2048)
@@ -86,14 +86,8 @@ def test_mismatched_sides_refuse_at_bootstrap(decode_kwargs, says):
 
     pair = PDPair(model_path=default_model_path(), decode_kwargs=decode_kwargs, page_size=4, max_total_tokens=512)
     try:
-        start = pair.decode.scheduler.allocator.num_free_pages
-        pair.submit("m", list(range(3, 20)), GREEDY)
-        pair.step_until(lambda: pair.finished(pair.decode, "m") and pair.finished(pair.prefill, "m"))
-        finish = pair.result("m")["finish_reason"]
-        assert finish.type == "abort" and finish.status_code == 500
-        assert "prefill and decode cannot pair" in finish.message and says in finish.message, finish.message
-        pair.step_until(pair.idle)
-        assert pair.decode.scheduler.allocator.num_free_pages == start
+        message = bootstrap_refusal(pair, GREEDY)
+        assert "prefill and decode cannot pair" in message and says in message, message
     finally:
         pair.close()
 

@@ -20,7 +20,7 @@ import torch
 from moeserve.disagg.messages import BadMessage, pack_tensor, unpack_tensor
 from moeserve.rank.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB
-from tests.disagg.pd_harness import ABORTS, PDPair, abort_in_every_state
+from tests.disagg.pd_harness import ABORTS, PDPair, abort_in_every_state, bootstrap_refusal
 from tests.rank.inprocess import InProcessEngine
 
 FLAGS = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=2048, dtype="float32")
@@ -205,14 +205,8 @@ def test_speculation_on_one_side_refuses_to_pair(spec_side, mtp_checkpoint):
     kwargs = {f"{spec_side}_kwargs": SPEC}
     pair = PDPair(model_path=mtp_checkpoint, page_size=4, max_total_tokens=512, dtype="float32", **kwargs)
     try:
-        start = pair.decode.scheduler.allocator.num_free_pages
-        pair.submit("m", list(range(3, 20)), GREEDY)
-        pair.step_until(lambda: pair.finished(pair.decode, "m") and pair.finished(pair.prefill, "m"))
-        finish = pair.result("m")["finish_reason"]
-        assert finish.type == "abort" and finish.status_code == 500
-        assert "speculative decoding is on one side only" in finish.message, finish.message
-        pair.step_until(pair.idle)
-        assert pair.decode.scheduler.allocator.num_free_pages == start
+        message = bootstrap_refusal(pair, GREEDY)
+        assert "speculative decoding is on one side only" in message, message
     finally:
         pair.close()
 
