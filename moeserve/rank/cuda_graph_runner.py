@@ -3,8 +3,10 @@
 A decode step's shapes depend on two numbers only: the batch size B and the longest sequence L (the padded
 [B, L] block of cache slots attention reads). `capture_all` captures one graph per (batch bucket, length bucket) at
 start-up (a progress bar, then the count, time and memory in the log), into one shared memory pool; each writes
-its logits into one shared output buffer, so the graphs' own intermediates can reuse the pool. A step replays its
-bucket's graph with the inputs copied into static buffers. Padding rows decode token 0 at position 0 and write
+its logits into one shared output buffer, so the graphs' own intermediates can reuse the pool (with_hidden: the
+forward returns (logits, hidden states [T, H]) and both land in shared buffers: speculative decoding's verify and
+draft steps, whose next forward reads the hidden states). A step replays its bucket's graph with the inputs copied
+into static buffers. Padding rows decode token 0 at position 0 and write
 their KV to the scratch slot 0, which no request owns. A shape whose capture failed runs eagerly.
 """
 
@@ -69,9 +71,11 @@ def capture_each(keys: list[K], captured: dict[K, V | None], capture: Callable[[
 class CudaGraphRunner:
     """Captures and replays the model's decode forward for one rank."""
 
-    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], kv_pool, max_bs: int, max_len: int,
-                 device: torch.device, sizes: list[int] | None = None, groups: int = 1):
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor | tuple[torch.Tensor, torch.Tensor]], kv_pool,
+                 max_bs: int, max_len: int, device: torch.device, sizes: list[int] | None = None, groups: int = 1,
+                 with_hidden: bool = False):
         self.forward = forward  # the model's forward (or its compiled form): what is captured
+        self.with_hidden = with_hidden  # forward returns (logits, hidden [T, H]): run_hidden gives both
         self.kv_pool = kv_pool
         self.device = device
         self.groups = groups  # DP groups: a step's header is [padded size] * groups (rank/static_shape.py)
@@ -91,6 +95,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.logits_out: torch.Tensor | None = None  # [max_bs, V] float32, written by every graph (first capture)
+        self.hidden_out: torch.Tensor | None = None  # [max_bs, H] with_hidden, likewise
 
     @torch.inference_mode()  # as `run` captures and replays
     def capture_all(self, progress: bool = True) -> None:
@@ -132,20 +137,38 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: lazy inits, kernel compiles (a compiled forward's too), allocator
-                logits = self.forward(fb)
+                out = self.forward(fb)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        logits, hidden = out if self.with_hidden else (out, None)
         if self.logits_out is None:
             self.logits_out = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=self.device)
-        del logits
+        if hidden is not None and self.hidden_out is None:
+            self.hidden_out = torch.empty(self.max_bs, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        del out, logits, hidden
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self.logits_out[:bs].copy_(self.forward(fb))
+            out = self.forward(fb)
+            if self.with_hidden:
+                self.logits_out[:bs].copy_(out[0])
+                self.hidden_out[:bs].copy_(out[1])
+            else:
+                self.logits_out[:bs].copy_(out)
         logger.debug("captured a CUDA graph for decode batch %d, length %d", bs, length)
         return graph, self.logits_out[:bs]
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] (each request's last token) of a decode batch whose tensors are already on the device."""
+        out = self._replay(batch)
+        return out[0] if self.with_hidden else out
+
+    @torch.inference_mode()
+    def run_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, V], hidden [B, H]) of a decode batch, from graphs captured with_hidden."""
+        assert self.with_hidden
+        return self._replay(batch)
+
+    def _replay(self, batch: ForwardBatch):
         self.num_steps += 1
         b = batch.batch_size
         n = b * DECODE_LEN  # tokens
@@ -172,4 +195,4 @@ class CudaGraphRunner:
             return self.forward(pad_decode(batch, bs, self.groups) if self.groups > 1 else batch)
         graph, logits = entry
         graph.replay()
-        return logits[:b]
+        return (logits[:b], self.hidden_out[:b]) if self.with_hidden else logits[:b]

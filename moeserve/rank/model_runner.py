@@ -156,8 +156,10 @@ class ModelRunner:
             mtp_pool = self.mtp.make_kv_pool(self.num_pages, server_args.page_size, self.dtype, self.device,
                                              get_parallel_state().attn_tp_size)
             self.enable_speculation(MTPDrafter(self.mtp, mtp_pool), server_args.speculative_num_steps)
+        draft_graphs = [self.speculative.draft_graphs] if self.speculative and self.speculative.draft_graphs else []
         with self.expert_recorder.not_counting() if self.expert_recorder is not None else nullcontext():
-            for runner in reversed(self.runners):  # last: they capture the model as it will run (compiled first)
+            # last: they capture the model as it will run (compiled first)
+            for runner in [*reversed(self.runners), *draft_graphs]:
                 runner.capture_all(progress=get_parallel_state().rank == 0)
         logger.info("%s", self.memory_line())
 
@@ -175,20 +177,14 @@ class ModelRunner:
             from moeserve.rank.cuda_graph_runner import CudaGraphRunner
 
             uncaptured = [self.compiled] if self.compiled is not None else []
-            self.graph_runner = CudaGraphRunner(
-                lambda fb: self._run_first(uncaptured, fb), self.kv_pool,
-                min(a.cuda_graph_max_bs, a.max_running_requests), self.context_length, self.device, a.cuda_graph_bs,
-                a.num_dp_groups)
-            if not a.disable_piecewise_cuda_graph and not self.ep.extend_graph_safe:
-                logger.info("piecewise CUDA graphs are off with %s: its extend steps read the split counts back to "
-                            "the host; extend steps run eagerly", self.ep.backend_desc)
-            elif not a.disable_piecewise_cuda_graph:
-                from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
-
-                # several DP groups: only steps padded to the count they agreed (--enable-static-shape-extend)
-                self.piecewise = PiecewiseGraphRunner(self.model, self.kv_pool, self._extend_max_tokens(),
-                                                      self.device, self.graph_runner.pool,
-                                                      a.num_dp_groups if a.enable_static_shape_extend else 1)
+            max_bs = min(a.cuda_graph_max_bs, a.max_running_requests)
+            if self.mtp is not None:  # speculative decoding: verify steps only; prefills read every row's hidden
+                self.graph_runner = self._verify_graphs(max_bs)  # states (forward_hidden), eagerly
+            else:
+                self.graph_runner = CudaGraphRunner(lambda fb: self._run_first(uncaptured, fb), self.kv_pool, max_bs,
+                                                    self.context_length, self.device, a.cuda_graph_bs,
+                                                    a.num_dp_groups)
+                self.piecewise = self._piecewise_graphs()
         # the static-shape decode step (rank/static_shape.py): the decode graphs, else the padded step eagerly
         self.static_decode = self.graph_runner
         if self.graph_runner is None and a.enable_static_shape_decode:
@@ -208,6 +204,39 @@ class ModelRunner:
                                                    a.num_dp_groups)
         extend = self.static_extend or self.piecewise
         return [r for r in (self.static_decode, extend, self.compiled) if r is not None]
+
+    def _piecewise_graphs(self):
+        """Extend steps in piecewise CUDA graphs (rank/piecewise_graph_runner.py), where the flags and the EP
+        backend allow them; they share the decode graphs' memory pool."""
+        a = self.args
+        if a.disable_piecewise_cuda_graph:
+            return None
+        if not self.ep.extend_graph_safe:
+            logger.info("piecewise CUDA graphs are off with %s: its extend steps read the split counts back to "
+                        "the host; extend steps run eagerly", self.ep.backend_desc)
+            return None
+        from moeserve.rank.piecewise_graph_runner import PiecewiseGraphRunner
+
+        # several DP groups: only steps padded to the count they agreed (--enable-static-shape-extend)
+        return PiecewiseGraphRunner(self.model, self.kv_pool, self._extend_max_tokens(), self.device,
+                                    self.graph_runner.pool, a.num_dp_groups if a.enable_static_shape_extend else 1)
+
+    def _verify_graphs(self, max_bs: int):
+        """Speculative decoding's verify steps in CUDA graphs: B requests' k + 1 rows each as B * (k + 1) decode
+        rows (rank/speculative/verify_rows.py), captured at every request bucket times k + 1, returning the logits
+        and hidden states of every row. None with several DP groups (their steps run eagerly: an idle group's
+        padded verify is not written yet)."""
+        from moeserve.rank.cuda_graph_runner import CudaGraphRunner, batch_buckets
+
+        a = self.args
+        if a.num_dp_groups > 1:
+            logger.info("speculative decoding with %d DP groups: verify and draft steps run eagerly",
+                        a.num_dp_groups)
+            return None
+        rows = a.speculative_num_steps + 1
+        sizes = [b * rows for b in batch_buckets(max_bs, a.cuda_graph_bs)]
+        return CudaGraphRunner(self._forward_with_hidden, self.kv_pool, sizes[-1], self.context_length,
+                               self.device, sizes, with_hidden=True)
 
     def _extend_max_tokens(self) -> int:
         """The largest extend step padded to a token bucket: no extend step is larger than the prefill budget
@@ -311,10 +340,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The eager model on one batch: (logits as `forward` gives them, the final-normed hidden states [T, H] of
-        every row) for a draft model to read."""
+        """(logits as `forward` gives them, the final-normed hidden states [T, H] of every row) for a draft model to
+        read: a verify step's decode rows from the CUDA graphs captured for them, anything else eagerly."""
         fb = batch.to(self.device)
         fb.kv_pool = self.kv_pool
+        graphs = self.graph_runner
+        if graphs is not None and graphs.with_hidden and graphs.can_run(fb):
+            return graphs.run_hidden(fb)
+        return self._forward_with_hidden(fb)
+
+    def _forward_with_hidden(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.head_hidden_states(fb)  # final-normed: what the head and DeepSeek's MTP read
         return self.model.head_logits(logit_rows(hidden, fb)), hidden
 
@@ -331,9 +366,16 @@ class ModelRunner:
         refused = unsupported_with_speculation(self.args)
         if refused:
             raise ValueError(refused)
-        if self.runners:
-            logger.info("speculative decoding: verify and draft steps run eagerly (not in CUDA graphs yet)")
-        self.speculative = SpeculativeRound(self, drafter, num_draft_tokens)
+        draft_graphs = None
+        if self.graph_runner is not None and self.graph_runner.with_hidden and num_draft_tokens > 1:
+            from moeserve.rank.speculative.draft_graphs import DraftStepGraphs
+
+            # the draft's one-token steps at the verify's request buckets (its extend runs eagerly)
+            draft_graphs = DraftStepGraphs(drafter, self.config.hidden_size, self.dtype, self.graph_runner,
+                                           num_draft_tokens + 1)
+        elif self.device.type == "cuda":
+            logger.info("speculative decoding: verify and draft steps run eagerly")
+        self.speculative = SpeculativeRound(self, drafter, num_draft_tokens, draft_graphs)
 
     def _run_first(self, runners: list[GraphRunner], fb: ForwardBatch) -> torch.Tensor:
         """The step on the first of `runners` that takes it, else the eager model."""

@@ -52,7 +52,8 @@ def test_verify_rows_equal_extend_default_model():
 
 
 def test_row_slots_are_causal_prefixes(tiny_checkpoint):
-    """Row j of a request reads the request's first L + j + 1 slots, and writes the slot of its own token."""
+    """Row j of a request reads the request's first L + j + 1 slots (as kv_indices and as the padded decode_slots),
+    and writes the slot of its own token."""
     runner = Runner(tiny_checkpoint("v3_q_lora"))
     runner.extend([(0, random_tokens(5, 1)), (1, random_tokens(2, 2))])
     verify = runner.batch(ForwardMode.EXTEND, [(0, random_tokens(3, 3)), (1, random_tokens(3, 4))])
@@ -64,3 +65,7 @@ def test_row_slots_are_causal_prefixes(tiny_checkpoint):
     for r, (rid, n) in enumerate(zip([0, 0, 0, 1, 1, 1], rows.seq_lens_cpu, strict=True)):
         got = rows.kv_indices[rows.kv_indptr[r]:rows.kv_indptr[r + 1]].tolist()
         assert got == runner.slots[rid][:n]
+    # the padded block the torch / Triton kernels and the verify's CUDA graphs read: the same slots, padded
+    assert rows.decode_slots.shape == (6, 8)
+    for r, n in enumerate(rows.seq_lens_cpu):
+        assert rows.decode_slots[r, :n].tolist() == rows.kv_indices[rows.kv_indptr[r]:rows.kv_indptr[r + 1]].tolist()

@@ -37,6 +37,7 @@ from moeserve.rank.request import Req
 from moeserve.rank.sampler import SamplingBatch
 from moeserve.rank.scheduled_batch import ScheduledBatch
 from moeserve.rank.speculative.acceptance import accept_greedy, accept_sampled, expand_rows, processed_probs
+from moeserve.rank.speculative.draft_graphs import DraftStepGraphs
 from moeserve.rank.speculative.drafter import Drafter
 from moeserve.rank.speculative.verify_rows import verify_as_decode
 
@@ -56,9 +57,12 @@ class RoundResult:
 class SpeculativeRound:
     """Drafts and verifies for a rank's scheduler; `runner` is its ModelRunner (forward_hidden, sampling rng)."""
 
-    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int):
+    def __init__(self, runner, drafter: Drafter, num_draft_tokens: int, draft_graphs: DraftStepGraphs | None = None):
         assert num_draft_tokens >= 1
         self.runner, self.drafter, self.k = runner, drafter, num_draft_tokens
+        # the draft's one-token steps in CUDA graphs (draft_graphs.py), else eagerly
+        self.draft_graphs = draft_graphs
+        self.draft_step = draft_graphs.forward if draft_graphs is not None else drafter.forward
         # an attention-TP group of several ranks: every rank keeps the leader's tokens (as the sampler's are
         # shared), so that their schedulers never part; set by the step pipeline
         self.sync: RankSync | None = None
@@ -89,11 +93,9 @@ class SpeculativeRound:
         drafts = self.draft(scheduler, reqs, kv_lens)  # [B, k] on the device
 
         # the verify as B * (k + 1) decode rows (verify_rows.py): the absorbed MLA path, not an extend
-        dev = verify_as_decode(fb, k + 1).to(self.runner.device)
+        dev = verify_as_decode(fb, k + 1).to(self.runner.device)  # logits of every row: a decode step's rows
         ids = dev.input_ids.view(bs, k + 1)
         dev.input_ids = torch.cat([ids[:, :1], drafts], dim=1).reshape(-1)
-        dev.logits_indices = None
-        dev.return_all_logits = True
         logits, hidden = self.runner.forward_hidden(dev)  # [B * (k + 1), V], [B * (k + 1), H]
 
         sbatch = SamplingBatch.build([r.params for r in reqs], [r.input_ids for r in reqs],
@@ -144,12 +146,14 @@ class SpeculativeRound:
         last = torch.as_tensor(np.cumsum(extend_lens) - 1, device=device)
         token, g = logits.argmax(dim=-1), g[last]
         drafts = [token]
+        block = table.table[rows, : max(kv_lens) + self.k]  # every draft step's slots, padded
         for j in range(1, self.k):  # position L + j - 1 reads (d_j, g_j); one token each: the decode path
             lens = [kv_len + j for kv_len in kv_lens]
             fb = ForwardBatch.build(ForwardMode.DECODE, [0] * len(reqs), lens, [1] * len(reqs),
                                     np.array([table.table[r.row, n - 1] for r, n in zip(reqs, lens, strict=True)]),
-                                    table.gather(rows, lens)).to(device)
-            logits, g = self.drafter.forward(fb, token, g)
+                                    table.gather(rows, lens))
+            fb.decode_slots = torch.from_numpy(block[:, : max(lens)])
+            logits, g = self.draft_step(fb.to(device), token, g)
             token = logits.argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

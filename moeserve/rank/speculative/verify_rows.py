@@ -7,8 +7,9 @@ against c_kv), where an EXTEND expands the request's whole prefix through kv_b_p
 the verify extend cost about twice a plain decode step. The MoE and dense layers see the same B * (k + 1) rows.
 
 The rows' slot lists overlap (row j's is row j - 1's plus one slot), so kv_indices grows to about
-(k + 1) * sum(L) entries: slots only, no KV is copied. No decode_slots block: AttentionMetadata pads one from
-kv_indices where a kernel reads it (torch, Triton); the CPU kernel reads kv_indices in place.
+(k + 1) * sum(L) entries: slots only, no KV is copied. The padded block the torch and Triton kernels read
+(decode_slots, [B * (k + 1), max L + k + 1]) is each request's block repeated, row j masked past L + j + 1 by its
+length: a decode step's shapes, which the verify's CUDA graphs capture. The CPU kernel reads kv_indices in place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
+from moeserve.layers.attention.ops import padded_kv_slots
 
 
 def verify_as_decode(fb: ForwardBatch, num_rows: int) -> ForwardBatch:
@@ -39,4 +41,6 @@ def verify_as_decode(fb: ForwardBatch, num_rows: int) -> ForwardBatch:
     out = ForwardBatch.build(ForwardMode.DECODE, fb.input_ids.numpy(), rows, [1] * len(rows), fb.out_cache_loc,
                              kv_indices, kv_pool=fb.kv_pool)
     out.global_num_tokens, out.any_extend = fb.global_num_tokens, fb.any_extend
+    block, _ = padded_kv_slots(fb.kv_indices, fb.kv_indptr, seq, max(fb.seq_lens_cpu))
+    out.decode_slots = block.repeat_interleave(num_rows, dim=0)
     return out
