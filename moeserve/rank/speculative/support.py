@@ -7,8 +7,9 @@ from moeserve.args import PDRole, ServerArgs
 
 def unsupported_with_speculation(args: ServerArgs) -> str | None:
     """The first flag set in `args` that speculative decoding does not run with yet, as an error message; None
-    when every flag set is supported. The round runs steps back to back (in CUDA graphs where model_runner captures them), on any layout of attention
-    groups (a group that does not draft in a step joins the draft forwards' collectives, round.join_drafts)."""
+    when every flag set is supported. The round runs steps back to back (in CUDA graphs where model_runner
+    captures them), on any layout of attention groups (a group that does not draft in a step joins the draft
+    forwards' collectives, round.join_drafts)."""
     refused = [
         (args.enable_mixed_chunk, "--enable-mixed-chunk"),
         # a PD prefill server drafts over each prompt after its step (round.draft_prompt), outside the step
