@@ -28,7 +28,6 @@ finish in the tier's writer thread from a copy of the pages: storage_tier.py.)
 from __future__ import annotations
 
 import heapq
-import logging
 import time
 
 import numpy as np
@@ -39,8 +38,6 @@ from moeserve.kvcache.page_allocator import PageAllocator
 from moeserve.kvcache.prefix_cache import PrefixMatch
 from moeserve.kvcache.radix_cache import RadixCache, TreeNode
 from moeserve.kvcache.storage_tier import StorageTier
-
-logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # --hicache-write-policy
 

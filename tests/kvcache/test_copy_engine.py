@@ -16,7 +16,7 @@ import torch
 from moeserve.kvcache import HiRadixCache, HostKVPool, PageAllocator, StorageTier
 from moeserve.kvcache.copy_engine import CopyEngine
 from moeserve.kvcache.hiradix_cache import WRITE_POLICIES
-from moeserve.kvcache.kv_pool import kv_buffers
+from moeserve.kvcache.kv_pool import MLAKVPool, kv_buffers
 from moeserve.kvcache.storage.file import SUFFIX, FileStorage
 from moeserve.kvcache.storage.keys import KVLayout
 from tests.kvcache import test_hicache
@@ -183,3 +183,44 @@ def test_matches_hold_their_kv_with_slow_copies(monkeypatch, policy):
 
     monkeypatch.setattr(CopyEngine, "_copy", slow)
     test_hicache.test_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, "mha", 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_cuda_copies_follow_the_compute_stream(policy):
+    """Each sequence's KV is written on the compute stream behind slow matrix products and inserted at once: the
+    side-stream backup must read the rows written, not what was there before. Then every device page gets junk
+    and each match's non_blocking load-back must bring the right rows."""
+    torch.manual_seed(0)
+    page_size, tokens_per_seq = 4, 16
+    pool = MLAKVPool(32, page_size, 2, kv_lora_rank=256, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                     device="cuda")
+    alloc, host = PageAllocator(32, page_size), HostKVPool(pool, 64)
+    assert all(b.is_pinned() for b in host.buffers)
+    cache = HiRadixCache(alloc, page_size, host, policy)
+    rng = random.Random(policy)
+    seqs = [[rng.randrange(1000) for _ in range(tokens_per_seq)] for _ in range(6)]
+    busy = torch.randn(4096, 4096, device="cuda")
+    want = []
+    for tokens in seqs:
+        slots = alloc.alloc_whole_pages(tokens_per_seq)
+        for _ in range(8):  # keeps the compute stream busy past the insert below
+            busy = busy @ busy
+            busy = busy / busy.norm()
+        idx = torch.from_numpy(slots).cuda()
+        rows = [torch.randn(tokens_per_seq, b.shape[1], device="cuda").to(b.dtype) for b in pool.buffers]
+        for buf, r in zip(pool.buffers, rows, strict=True):
+            buf.index_copy_(0, idx, r)
+        cache.insert(tokens, slots)
+        want.append(rows)
+    assert cache.evict(cache.evictable_size) == 6 * tokens_per_seq
+    for buf in pool.buffers:
+        buf.normal_()  # junk where the evicted pages were
+    for i in rng.sample(range(6), 6):
+        match = cache.match_prefix(seqs[i] + [0])
+        assert len(match.slots) == tokens_per_seq and match.host_tokens == tokens_per_seq
+        idx = torch.from_numpy(match.slots).cuda()
+        for buf, r in zip(pool.buffers, want[i], strict=True):
+            assert torch.equal(buf[idx], r), f"sequence {i}: wrong rows after the round trip"
+    assert host.traffic.bytes_to_host == 6 * tokens_per_seq * host.bytes_per_token
+    cache.close()
