@@ -21,6 +21,8 @@ from moeserve.kvcache.storage.file import SUFFIX, FileStorage
 from moeserve.kvcache.storage.keys import KVLayout
 from tests.kvcache import test_hicache
 from tests.kvcache.test_hicache import _check, _pool, _write
+from tests.rank import test_hicache_engine
+from tests.rank.test_hicache_engine import model_path  # noqa: F401  (the fixture)
 
 DEADLINE_S = 10.0
 HELD_S = 0.2  # how long a call is watched to still be blocked at the gate
@@ -224,3 +226,16 @@ def test_cuda_copies_follow_the_compute_stream(policy):
             assert torch.equal(buf[idx], r), f"sequence {i}: wrong rows after the round trip"
     assert host.traffic.bytes_to_host == 6 * tokens_per_seq * host.bytes_per_token
     cache.close()
+
+
+def test_64_conversations_with_aborts_and_slow_copies(monkeypatch, model_path):  # noqa: F811
+    """test_hicache_engine's 64 conversations with aborts during load-back, under write_through with every backup
+    delayed 1 ms: many nodes are pending while requests match, evict and load back."""
+    real = CopyEngine._copy
+
+    def slow(engine, job):
+        time.sleep(0.001)
+        real(engine, job)
+
+    monkeypatch.setattr(CopyEngine, "_copy", slow)
+    test_hicache_engine.test_64_conversations_with_aborts_during_load_back(model_path, policy="write_through")
