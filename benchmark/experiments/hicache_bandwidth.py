@@ -1,9 +1,11 @@
-"""The host KV tier's copy bandwidth: HostKVPool.backup (device -> host) and load (host -> device) of N random
-token slots of DeepSeek-V3's latent cache (61 layers x 576 bf16 per token), timed with the device synchronized.
+"""The host KV tier's copy bandwidth: CopyEngine.backup (device -> host, waited for) and HostKVPool.load
+(host -> device) of N random token slots of DeepSeek-V3's latent cache (61 layers x 576 bf16 per token), timed
+with the device synchronized; and how long backup takes to return (the scheduler's thread's share of it).
 
     python3 benchmark/experiments/hicache_bandwidth.py [--device cuda] [--tokens 4096 32768] [--layers 61]
 
-Prints one JSON line per size: GB/s each way (the bytes of every layer's rows over the wall time)."""
+Prints one JSON line per size: GB/s each way (the bytes of every layer's rows over the wall time), and
+to_host_queue_ms: the time backup took to return."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from moeserve.kvcache.copy_engine import CopyEngine
 from moeserve.kvcache.host_pool import HostKVPool
 from moeserve.kvcache.kv_pool import MLAKVPool
 
@@ -37,18 +40,20 @@ def main() -> None:
     for b in pool.buffers:
         b.normal_()  # random bytes: nothing special about zeros
     host = HostKVPool(pool, pages)
+    copies = CopyEngine(host)
     rng = np.random.default_rng(0)
     for n in a.tokens:
         # whole pages in a random order, as an evicted radix node's pages are
         order = rng.permutation(np.arange(1, pages + 1))[:n // a.page_size]
         dev_slots = (order[:, None] * a.page_size + np.arange(a.page_size)).reshape(-1).astype(np.int64)
         host_slots = host.alloc(len(dev_slots))
-        times = {"to_host": [], "to_device": []}
+        times = {"to_host": [], "to_host_queue": [], "to_device": []}
         for _ in range(a.repeat):
             _sync(device)
             t0 = time.perf_counter()
-            host.backup(dev_slots, host_slots)
-            _sync(device)
+            handle = copies.backup(dev_slots, host_slots)
+            times["to_host_queue"].append(time.perf_counter() - t0)
+            handle.wait()
             times["to_host"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             host.load(host_slots, dev_slots)
@@ -57,8 +62,9 @@ def main() -> None:
         host.free(host_slots)
         nbytes = len(dev_slots) * host.bytes_per_token
         print(json.dumps({"device": str(device), "tokens": len(dev_slots), "layers": a.layers, "mib": nbytes / 2**20,
-                          **{f"{k}_gb_s": nbytes / min(v) / 1e9 for k, v in times.items()},
+                          **{f"{k}_gb_s": nbytes / min(times[k]) / 1e9 for k in ("to_host", "to_device")},
                           **{f"{k}_ms": 1e3 * min(v) for k, v in times.items()}}), flush=True)
+    copies.close()
 
 
 if __name__ == "__main__":

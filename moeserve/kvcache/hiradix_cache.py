@@ -4,8 +4,13 @@ A node holds a device value, a host value, or both. Invariants:
   - a node on the device has every ancestor on the device; a node on neither tier is not in the tree;
   - the sizes (evictable_size, protected_size) count device tokens only: they are what the scheduler can free;
   - a locked node (lock_ref > 0) loses neither value: a match locks its path while it loads back or evicts.
-Pages move (host_pool.py) synchronously: a copy has completed when the call returns, so a device page goes back
-to the free list only after its bytes reached the host, and a host page is read only once written.
+Backups (device -> host) are queued to the copy engine (copy_engine.py) and complete off the scheduler's thread.
+A node whose backup is in flight has host_value set and `copying` not done ("pending"): its device pages stay
+allocated (eviction takes other leaves first and waits for a pending one only when nothing else is left), and
+its host pages are neither read (load-back, the storage write) nor freed until the copy completed; reset and
+close wait for every copy. Load-backs (host -> device, host_pool.py) gather the host rows in the scheduler's
+thread: on CPU the copy is done when the match returns; on CUDA it is queued non_blocking on the compute stream
+ahead of the prefill that reads it (written, not run on a GPU).
 
 Write policies (SGLang's names): write_through copies a node to host when it enters the tree;
 write_through_selective when a later match first reuses it; write_back when it is evicted from the device. Under
@@ -16,7 +21,8 @@ host-only leaves. A finished sequence whose path meets a host-only node keeps it
 (the caller frees them): the tree's copy is loaded back by the next match instead.
 With a storage tier below (storage_tier.py), every host copy made here is also written there, and a match that
 goes past what device and host hold first reads the stored continuation into a new host-only node.
-(Storage writes finish in the tier's writer thread from a copy of the pages: storage_tier.py.)
+(The storage write of a node's pages runs in the copy engine's worker once its host copy is complete; puts
+finish in the tier's writer thread from a copy of the pages: storage_tier.py.)
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 
 import numpy as np
 
+from moeserve.kvcache.copy_engine import CopyEngine
 from moeserve.kvcache.host_pool import HostKVPool
 from moeserve.kvcache.page_allocator import PageAllocator
 from moeserve.kvcache.prefix_cache import PrefixMatch
@@ -43,10 +50,16 @@ class HiRadixCache(RadixCache):
         self.host = host
         self.write_policy = write_policy
         self.storage = storage  # below host: every host copy made here is written there; a match reads from it
+        self.copies = CopyEngine(host)
         super().__init__(allocator, page_size)
+
+    def close(self) -> None:
+        """Finish the backups in flight (and their storage writes) and stop the copy engine's worker."""
+        self.copies.close()
 
     def reset(self) -> None:
         if hasattr(self, "root"):  # flush_cache: nothing is locked
+            self.copies.wait_all()  # no copy reads a page freed below
             for node in self._nodes():
                 assert node.lock_ref == 0, "reset with a locked prefix"
                 if node.value is not None:
@@ -130,6 +143,8 @@ class HiRadixCache(RadixCache):
             for node in nodes[:count]:
                 slots = self.allocator.alloc_whole_pages(len(node.key))
                 assert slots is not None
+                self._settle(node, wait=True)  # host-only: its backup completed before eviction; make sure
+                assert node.host_value is not None, "a host-only node whose host copy failed"
                 self.host.load(node.host_value, slots)
                 node.value = slots
                 self.protected_size += len(node.key)  # locked until the unlock below
@@ -150,10 +165,31 @@ class HiRadixCache(RadixCache):
         host_slots = self._host_alloc(len(node.key))
         if host_slots is None:
             return False
-        self.host.backup(node.value, host_slots)
+        then = None
+        if self.storage is not None:  # keys now (the tree is the scheduler's); the write once the copy is done
+            storage, keys = self.storage, self._node_keys(node)
+
+            def then() -> None:
+                storage.write(keys, host_slots)
+
         node.host_value = host_slots
-        if self.storage is not None:
-            self.storage.write(self._node_keys(node), host_slots)
+        node.copying = self.copies.backup(node.value, host_slots, then)
+        return True
+
+    def _settle(self, node: TreeNode, wait: bool) -> bool:
+        """Whether node has no backup in flight (waiting for it with wait). A completed backup is forgotten;
+        a failed one drops the host copy (the node keeps its device pages)."""
+        handle = node.copying
+        if handle is None:
+            return True
+        if not handle.done():
+            if not wait:
+                return False
+            handle.wait()
+        node.copying = None
+        if handle.error is not None and node.host_value is not None:
+            self.host.free(node.host_value)
+            node.host_value = None
         return True
 
     def _host_alloc(self, num_tokens: int) -> np.ndarray | None:
@@ -185,10 +221,22 @@ class HiRadixCache(RadixCache):
         heap = [(n.last_access, id(n), n) for n in self._nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        pending: list[TreeNode] = []  # leaves whose backup is in flight, least recently used first
+        while freed < num_tokens:
+            if heap:
+                _, _, node = heapq.heappop(heap)
+                if not self._settle(node, wait=False):
+                    pending.append(node)  # evicted only if nothing else frees enough
+                    continue
+            elif pending:  # nothing else is left: one whose copy completed meanwhile, else wait for the oldest
+                node = next((n for n in pending if n.copying is None or n.copying.done()), pending[0])
+                pending.remove(node)
+                self._settle(node, wait=True)
+            else:
+                break
             if node.host_value is None and self.write_policy == "write_back":
-                self._backup(node)  # completes before the device pages are freed below
+                self._backup(node)
+                self._settle(node, wait=True)  # the device pages are freed below
             assert node.value is not None
             self.allocator.free_slots(node.value.tolist())
             node.value = None

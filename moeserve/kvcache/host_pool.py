@@ -1,8 +1,8 @@
 """The host tier's KV memory: the device pool's buffers, same layout, in host memory (pinned on CUDA).
 
 Buffer i here mirrors `kv_buffers(device_pool)[i]` (MLA: one latent buffer per layer; GQA: K then V per layer), with
-its own slots in whole pages and its own page allocator. Copies are by slot lists, every buffer in one call, and
-return only once the bytes have arrived: a device page may be freed, or a host page read, right after.
+its own slots in whole pages and its own page allocator. Copies are by slot lists, every buffer in one call:
+device -> host backups run off the scheduler's thread (copy_engine.py), host -> device loads here.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from moeserve.kvcache.page_allocator import PageAllocator
 class TierTraffic:
     """What the host tier moved, since start (the Prometheus counters read it)."""
 
-    bytes_to_host: int = 0
+    bytes_to_host: int = 0  # counted when a backup completes (copy_engine.py's worker thread)
     bytes_to_device: int = 0
-    load_back_seconds: float = 0.0
+    load_back_seconds: float = 0.0  # the scheduler's time in load-backs (CUDA: launching the copies)
     bytes_to_storage: int = 0  # with a storage tier (storage_tier.py)
     bytes_from_storage: int = 0
 
@@ -71,20 +71,18 @@ class HostKVPool:
     def free(self, host_slots: np.ndarray) -> None:
         self.allocator.free_slots(host_slots.tolist())
 
-    def backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> None:
-        """Copy device slots [n] to host slots [n]; done when it returns."""
-        dev_idx = torch.from_numpy(device_slots).to(self.device_buffers[0].device)
-        host_idx = torch.from_numpy(host_slots)
-        for dev, host in zip(self.device_buffers, self.buffers, strict=True):
-            host.index_copy_(0, host_idx, dev.index_select(0, dev_idx).cpu())  # .cpu() waits for the copy
-        self.traffic.bytes_to_host += len(host_slots) * self.bytes_per_token
-
     def load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None:
         """Copy host slots [n] to device slots [n], on the device's current stream: ahead of any forward that
-        reads them (the scheduler launches that later, on the same stream)."""
+        reads them (the scheduler launches that later, on the same stream). The host rows are gathered now, so
+        the host slots may be freed or rewritten when this returns. On CUDA the rows go through pinned staging
+        buffers, copied non_blocking (written, not run on a GPU); on CPU the copy is done when this returns."""
         device = self.device_buffers[0].device
+        cuda = device.type == "cuda"
         dev_idx = torch.from_numpy(device_slots).to(device)
         host_idx = torch.from_numpy(host_slots)
         for dev, host in zip(self.device_buffers, self.buffers, strict=True):
-            dev.index_copy_(0, dev_idx, host.index_select(0, host_idx).to(device))
+            rows = torch.empty((len(host_slots), *host.shape[1:]), dtype=host.dtype, pin_memory=cuda)
+            torch.index_select(host, 0, host_idx, out=rows)
+            # pinned memory goes back to torch's host allocator only after the copy that reads it completed
+            dev.index_copy_(0, dev_idx, rows.to(device, non_blocking=cuda))
         self.traffic.bytes_to_device += len(host_slots) * self.bytes_per_token

@@ -56,6 +56,9 @@ class PrefixCache(ABC):
     def reset(self) -> None:
         """Drop every unlocked entry (flush_cache)."""
 
+    def close(self) -> None:  # noqa: B027  (most caches hold nothing to let go of)
+        """Let go of threads and copies in flight (the scheduler's close)."""
+
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moeserve.kvcache.page_allocator import PageAllocator
 from moeserve.kvcache.prefix_cache import PrefixCache, PrefixMatch
 
+if TYPE_CHECKING:
+    from moeserve.kvcache.copy_engine import CopyHandle
+
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "host_value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "host_value", "copying", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], value: np.ndarray, parent: TreeNode | None):
         self.children: dict[tuple[int, ...], TreeNode] = {}
@@ -25,6 +29,7 @@ class TreeNode:
         self.key = key  # token ids, a whole number of pages
         self.value: np.ndarray | None = value  # [len(key)] int64 KV slots; None: not on the device (host tier)
         self.host_value: np.ndarray | None = None  # [len(key)] int64 host pool slots (hiradix_cache.py)
+        self.copying: CopyHandle | None = None  # the backup to host_value, until the cache saw it complete
         self.lock_ref = 0
         self.last_access = 0
 
@@ -91,6 +96,7 @@ class RadixCache(PrefixCache):
         if child.host_value is not None:
             upper.host_value = child.host_value[:at]
             child.host_value = child.host_value[at:]
+            upper.copying = child.copying  # one copy covers both halves
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         assert child.parent is not None

@@ -176,7 +176,8 @@ class Scheduler(PDHost, StepResults):
         del self.reqs[rid]
 
     def close(self) -> None:
-        """Let go of what outlives a step: the storage tier's connection."""
+        """Let go of what outlives a step: the host tier's copies in flight, the storage tier's connection."""
+        self.cache.close()
         if self.storage is not None:
             self.storage.close()
 

@@ -47,6 +47,7 @@ def test_a_restarted_cache_finds_its_prefixes_in_storage(tmp_path, kind, page_si
         _insert(pool, alloc, cache, s)
     if policy == "write_back":
         cache.evict(cache.evictable_size)  # write_back: copies to host (and storage) happen at eviction
+    cache.copies.wait_all()  # host copies done: their storage writes are queued (close waits for them too)
     assert cache.storage.flush(10.0)  # the writer thread put every page (a restarted server closed its tier)
     assert len(list(tmp_path.rglob("*" + SUFFIX))) == 12
     pool2, alloc2, fresh = _cache(kind, page_size, tmp_path, policy)  # new pools: nothing on device or host
@@ -68,6 +69,7 @@ def test_a_corrupt_page_is_a_miss_and_other_layouts_are_not_read(tmp_path):
     tokens = list(range(10, 18))
     pool, alloc, cache = _cache("mla", page_size, tmp_path)
     _insert(pool, alloc, cache, tokens)
+    cache.copies.wait_all()
     assert cache.storage.flush(10.0)
     keys = cache._node_keys(cache.match_prefix(tokens).node)
     assert len(keys) == 4

@@ -101,12 +101,12 @@ def test_chunked_prefill_and_prompt_logprobs(model_path):
     _accounted(eng)
 
 
-def test_64_conversations_with_aborts_during_load_back(model_path):
+def test_64_conversations_with_aborts_during_load_back(model_path, policy: str = "write_back"):
     firsts = _first_turns(64, 64, system=4, lengths=(10, 20))
     # a 256-token device pool, a host pool (8 x) that holds every history: 64 x ~26 tokens
     kw = dict(max_running_requests=16, max_total_tokens=256)
     reference = _two_turns(_engine(model_path, "v3_q_lora", False, **kw), firsts, 3)[1]
-    eng = _engine(model_path, "v3_q_lora", True, policy="write_back", hicache_ratio=8.0, **kw)
+    eng = _engine(model_path, "v3_q_lora", True, policy=policy, hicache_ratio=8.0, **kw)
     seconds = _seconds(firsts, eng.run(firsts, GREEDY), 3)
     s = eng.scheduler
     rids = [f"turn2-{i}" for i in range(64)]
