@@ -1,9 +1,10 @@
 """One MLA layer's extend attention on the CPU, expanded against absorbed (layers/attention/latent_extend.py), for
 one request of T new tokens over L cached ones: CPU time of MLAttention._attend on one thread (the latent cache read back, the
 attention, the output through W_UV where absorbed), the least of several runs, beside the multiply-add rule's pick.
-    python benchmark/experiments/bench_latent_extend.py [--shapes default,v2lite] [--dtype bfloat16]
+    python benchmark/experiments/bench_latent_extend.py [--shapes default,v2lite,forward] [--dtype bfloat16]
 Shapes: the embedded default model's (4 heads, latent 64, rope 16, nope 32, v 32) and DeepSeek-V2-Lite's
-(16 heads, latent 512, rope 64, nope 128, v 128), random weights.
+(16 heads, latent 512, rope 64, nope 128, v 128), random weights; "forward": the default model's whole forward
+(its weights, float32) for 100 new tokens over L cached, each form forced.
 """
 
 from __future__ import annotations
@@ -83,15 +84,49 @@ def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
                   flush=True)
 
 
+def bench_forward(reps: int, new_tokens: int = 100) -> None:
+    """The default model's whole forward (float32, as the CPU server runs it) for one request of 100 new tokens
+    over L cached, each form forced in every layer: what the attention's share of a prefill over a prefix is."""
+    from moeserve.args import ServerArgs
+    from moeserve.models.loader import load_model
+
+    model, config = load_model(ServerArgs(model_path=str(default_model_path()), dtype="float32"),
+                               torch.device("cpu"), show_progress=False)
+    longest = max(L_VALUES)
+    pool = make_kv_pool(config, longest + new_tokens + 1, 1, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    slots = (torch.randperm(longest + new_tokens, generator=gen) + 1).tolist()
+    ids = torch.randint(3, config.vocab_size, (longest + new_tokens,), generator=gen).tolist()
+    with torch.no_grad():  # the prefix's latents, once (the longest: shorter prefixes are its first rows)
+        model(ForwardBatch.build(ForwardMode.EXTEND, ids[:longest], [longest], [longest], slots[:longest],
+                                 slots[:longest], pool))
+    print(f"default model forward, float32, {new_tokens} new tokens, ms of CPU time")
+    print(f"{'L':>6} {'expanded ms':>12} {'absorbed ms':>12} {'ratio':>6}")
+    for L in (0, 512, 1030, 2048):
+        kv = slots[:L] + slots[longest:longest + new_tokens]
+        batch = ForwardBatch.build(ForwardMode.EXTEND, ids[L:L + new_tokens], [L + new_tokens], [new_tokens],
+                                   kv[L:], kv, pool)
+        ms = {}
+        with torch.no_grad():
+            for absorbed in (False, True):
+                deepseek.absorbed_extend_pays = lambda *a, absorbed=absorbed: absorbed
+                ms[absorbed] = time_ms(lambda b=batch: model(b), reps)
+        deepseek.absorbed_extend_pays = absorbed_extend_pays
+        print(f"{L:>6} {ms[False]:>12.1f} {ms[True]:>12.1f} {ms[False] / ms[True]:>6.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="default,v2lite")
+    ap.add_argument("--shapes", default="default,v2lite,forward")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(1)
     for shape in args.shapes.split(","):
-        bench(shape, getattr(torch, args.dtype), args.reps)
+        if shape == "forward":
+            bench_forward(args.reps)
+        else:
+            bench(shape, getattr(torch, args.dtype), args.reps)
 
 
 if __name__ == "__main__":
