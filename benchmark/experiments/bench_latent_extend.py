@@ -79,7 +79,7 @@ def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
                     deepseek.absorbed_extend_pays = lambda *a, absorbed=absorbed: absorbed
                     ms[absorbed] = time_ms(lambda q=q_nope, r=q_rope, m=meta: attn._attend(q, r, m), reps)
             deepseek.absorbed_extend_pays = absorbed_extend_pays
-            pick = "absorbed" if absorbed_extend_pays(attn.shape, meta.extend_plan, [T], [L + T], dtype) else "expanded"
+            pick = "absorbed" if absorbed_extend_pays(attn.shape, meta.extend_plan, [T], [L + T], q_nope) else "expanded"
             print(f"{T:>5} {L:>6} {ms[False]:>12.3f} {ms[True]:>12.3f} {ms[False] / ms[True]:>6.2f} {pick:>10}",
                   flush=True)
 

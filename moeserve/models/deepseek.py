@@ -121,7 +121,7 @@ class MLAttention(nn.Module):
             w_uk, w_uv = self._kv_b()
             q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
             return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv)
-        if absorbed_extend_pays(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens, q_nope.dtype):
+        if absorbed_extend_pays(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens, q_nope):
             # a short tail over a long prefix: the decode's absorbed form, causal over each request's rows
             w_uk, w_uv = self._kv_b()
             return absorbed_extend(q_nope, q_rope, cache[meta.kv_indices], w_uk, w_uv, meta.extend_plan, self.scale)

@@ -120,11 +120,12 @@ def test_a_causal_offset_off_by_one_is_seen(tiny_checkpoint, monkeypatch):
 def test_cost_rule():
     """Absorbed for a short tail over a long prefix, expanded for a long fresh prompt at DeepSeek-V3's widths; the
     default model's multi-turn shape (100 new over 1,000 cached) absorbed in float32 (the CPU server's dtype) and
-    bf16; never a CUDA kernel plan."""
+    bf16; never off the CPU, nor with CUDA's kernel plan."""
     v3 = MLAShape(heads=128, kv_lora=512, rope=64, nope=128, v=128)
 
-    def pays(shape, ext, seq, dtype=torch.bfloat16):
-        return absorbed_extend_pays(shape, ExtendPlan.build(ext, seq, "cpu"), ext, seq, dtype)
+    def pays(shape, ext, seq, dtype=torch.bfloat16, device="cpu"):
+        queries = torch.empty(0, dtype=dtype, device=device)
+        return absorbed_extend_pays(shape, ExtendPlan.build(ext, seq, "cpu"), ext, seq, queries)
 
     for dtype in (torch.bfloat16, torch.float32):
         assert pays(v3, [16], [4096], dtype)
@@ -134,7 +135,8 @@ def test_cost_rule():
     default = MLAShape(heads=4, kv_lora=64, rope=16, nope=32, v=32)
     assert pays(default, [100, 90], [1100, 1000]) and pays(default, [100, 90], [1100, 1000], torch.float32)
     kernel_plan = ExtendPlan.build([16], [4096], "cpu", kernel=True)
-    assert not absorbed_extend_pays(v3, kernel_plan, [16], [4096], torch.bfloat16)
+    assert not absorbed_extend_pays(v3, kernel_plan, [16], [4096], torch.empty(0))
+    assert not pays(v3, [16], [4096], device="meta")  # any device but the CPU keeps the expanded form
 
 
 def test_query_key_pairs():

@@ -20,7 +20,7 @@ benchmark/experiments/bench_latent_extend.py measured the crossover (docs/servin
 `absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs the groups with every query row's heads folded into the rows of one matmul
 against the single latent head (no copy of K or V per head); the mask is the group's causal one broadcast over
 the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
-there (`absorbed_extend_pays` says no for CUDA tensors).
+there (`absorbed_extend_pays` says no for any step off the CPU).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 
 # The absorbed form's multiply-adds per second over the expanded form's, on the CPU: the time rule weighs each form's
 # multiply-adds by it. The absorbed form multiplies in float32 (see absorbed_extend); the expanded one runs kv_b_proj
-# and SDPA in the model's dtype, and a bf16 GEMM ran 2-4x slower than a float32 one on the CPUs measured.
-# bench_latent_extend.py (docs/serving.md) measured 1.0-3.9 in float32 (1.0-2.6 at DeepSeek-V2-Lite's widths; the
-# default model's tiny ones pay more fixed costs in the expanded form) and 1.5-4.3 in bf16: below the middle taken.
+# and SDPA in the model's dtype, and torch's bf16 GEMMs ran several times slower than float32 ones on the CPUs
+# measured. bench_latent_extend.py (docs/serving.md, the log of 2026-12-06): in float32 0.9-1.6 on a quiet VM (the
+# default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
 CPU_ABSORBED_RATE = {torch.float32: 1.5}
 CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
@@ -68,14 +68,14 @@ def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
 
 
 def absorbed_extend_pays(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int], seq_lens: list[int],
-                         dtype: torch.dtype) -> bool:
-    """Run this extend step absorbed: less time by the multiply-adds of each form at its rate for the model's dtype,
-    and a plan of padded groups (not CUDA's kernel plan: the absorbed extend is written for the CPU groups only,
-    and CUDA keeps its Triton expanded path)."""
-    if plan.seqs_host is not None or not plan.groups:
+                         queries: torch.Tensor) -> bool:
+    """Run this extend step absorbed: a CPU step (queries: any of its query tensors, whose device and dtype decide)
+    whose multiply-adds, weighed by each form's rate for the dtype, take less time absorbed. Never on another
+    device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton expanded path unchanged."""
+    if not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
         return False
     pairs = query_key_pairs(extend_lens, seq_lens)
-    rate = CPU_ABSORBED_RATE.get(dtype, CPU_ABSORBED_RATE_16BIT)
+    rate = CPU_ABSORBED_RATE.get(queries.dtype, CPU_ABSORBED_RATE_16BIT)
     return shape.absorbed_cost(sum(extend_lens), pairs) < rate * shape.expanded_cost(sum(seq_lens), pairs)
 
 
