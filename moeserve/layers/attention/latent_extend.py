@@ -2,12 +2,12 @@
 
 The expanded extend (models/deepseek.py) reads every request's whole sequence back from the cache and expands
 each latent through kv_b_proj into per-head k_nope and v, every layer and every step. Over a long cached prefix
-and a short new tail (a multi-turn conversation's next turn) that expansion is most of the step. The absorbed
+and a short new tail (a multi-turn conversation's next turn) that expansion grows with the prefix. The absorbed
 form skips it: q_nope moves into the latent space (q_nope W_UK), all heads attend over one latent head
 ([c_kv | k_rope] as key, c_kv as value), and the output comes back through W_UV. The same logits, another cost.
 
 Cost in multiply-adds per layer, for a step of T new tokens, S = sum(seq_lens) cached + new slots and
-P = sum(n_b * s_b) (query, key) pairs, h heads, latent r, rope R, nope and v head widths:
+P (query, key) pairs (`query_key_pairs`), h heads, latent r, rope R, nope and v head widths:
 
     expanded = S * r * h * (nope + v)  +  P * h * (nope + R + v)
     absorbed = P * h * (2 * r + R)     +  T * h * r * (nope + v)       (scores over r + R, values over r)
@@ -17,9 +17,9 @@ rows: for DeepSeek-V3's shapes (r 512, R 64, nope 128, v 128) at L >> T below ab
 CPU the two forms do not run their multiply-adds at the same rate (CPU_ABSORBED_RATE, by the model's dtype):
 benchmark/experiments/bench_latent_extend.py measured the crossover (docs/serving.md).
 
-`absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs the groups with every query row's heads folded into the rows of one matmul
-against the single latent head (no copy of K or V per head); the mask is the group's causal one broadcast over
-the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
+`absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs ExtendPlan's padded groups, every
+query row's heads folded into the rows of one matmul against the single latent head (no copy of K or V per head),
+the group's causal mask broadcast over the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
 there (`absorbed_extend_pays` says no for any step off the CPU).
 """
 
