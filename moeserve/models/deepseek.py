@@ -12,7 +12,8 @@ EXTEND runs the expanded form: the latent of the whole sequence is read back fro
 per-head k_nope and v (multi-head attention with qk dim nope+rope and v dim v_head_dim). DECODE runs the
 weight-absorbed form: q_nope · k_nope = (q_nope W_UK) · c_kv, so the query moves into the latent space and
 attention is multi-query over the cache itself ([c_kv | k_rope] as key, c_kv as value); the output comes back
-through W_UV.
+through W_UV. On the CPU an EXTEND runs absorbed too where that costs less (a short tail over a long cached
+prefix: layers/attention/latent_extend.py), so the prefix is not expanded again every step.
 
 The MoE gate (`deepseek_gate`): scores s = softmax(x W_g^T) (V2) or sigmoid(x W_g^T) (V3); the experts fall into
 n_group groups and only the topk_group best groups are eligible:
@@ -43,6 +44,7 @@ from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
 from moeserve.layers.attention.latent_decode import LatentDecode, latent_to_heads, pick_latent_decode
+from moeserve.layers.attention.latent_extend import MLAShape, absorbed_extend, absorbed_extend_pays
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
@@ -71,6 +73,7 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         qk_dim = self.nope_dim + self.rope_dim
+        self.shape = MLAShape(self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim)
         self.scale = config.softmax_scale
         bias = config.attention_bias
 
@@ -111,12 +114,17 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(T, self.num_heads * self.v_dim))
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One EXTEND or DECODE part -> [t, h, v]: decode absorbed into the latent space, extend expanded."""
+        """One EXTEND or DECODE part -> [t, h, v]: decode absorbed into the latent space, extend expanded, or
+        absorbed where that costs fewer multiply-adds (layers/attention/latent_extend.py)."""
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]
         if meta.mode.is_decode:  # q_nope W_UK against c_kv, all heads over one latent head, back through W_UV
             w_uk, w_uv = self._kv_b()
             q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
             return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv)
+        if absorbed_extend_pays(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens, q_nope):
+            # a short tail over a long prefix: the decode's absorbed form, causal over each request's rows
+            w_uk, w_uv = self._kv_b()
+            return absorbed_extend(q_nope, q_rope, cache[meta.kv_indices], w_uk, w_uv, meta.extend_plan, self.scale)
         c_kv, k_rope = cache[meta.kv_indices].to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(c_kv.shape[0], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, h, nope], [S, h, v]

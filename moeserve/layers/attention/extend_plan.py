@@ -45,13 +45,25 @@ class ExtendGroup:
     out_src: torch.Tensor | None = None  # [sum n_b] padded rows that are real queries
     out_dst: torch.Tensor | None = None  # [sum n_b] their rows in the output
     q_pos: torch.Tensor | None = None  # [batch, lq] each padded query's position (masked groups only)
-    masks: dict = field(default_factory=dict)  # sliding window (or None) -> [batch or 1, 1, lq, lk] bool
+    masks: dict = field(default_factory=dict)  # window (or None) -> [batch or 1, lq, lk] bool; "bias" -> bias()
     device: torch.device | str = "cpu"
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """The attention mask for this window (None: plain causal suffices)."""
         if self.causal and window is None:
             return None
+        return self._key_mask(window)[:, None]
+
+    def bias(self) -> torch.Tensor:
+        """[batch or 1, lq, lk] float32 additive mask, 0 where the query sees the key and -inf elsewhere, built
+        for causal groups too (the absorbed extend, layers/attention/latent_extend.py, broadcasts it over heads)."""
+        if "bias" not in self.masks:
+            self.masks["bias"] = torch.zeros(self._key_mask(None).shape, device=self.device).masked_fill_(
+                ~self._key_mask(None), float("-inf"))
+        return self.masks["bias"]
+
+    def _key_mask(self, window: int | None) -> torch.Tensor:
+        """[batch or 1, lq, lk] bool: key j <= the query's position (inside the window)."""
         if window not in self.masks:
             k_pos = torch.arange(self.lk, device=self.device)[None, None, :]
             if self.q_pos is None:  # dense (n_b = s_b for all): one mask for the whole batch
@@ -61,7 +73,7 @@ class ExtendGroup:
             m = k_pos <= q_pos
             if window is not None:
                 m &= k_pos > q_pos - window
-            self.masks[window] = m[:, None]
+            self.masks[window] = m
         return self.masks[window]
 
 

@@ -1,0 +1,134 @@
+"""MLA's extend in the absorbed form: new query rows attend over the latent cache itself, as a decode does.
+
+The expanded extend (models/deepseek.py) reads every request's whole sequence back from the cache and expands
+each latent through kv_b_proj into per-head k_nope and v, every layer and every step. Over a long cached prefix
+and a short new tail (a multi-turn conversation's next turn) that expansion grows with the prefix. The absorbed
+form skips it: q_nope moves into the latent space (q_nope W_UK), all heads attend over one latent head
+([c_kv | k_rope] as key, c_kv as value), and the output comes back through W_UV. The same logits, another cost.
+
+Cost in multiply-adds per layer, for a step of T new tokens, S = sum(seq_lens) cached + new slots and
+P (query, key) pairs (`query_key_pairs`), h heads, latent r, rope R, nope and v head widths:
+
+    expanded = S * r * h * (nope + v)  +  P * h * (nope + R + v)
+    absorbed = P * h * (2 * r + R)     +  T * h * r * (nope + v)       (scores over r + R, values over r)
+
+The absorbed attention is wider (2r + R against nope + R + v), so it pays when the prefix is long beside the new
+rows: for DeepSeek-V3's shapes (r 512, R 64, nope 128, v 128) at L >> T below about T = 170 new tokens. On the
+CPU the two forms do not run their multiply-adds at the same rate (CPU_ABSORBED_RATE, by the model's dtype):
+benchmark/experiments/bench_latent_extend.py measured the crossover (docs/serving.md).
+
+`absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs ExtendPlan's padded groups, every
+query row's heads folded into the rows of one matmul against the single latent head (no copy of K or V per head),
+the group's causal mask broadcast over the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
+there (`absorbed_extend_pays` says no for any step off the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
+
+# The absorbed form's multiply-adds per second over the expanded form's, on the CPU: the time rule weighs each form's
+# multiply-adds by it. The absorbed form multiplies in float32 (see absorbed_extend); the expanded one runs kv_b_proj
+# and SDPA in the model's dtype, and torch's bf16 GEMMs ran several times slower than float32 ones on the CPUs
+# measured. bench_latent_extend.py (docs/serving.md, the log of 2026-12-06): in float32 0.9-1.6 on a quiet VM (the
+# default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
+CPU_ABSORBED_RATE = {torch.float32: 1.5}
+CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
+SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """One rank's MLA widths: heads, latent rank, rope, nope and v head dims."""
+
+    heads: int
+    kv_lora: int
+    rope: int
+    nope: int
+    v: int
+
+    def expanded_cost(self, num_kv: int, pairs: int) -> int:
+        """Multiply-adds of the expanded extend (module doc)."""
+        return num_kv * self.kv_lora * self.heads * (self.nope + self.v) + pairs * self.heads * (
+            self.nope + self.rope + self.v)
+
+    def absorbed_cost(self, num_tokens: int, pairs: int) -> int:
+        """Multiply-adds of the absorbed extend (module doc)."""
+        return pairs * self.heads * (2 * self.kv_lora + self.rope) + num_tokens * self.heads * self.kv_lora * (
+            self.nope + self.v)
+
+
+def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
+    """(query, key) pairs a causal extend computes: request b's n new rows see s - n + 1 .. s keys."""
+    return sum(n * s - n * (n - 1) // 2 for n, s in zip(extend_lens, seq_lens, strict=True))
+
+
+def absorbed_extend_pays(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int], seq_lens: list[int],
+                         queries: torch.Tensor) -> bool:
+    """Run this extend step absorbed: a CPU step (queries: any of its query tensors, whose device and dtype decide)
+    whose multiply-adds, weighed by each form's rate for the dtype, take less time absorbed. Never on another
+    device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton expanded path unchanged."""
+    if not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
+        return False
+    pairs = query_key_pairs(extend_lens, seq_lens)
+    rate = CPU_ABSORBED_RATE.get(queries.dtype, CPU_ABSORBED_RATE_16BIT)
+    return shape.absorbed_cost(sum(extend_lens), pairs) < rate * shape.expanded_cost(sum(seq_lens), pairs)
+
+
+def absorbed_extend(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
+                    w_uv: torch.Tensor, plan: ExtendPlan, scale: float) -> torch.Tensor:
+    """The absorbed extend of one layer: q_nope [T, h, nope] and q_rope [T, h, R] (roped), request b's rows its new
+    tokens; kv [S, r + R] the latent rows [c_kv | k_rope] of every request's whole sequence (kv_indices order);
+    W_UK [h, nope, r] and W_UV [h, v, r] -> [T, h, v] in q_nope's dtype, what the expanded extend computes.
+    NOTE: every product in float32: torch's bf16 bmm ran 10-20x slower than converting and multiplying in
+    float32 on the CPUs measured (one without AVX-512 BF16), and a weight's conversion costs less than its use."""
+    q_latent = torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)  # [T, h, r]
+    q = torch.cat((q_latent, q_rope.float()), dim=-1)
+    o = latent_extend_attention(q, kv, w_uk.shape[-1], plan, scale)  # [T, h, r] float32
+    return torch.bmm(o.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(q_nope.dtype)
+
+
+def latent_extend_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, plan: ExtendPlan,
+                            scale: float) -> torch.Tensor:
+    """q [T, h, r + R] ([q_nope W_UK | q_rope], request b's rows its new tokens); kv [S, r + R] latent rows;
+    v_dim = r -> [T, h, r] in q's dtype, each row's softmax(scale * q · kv^T) · kv[:, :r] over its causal
+    prefix. plan: the step's padded groups."""
+    T, h, _ = q.shape
+    groups = plan.groups
+    if len(groups) == 1 and groups[0].q_rows == (0, T):
+        return _group_attention(q, kv, v_dim, groups[0], scale)
+    out = q.new_empty(T, h, v_dim)
+    for g in groups:
+        o = _group_attention(q, kv, v_dim, g, scale)  # [B * lq, h, r]
+        if g.q_rows is not None:
+            out[g.q_rows[0]:g.q_rows[1]] = o
+        else:
+            out.index_copy_(0, g.out_dst, o.index_select(0, g.out_src))
+    return out
+
+
+def _group_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, g: ExtendGroup, scale: float) -> torch.Tensor:
+    """One padded group -> [B * lq, h, r] (padded rows included). Rows (t, head) of q are consecutive, so the
+    group's queries are a [B, lq * h, D] view: one matmul per request against its [lk, D] latent rows. The float32
+    scores [B, rows * h, lk] are materialized, so the query rows go in blocks of at most SCORE_BYTES of them."""
+    if g.q_rows is not None:
+        qb, kb = q[g.q_rows[0]:g.q_rows[1]], kv[g.kv_rows[0]:g.kv_rows[1]]
+    else:
+        qb, kb = q.index_select(0, g.q_index), kv.index_select(0, g.kv_index)
+    B, h, D = g.batch, q.shape[1], q.shape[2]
+    qb = qb.reshape(B, g.lq, h, D).float()  # (float32 products: see absorbed_extend)
+    kb = kb.reshape(B, g.lk, D).float()
+    bias = g.bias()  # [B or 1, lq, lk]
+    out = q.new_empty(B, g.lq, h, v_dim)
+    step = max(1, SCORE_BYTES // (4 * B * h * g.lk))
+    for t0 in range(0, g.lq, step):
+        t1 = min(t0 + step, g.lq)
+        scores = torch.bmm(qb[:, t0:t1].reshape(B, (t1 - t0) * h, D), kb.transpose(1, 2))
+        scores = torch.add(bias[:, t0:t1, None, :], scores.view(B, t1 - t0, h, g.lk), alpha=scale)
+        probs = scores.softmax(dim=-1).view(B, (t1 - t0) * h, g.lk)
+        out[:, t0:t1] = torch.bmm(probs, kb[..., :v_dim]).view(B, t1 - t0, h, v_dim)
+    return out.view(B * g.lq, h, v_dim)

@@ -1,0 +1,156 @@
+"""MLA's extend in the absorbed form (layers/attention/latent_extend.py) against the expanded form, the same step
+run both ways in float32 (both write the same latent rows to the same slots): every row's logits agree, for fresh
+prompts, short tails over long cached prefixes, ragged batches mixing both, and a prompt prefilled in chunks
+against the same prompt in one step. On random tiny DeepSeek-V3 / V2 checkpoints and the shipped default model.
+
+The expanded form is the reference: test_parity.py checks the model against transformers (on these tiny shapes
+the cost rule runs the absorbed form there too, so that test covers it against an independent implementation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeserve.models.deepseek as deepseek
+from moeserve.core.forward_batch import ForwardMode
+from moeserve.layers.attention import latent_extend
+from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
+from moeserve.layers.attention.latent_extend import MLAShape, absorbed_extend_pays, query_key_pairs
+from moeserve.models.default_model import default_model_path
+from tests.models.harness import ATOL, RTOL, Runner, random_tokens
+
+MODELS = ["v3_q_lora", "v3_no_q_lora", "v2_lite", "default"]
+
+
+def _path(tiny_checkpoint, name: str) -> str:
+    return str(default_model_path()) if name == "default" else tiny_checkpoint(name)
+
+
+def _run(runner: Runner, batch, absorbed: bool, monkeypatch) -> torch.Tensor:
+    """The step's logits [T, V] with every MLA layer's extend forced into one form; checks the form ran."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return latent_extend.absorbed_extend(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(deepseek, "absorbed_extend_pays", lambda *a: absorbed)
+        m.setattr(deepseek, "absorbed_extend", spy)
+        with torch.no_grad():
+            logits = runner.model(batch)
+    assert len(calls) == (runner.config.num_hidden_layers if absorbed else 0)
+    return logits
+
+
+def _both(runner: Runner, reqs: list[tuple[object, list[int]]], monkeypatch) -> None:
+    batch = runner.batch(ForwardMode.EXTEND, reqs, return_all_logits=True)
+    expanded = _run(runner, batch, False, monkeypatch)
+    absorbed = _run(runner, batch, True, monkeypatch)
+    assert expanded.shape[0] == sum(len(t) for _, t in reqs)
+    torch.testing.assert_close(absorbed, expanded, atol=ATOL, rtol=RTOL)
+    assert expanded.std() > 1e-3  # (not a degenerate model)
+
+
+def _cached(runner: Runner, lengths: dict[object, int], seed: int) -> None:
+    """Requests' prefixes written to the cache (an extend, the expanded form)."""
+    vocab = runner.config.vocab_size
+    runner.extend([(rid, random_tokens(n, seed + i, vocab)) for i, (rid, n) in enumerate(lengths.items())])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fresh_prompts(tiny_checkpoint, name, monkeypatch):
+    runner = Runner(_path(tiny_checkpoint, name))
+    vocab = runner.config.vocab_size
+    _both(runner, [(i, random_tokens(n, 10 + i, vocab)) for i, n in enumerate([5, 17, 1, 33])], monkeypatch)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_short_tails_over_long_prefixes(tiny_checkpoint, name, monkeypatch):
+    runner = Runner(_path(tiny_checkpoint, name))
+    _cached(runner, {0: 120, 1: 75, 2: 200}, seed=20)
+    vocab = runner.config.vocab_size
+    _both(runner, [(0, random_tokens(3, 30, vocab)), (1, random_tokens(1, 31, vocab)),
+                   (2, random_tokens(9, 32, vocab))], monkeypatch)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mixed_prefixes_and_fresh_prompts_in_one_batch(tiny_checkpoint, name, monkeypatch):
+    """Ragged: long and short prefixes, long and short tails, fresh prompts, in no sorted order."""
+    runner = Runner(_path(tiny_checkpoint, name))
+    _cached(runner, {"a": 150, "b": 20, "c": 64}, seed=40)
+    vocab = runner.config.vocab_size
+    step = [("b", 30), ("new1", 12), ("a", 4), ("new2", 1), ("c", 64), ("new3", 40)]
+    _both(runner, [(rid, random_tokens(n, 50 + i, vocab)) for i, (rid, n) in enumerate(step)], monkeypatch)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_prefill_equals_one_step(tiny_checkpoint, name, monkeypatch):
+    """A prompt in chunks, absorbed (each chunk over the ones before it), against the whole prompt in one expanded
+    step: the same logits for every position."""
+    runner = Runner(_path(tiny_checkpoint, name))
+    tokens = random_tokens(90, 60, runner.config.vocab_size)
+    whole = _run(runner, runner.batch(ForwardMode.EXTEND, [("whole", tokens)], return_all_logits=True), False,
+                 monkeypatch)
+    chunks, at = [], 0
+    for n in (32, 7, 40, 11):
+        batch = runner.batch(ForwardMode.EXTEND, [("chunked", tokens[at:at + n])], return_all_logits=True)
+        chunks.append(_run(runner, batch, True, monkeypatch))
+        at += n
+    torch.testing.assert_close(torch.cat(chunks), whole, atol=ATOL, rtol=RTOL)
+
+
+def test_a_causal_offset_off_by_one_is_seen(tiny_checkpoint, monkeypatch):
+    """The comparison above fails when the absorbed form lets each query see one key too many."""
+    real_bias = ExtendGroup.bias
+
+    def one_late(group):
+        b = real_bias(group)
+        return torch.cat((torch.zeros_like(b[..., :1]), b[..., :-1]), dim=-1)
+
+    runner = Runner(tiny_checkpoint("v3_q_lora"))
+    _cached(runner, {0: 40}, seed=70)
+    batch = runner.batch(ForwardMode.EXTEND, [(0, random_tokens(6, 71))], return_all_logits=True)
+    expanded = _run(runner, batch, False, monkeypatch)
+    monkeypatch.setattr(ExtendGroup, "bias", one_late)
+    absorbed = _run(runner, batch, True, monkeypatch)
+    assert not torch.allclose(absorbed, expanded, atol=ATOL, rtol=RTOL)
+
+
+def test_cost_rule():
+    """Absorbed for a short tail over a long prefix, expanded for a long fresh prompt at DeepSeek-V3's widths; the
+    default model's multi-turn shape (100 new over 1,000 cached) absorbed in float32 (the CPU server's dtype) and
+    bf16; never off the CPU, nor with CUDA's kernel plan."""
+    v3 = MLAShape(heads=128, kv_lora=512, rope=64, nope=128, v=128)
+
+    def pays(shape, ext, seq, dtype=torch.bfloat16, device="cpu"):
+        queries = torch.empty(0, dtype=dtype, device=device)
+        return absorbed_extend_pays(shape, ExtendPlan.build(ext, seq, "cpu"), ext, seq, queries)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        assert pays(v3, [16], [4096], dtype)
+        assert not pays(v3, [2048], [2048], dtype)
+        assert not pays(v3, [4096], [8192], dtype)
+    assert pays(v3, [256], [256]) and not pays(v3, [256], [256], torch.float32)  # bf16's GEMMs are slower
+    default = MLAShape(heads=4, kv_lora=64, rope=16, nope=32, v=32)
+    assert pays(default, [100, 90], [1100, 1000]) and pays(default, [100, 90], [1100, 1000], torch.float32)
+    kernel_plan = ExtendPlan.build([16], [4096], "cpu", kernel=True)
+    assert not absorbed_extend_pays(v3, kernel_plan, [16], [4096], torch.empty(0))
+    assert not pays(v3, [16], [4096], device="meta")  # any device but the CPU keeps the expanded form
+
+
+def test_query_key_pairs():
+    ext, seq = [3, 1, 5], [10, 1, 5]
+    brute = sum(s - n + i + 1 for n, s in zip(ext, seq, strict=True) for i in range(n))
+    assert query_key_pairs(ext, seq) == brute
+
+
+def test_score_blocks(tiny_checkpoint, monkeypatch):
+    """Query rows in several blocks of scores (a small SCORE_BYTES) give what one block gives."""
+    runner = Runner(tiny_checkpoint("v2_lite"))
+    _cached(runner, {0: 50, 1: 9}, seed=80)
+    batch = runner.batch(ForwardMode.EXTEND, [(0, random_tokens(13, 81)), (1, random_tokens(20, 82))],
+                         return_all_logits=True)
+    whole = _run(runner, batch, True, monkeypatch)
+    monkeypatch.setattr(latent_extend, "SCORE_BYTES", 3 * 4 * 4 * 70)  # 3 query rows of 4 heads over 70 keys
+    torch.testing.assert_close(_run(runner, batch, True, monkeypatch), whole, atol=ATOL, rtol=RTOL)
