@@ -5,13 +5,15 @@
 # The embedded default model on CPU, a device pool of 2,048 tokens (--max-total-tokens), a host pool of twice
 # that; 24 conversations of 6 turns (a shared 512-token system prompt, 64-token user turns, 32-token answers):
 # a working set of about 14k tokens, so the host pool overflows too and the file tier holds the rest. One request
-# in flight, so TTFT is the prefill of what is not cached (not queueing behind other requests).
+# in flight, so TTFT is the prefill of what is not cached (not queueing behind other requests). Pages of 16
+# tokens in all three (a storage tier stores a file per page: with pages of 1 its writes, a file per token, took
+# the CPU from the prefills they ran beside, 2.7x on the forward in benchmark/experiments/hicache_phases.py).
 set -euo pipefail
 OUT=${1:-/tmp/hicache_bench}
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-31870}
 rm -rf "$OUT" && mkdir -p "$OUT"
-COMMON=(--max-total-tokens 2048 --port "$PORT" --log-level warning)
+COMMON=(--max-total-tokens 2048 --page-size 16 --port "$PORT" --log-level warning)
 BENCH=(--port "$PORT" --dataset multiturn --multiturn-num-conversations 24 --multiturn-turns 6
        --multiturn-system-prompt-len 512 --multiturn-user-len 64 --multiturn-output-len 32 --max-concurrency 1
        --seed 1 --disable-tqdm)

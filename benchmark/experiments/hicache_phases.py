@@ -3,7 +3,7 @@ request (one output token, so TTFT with no server around it), of the prefix matc
 reads storage pages into host), of the forward passes, and of releasing the request (the write-through copies).
 In process (Scheduler + ModelRunner, tests/rank/inprocess.py), the embedded model on CPU, one request at a time:
 conversations of a shared system prompt and user turns whose histories outgrow a 2,048-token device pool.
-    PYTHONPATH=. python benchmark/experiments/hicache_phases.py {off,host,host_file} [--conversations 10]
+    PYTHONPATH=. python benchmark/experiments/hicache_phases.py {off,host,host_file} [--conversations 10] [--page-size 1]
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def main() -> None:
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--answer-len", type=int, default=32)  # random tokens: the history's uncached tail
+    p.add_argument("--page-size", type=int, default=1)
     args = p.parse_args()
-    kw: dict = dict(max_total_tokens=2048, disable_overlap_schedule=True)
+    kw: dict = dict(max_total_tokens=2048, disable_overlap_schedule=True, page_size=args.page_size)
     if args.mode != "off":
         kw |= dict(enable_hierarchical_cache=True, hicache_ratio=2.0)
     if args.mode == "host_file":

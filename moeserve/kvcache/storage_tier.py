@@ -29,6 +29,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # --hicache-sto
 # timeout: a prefetch stops reading after this base plus this much per 1,024 tokens asked for
 TIMEOUT_BASE_S = 0.5
 TIMEOUT_PER_KI_TOKEN_S = 0.25
+SMALL_PAGE = 16  # pages smaller than this make a storage write per few tokens (a warning at start)
 CLOSE_TIMEOUT_S = 60.0  # close waits this long for the writer thread to put what is queued
 
 
@@ -46,6 +47,10 @@ class StorageTier:
         self._queue: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-storage-writer", daemon=True)
         self._writer.start()
+        if self.page_size < SMALL_PAGE:
+            logger.warning("KV storage with --page-size %d stores a page (a file, an object) every %d tokens: the "
+                           "writes then compete with the forward for the CPU; --page-size %d or more is advised",
+                           self.page_size, self.page_size, SMALL_PAGE)
 
     def keys(self, tokens: list[int], after: str | None = None) -> list[str]:
         """Keys of the whole pages of tokens, which follow the page keyed `after` (None: tokens start the
