@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.disagg.pd_procs import pd_post, sse_events, start
+from tests.disagg.pd_procs import pd_post, sse_events, start, start_all
 from tests.disagg.test_pd_server import _reference
 
 pytestmark = pytest.mark.slow
@@ -61,8 +61,7 @@ def _pd_states(server) -> dict:
 def test_kill9_either_side(tmp_path):
     prompts = _long_prompts(6, 3)
     ref = _reference(prompts)
-    prefill = start("prefill", tmp_path, *PREFILL_FLAGS)
-    decode = start("decode", tmp_path, *DECODE_FLAGS)
+    prefill, decode = start_all(tmp_path, ("prefill", *PREFILL_FLAGS), ("decode", *DECODE_FLAGS))
     pool = ThreadPoolExecutor(16)
     try:
         # --- decode dies with transfers in flight: prefill lets go of them

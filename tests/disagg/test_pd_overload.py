@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.disagg.pd_procs import sse_events, start
+from tests.disagg.pd_procs import sse_events, start_all
 from tests.disagg.test_pd_router import _start_router
 from tests.disagg.test_pd_server import NEW, _reference
 from tests.procs import stop_process
@@ -65,8 +65,7 @@ def pd(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd_overload")
     servers, routers = [], []
     try:
-        servers.append(start("prefill", tmp, *PREFILL))
-        servers += [start("decode", tmp, *DECODE_A), start("decode", tmp, *DECODE_B)]
+        servers += start_all(tmp, ("prefill", *PREFILL), ("decode", *DECODE_A), ("decode", *DECODE_B))
         for decode in servers[1:]:
             routers.append(_start_router(servers[0], decode, tmp))
         yield servers, [url for _, url in routers]

@@ -14,7 +14,7 @@ import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
 from moeserve.server.launch import free_port
-from tests.disagg.pd_procs import sse_events, start
+from tests.disagg.pd_procs import sse_events, start_all
 from tests.disagg.test_pd_server import NEW, _prompts, _reference
 from tests.procs import stop_process
 from tests.rank.inprocess import InProcessEngine
@@ -90,8 +90,7 @@ def _check_prompt_logprobs(url: str, prompts: list[list[int]], sp: dict) -> None
 def test_sglang_router_pd(tmp_path):
     prompts = _prompts(4, 9)
     ref = _reference(prompts)
-    prefill = start("prefill", tmp_path)
-    decode = start("decode", tmp_path)
+    prefill, decode = start_all(tmp_path, ("prefill",), ("decode",))
     router = None
     try:
         router, url = _start_router(prefill, decode, tmp_path)
@@ -140,8 +139,7 @@ def test_sglang_router_pd_nextn(tmp_path):
     spec = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")
     prompts = _prompts(3, 12)
     ref = _reference(prompts)
-    prefill = start("prefill", tmp_path, *spec)
-    decode = start("decode", tmp_path, *spec)
+    prefill, decode = start_all(tmp_path, ("prefill", *spec), ("decode", *spec))
     router = None
     try:
         router, url = _start_router(prefill, decode, tmp_path)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from moeserve.rank.sampling_params import SamplingParams
-from tests.disagg.pd_procs import pd_post, sse_events, start
+from tests.disagg.pd_procs import pd_post, sse_events, start_all
 from tests.rank.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.slow
@@ -39,9 +39,8 @@ def _reference(prompts: list[list[int]]) -> list[dict]:
 def test_pd_servers_unequal_parallelism(tmp_path):
     prompts = _prompts(10, 5)
     ref = _reference(prompts)
-    prefill = start("prefill", tmp_path, "--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
-                    "--moe-a2a-backend", "all2all")
-    decode = start("decode", tmp_path)
+    prefill, decode = start_all(tmp_path, ("prefill", "--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
+                                           "--moe-a2a-backend", "all2all"), ("decode",))
     try:
         sp = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 

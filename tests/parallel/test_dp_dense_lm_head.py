@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 GREEDY = dict(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 DP2 = dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_a2a_backend="all2all")
+# dp2-dp_lm_head runs the dense layers at TP 1 too (a run of --moe-dense-tp-size 1 alone repeated that path; the
+# default LM head under DP attention runs in test_ep_generation.py's dp2 cases).
 CASES = {
-    "dp2-dense_tp1": dict(DP2, moe_dense_tp_size=1),
     "dp2-dp_lm_head": dict(DP2, enable_dp_lm_head=True, moe_dense_tp_size=1),
     "tp4-dp2-dp_lm_head": dict(DP2, tp_size=4, enable_dp_lm_head=True),
     "tp4-dp2-dp_lm_head-tied": dict(DP2, tp_size=4, enable_dp_lm_head=True),

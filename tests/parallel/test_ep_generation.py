@@ -2,13 +2,16 @@
 
 The offline Engine spawns the rank processes. One mixed batch of prompts (32 new greedy tokens each, ignore_eos)
 must be token-identical to the single-rank in-process run of the same checkpoint (which test_generation ties to
-transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations: every architecture x attention TP
-(tp 2) / DP attention (tp 2, dp 2) x allgather / all2all normal / all2all low_latency (ep_max_tokens_per_rank 4, so
-prefill steps run several rounds) / all2all auto x two-batch overlap off / on; plus the default backend `none`
-(allgather when ep_size > 1), a 4-rank case (DP 2 x attention TP 2), and --enable-mixed-chunk with small chunks
-(prompt chunks beside the running decodes) under attention TP and under DP attention with two-batch overlap; and
---ep-size 1 (a tensor-parallel MoE under attention TP, whole experts per rank under DP attention); and the symm
-backend under DP attention (low-latency with two-batch overlap, and auto).
+transformers), and its log-probs must agree within LOGPROB_ATOL. Configurations: on v3_groups (MLA, grouped
+top-k, a shared expert) the whole matrix: attention TP (tp 2) / DP attention (tp 2, dp 2) x allgather / all2all
+normal / all2all low_latency (ep_max_tokens_per_rank 4, so prefill steps run several rounds) / all2all auto x
+two-batch overlap off / on; on qwen3_moe, mixtral and v2_lite a few cases each: the MoE without a shared expert
+under two-batch overlap, and each model's attention and experts split under both attention modes (see CASES for
+why that is enough); plus the default backend `none` (allgather when ep_size > 1), a 4-rank case (DP 2 x
+attention TP 2), and --enable-mixed-chunk with small chunks (prompt chunks beside the running decodes) under
+attention TP and under DP attention with two-batch overlap; and --ep-size 1 (a tensor-parallel MoE under attention
+TP, whole experts per rank under DP attention); and the symm backend under DP attention (low-latency with
+two-batch overlap, and auto).
 With DP attention, both groups must have served requests (each group's radix cache holds tokens afterwards), and a
 lone request (one group busy, the other stepping IDLE batches) must match too.
 """
@@ -40,10 +43,25 @@ ATTN = {
     "dp2": dict(tp_size=2, enable_dp_attention=True, dp_size=2),
 }
 TBO = {"tbo_off": {}, "tbo_on": dict(enable_two_batch_overlap=True, tbo_token_threshold=1)}
-MODELS = ("v3_groups", "qwen3_moe", "mixtral", "v2_lite")
-# The whole matrix: every architecture x attention TP / DP x every backend and mode x two-batch overlap off / on.
-CASES = [(model, f"{a}-{b}-{t}", {**ATTN[a], **BACKENDS[b], **TBO[t]})
-         for model in MODELS for a in ATTN for b in BACKENDS for t in TBO]
+# Each case starts an Engine (2 to 4 rank processes, seconds on two cores): one case per distinct path.
+# The backends and two-batch overlap see hidden states, top-k ids and weights, whatever model made them. The whole
+# matrix runs on v3_groups (MLA with q_lora; 16 experts, top-4 over groups, 8 per rank; a shared expert, which
+# two-batch overlap overlaps with the dispatch). The MoE without a shared expert, with overlap on: qwen3_moe (GQA
+# with q/k norm; 8 experts, top-2) under both attention modes through allgather and through all2all auto (normal
+# on prefill steps, low_latency on decode steps), mixtral through normal alone and low_latency alone (prefill in
+# rounds). What else is the model's own in a multi-rank run: how its attention splits over attention TP, and how
+# its experts, shared experts and dense layers shard over the ranks. mixtral (GQA without q/k norm; 4 experts, 2
+# per rank; no dense layer; more cases below) and v2_lite (MLA without q_lora; 2 shared experts) run both
+# attention modes, with several backends between them.
+FULL_MATRIX = [(a, b, t) for a in ATTN for b in BACKENDS for t in TBO]
+CASES = [("v3_groups", f"{a}-{b}-{t}", {**ATTN[a], **BACKENDS[b], **TBO[t]}) for a, b, t in FULL_MATRIX]
+CASES += [(model, f"{a}-{b}-{t}", {**ATTN[a], **BACKENDS[b], **TBO[t]}) for model, a, b, t in [
+    ("qwen3_moe", "attn_tp2", "allgather", "tbo_on"), ("qwen3_moe", "attn_tp2", "a2a_auto", "tbo_on"),
+    ("qwen3_moe", "dp2", "allgather", "tbo_on"), ("qwen3_moe", "dp2", "a2a_auto", "tbo_on"),
+    ("mixtral", "attn_tp2", "allgather", "tbo_off"), ("mixtral", "attn_tp2", "a2a_low_latency", "tbo_on"),
+    ("mixtral", "dp2", "a2a_normal", "tbo_on"),
+    ("v2_lite", "attn_tp2", "a2a_auto", "tbo_on"), ("v2_lite", "dp2", "allgather", "tbo_off"),
+    ("v2_lite", "dp2", "a2a_low_latency", "tbo_on")]]
 MIXED_CHUNK = dict(enable_mixed_chunk=True, chunked_prefill_size=16)  # chunks of the prompts run beside decodes
 CASES += [
     ("qwen3_moe", "attn_tp2-none", dict(tp_size=2)),  # the default backend: none means allgather for ep_size 2

@@ -46,7 +46,12 @@ def _without_eplb(path: str, **kwargs) -> list[list[int]]:
     return _REF[key]
 
 
-CASES = [(2, mode, False) for mode in ("normal", "low_latency", "auto")] + [(2, "auto", True), (4, "auto", False)]
+# deepep_mode auto runs both dispatchers in one serve, each after rebalances moved experts: normal on every step
+# where a rank prefills, low_latency (FP8 activations with their scales in the slots) on the decode-only steps.
+# A serve of normal alone or of low_latency alone repeats those paths (test_eplb_online.py runs each mode alone,
+# with and without TBO); the moves of FP8 weights with their scales are the same code under every mode.
+# Cases: 2 ranks; 2 ranks with TBO (split batches); 4 ranks (2 slots each).
+CASES = [(2, "auto", False), (2, "auto", True), (4, "auto", False)]
 
 
 @pytest.mark.slow

@@ -46,28 +46,43 @@ def _record(path: str, dump: str, mode: str = "stat", full: bool = False, **kwar
     return record if full else counts
 
 
-def test_one_rank_counts_the_window(tiny_checkpoint, tmp_path):
-    counts = _record(tiny_checkpoint(NAME), str(tmp_path / "dump.pt"))
+DP2 = dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_a2a_backend="all2all")
+
+
+@pytest.fixture(scope="module")
+def stat_dump(tiny_checkpoint, tmp_path_factory):
+    """stat_dump(**layout) -> (dump path, counts): NAME's stat recording on that layout, made once per module and
+    read by every test that needs it (each recording is an Engine start; greedy tokens give the same counts)."""
+    done: dict[tuple, tuple[str, torch.Tensor]] = {}
+
+    def get(**layout) -> tuple[str, torch.Tensor]:
+        key = tuple(sorted(layout.items()))
+        if key not in done:
+            dump = str(tmp_path_factory.mktemp("stat") / "dump.pt")
+            done[key] = dump, _record(tiny_checkpoint(NAME), dump, **layout)
+        return done[key]
+
+    return get
+
+
+def test_one_rank_counts_the_window(stat_dump):
+    _, counts = stat_dump()
     assert counts.shape == (1, 2, 16) and counts.dtype == torch.int64
     assert counts.sum(-1).tolist() == [[_routed_pairs(_prompts(1))] * 2]
 
 
 @pytest.mark.slow
-def test_two_ranks_count_what_one_rank_counts(tiny_checkpoint, tmp_path):
+def test_two_ranks_count_what_one_rank_counts(stat_dump):
     """DP attention, EP 2: each group counts its own requests and the dump sums them; the same routing decisions
     as one rank (the tokens are the same), so the same counts, expert by expert."""
-    path = tiny_checkpoint(NAME)
-    one = _record(path, str(tmp_path / "one.pt"))
-    two = _record(path, str(tmp_path / "two.pt"), tp_size=2, dp_size=2, enable_dp_attention=True,
-                  moe_a2a_backend="all2all")
-    assert torch.equal(one, two)
+    assert torch.equal(stat_dump()[1], stat_dump(**DP2)[1])
 
 
-def test_dump_plans_a_placement_the_server_runs(tiny_checkpoint, tmp_path):
+def test_dump_plans_a_placement_the_server_runs(stat_dump):
     from moeserve.eplb.location import ExpertLocation
 
-    counts = _record(tiny_checkpoint(NAME), str(tmp_path / "dump.pt"))
-    loc = ExpertLocation.load(tmp_path / "dump.pt", ep_size=2, num_physical_experts=20, num_groups=4,
+    dump, counts = stat_dump()
+    loc = ExpertLocation.load(dump, ep_size=2, num_physical_experts=20, num_groups=4,
                               num_layers=2, num_logical_experts=16)
     hot = counts[0].argmax(-1)  # the busiest expert of each layer gets a replica
     assert all(int(loc.logical_to_all_physical_map_num_valid[i, e]) >= 2 for i, e in enumerate(hot.tolist()))
@@ -86,12 +101,12 @@ def test_recording_needs_the_flag(tiny_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_per_pass_and_per_token_count_exactly_the_routed_tokens(tiny_checkpoint, tmp_path, ranks):
+def test_per_pass_and_per_token_count_exactly_the_routed_tokens(tiny_checkpoint, stat_dump, tmp_path, ranks):
     """per_pass: each pass's counts, summing to what stat counts over the window; per_token: every routed token's
     experts, whose histogram is the same counts. The passes of a window are consecutive; one token per routed row."""
     path = tiny_checkpoint(NAME)
-    parallel = dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_a2a_backend="all2all") if ranks == 2 else {}
-    stat = _record(path, str(tmp_path / "stat.pt"), **parallel)
+    parallel = DP2 if ranks == 2 else {}
+    stat = stat_dump(**parallel)[1]
     per_pass = _record(path, str(tmp_path / "pass.pt"), "per_pass", full=True, **parallel)
     per_token = _record(path, str(tmp_path / "token.pt"), "per_token", full=True,
                         expert_distribution_recorder_buffer_size=4096, **parallel)

@@ -2,9 +2,10 @@
 
 With --enable-static-shape-decode every group runs each decode step at one padded batch size that all ranks agree
 on through the step header (the largest group's, bucketed as the CUDA graphs are), an idle group too. Greedy tokens
-of random prompts on 2 ranks (2 DP groups) and on 4 ranks (2 groups of 2) must equal the eager multi-rank run's and
-the single-rank in-process run's (which test_generation ties to transformers): with both groups busy, with one group
-idle, and with 1 request in one group beside 7 in the other; through all2all, and on 2 ranks through symm. The groups' step counts show the padded path ran.
+of random prompts on 2 ranks (2 DP groups) and on 4 ranks (2 groups of 2) must equal the single-rank in-process
+run's (which test_generation ties to transformers): with both groups busy, with one group idle, and with 1 request
+in one group beside 7 in the other; through all2all, and on 2 ranks through symm. The groups' step counts show the
+padded path ran; without the flag, the eager run gives the same tokens and runs no padded step.
 Two-batch overlap is decided per step from the header: every step with a largest group of N tokens overlaps iff
 N >= --tbo-token-threshold, padded decode steps included.
 """
@@ -62,15 +63,22 @@ def _static_steps(eng) -> list[int]:
     return [load.step_counts.get("static_decode", 0) for load in eng.get_load()]
 
 
+def test_without_the_flag_no_decode_step_is_padded(tiny_checkpoint, engines):
+    """The eager multi-rank run: the single-rank tokens, and no padded step. One layout is enough: the flag is read
+    the same way on every layout, and test_ep_generation.py checks the eager tokens of the layouts the static test
+    below runs (v3_groups on 4 ranks with all2all; the symm backend under DP attention)."""
+    path = tiny_checkpoint("v3_groups")
+    eager = _engine(path, **DP2)
+    assert [o["output_ids"] for o in eager.generate(input_ids=_prompts(), sampling_params=GREEDY)] == _single_rank(path)
+    assert _static_steps(eager) == [0, 0]
+
+
 @pytest.mark.parametrize(("tp", "backend"), [(2, "all2all"), (4, "all2all"), (2, "symm")])
-def test_static_shape_decode_gives_the_eager_and_single_rank_tokens(tiny_checkpoint, engines, tp, backend):
+def test_static_shape_decode_gives_the_single_rank_tokens(tiny_checkpoint, engines, tp, backend):
     path = tiny_checkpoint("v3_groups")
     ref = _single_rank(path)
     prompts = _prompts()
-    eager = _engine(path, **dict(DP2, tp_size=tp, moe_a2a_backend=backend))
     static = _engine(path, **dict(DP2, tp_size=tp, moe_a2a_backend=backend), enable_static_shape_decode=True)
-    assert [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=GREEDY)] == ref
-    assert _static_steps(eager) == [0, 0]  # the flag is off: no padded step
 
     # both groups busy
     assert [o["output_ids"] for o in static.generate(input_ids=prompts, sampling_params=GREEDY)] == ref

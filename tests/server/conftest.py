@@ -35,9 +35,12 @@ def base_url(fake):
         yield url
 
 
-# A real `moeserve serve` process on the embedded default model, one per test module that asks for it (test_e2e.py,
-# test_structured_outputs_e2e.py): the official openai client for the OpenAI API, httpx for the native endpoints.
-@pytest.fixture(scope="module")
+# A real `moeserve serve` process on the embedded default model, one for the whole session (test_e2e.py,
+# test_structured_outputs_e2e.py, test_bench_multiturn.py, test_sglang_router.py): a start-up costs seconds on two
+# cores, and no test here needs a fresh one (those that need an empty cache or an idle server flush or wait). The
+# official openai client for the OpenAI API, httpx for the native endpoints. The extra flags change nothing for a
+# request that does not ask for them.
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     from moeserve.models.default_model import default_model_path
 

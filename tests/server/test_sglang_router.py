@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from moeserve.server.launch import free_port
-from tests.procs import descendants, sigterm_leaves_nothing, stop_process, wait_healthy
+from tests.procs import stop_process
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install sglang-router; it is in "
                                             "the test extra)")
@@ -28,28 +28,16 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from moeserve.models.default_model import default_model_path
-
-    model_path = default_model_path()
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny",
-           "--model-path", model_path]
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, log, 180)
-    workers = descendants(proc.pid)
-    yield url
-    sigterm_leaves_nothing(proc, workers, log, timeout=60)
+def server_url(server) -> str:
+    """conftest's shared server on the embedded model (the flags it adds change nothing for these requests)."""
+    return server["url"]
 
 
 @pytest.fixture(scope="module")
-def router(server, tmp_path_factory):
+def router(server_url, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("router") / "router.log"
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server_url, "--host", "127.0.0.1",
            "--port", str(port), "--worker-startup-timeout-secs", "60"]
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
@@ -77,13 +65,14 @@ def _wait_routing(proc: subprocess.Popen, url: str, log) -> None:
         time.sleep(0.3)
 
 
-def _clients(server: str, router: str) -> list[openai.OpenAI]:
-    return [openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=60) for u in (server, router)]
+def _clients(server_url: str, router: str) -> list[openai.OpenAI]:
+    return [openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=60)
+            for u in (server_url, router)]
 
 
-def test_generate_through_router(server, router):
+def test_generate_through_router(server_url, router):
     body = {"text": "Call me Ishmael.", "sampling_params": {"max_new_tokens": 12, **GREEDY}}
-    direct, routed = (httpx.post(u + "/generate", json=body, timeout=60) for u in (server, router))
+    direct, routed = (httpx.post(u + "/generate", json=body, timeout=60) for u in (server_url, router))
     assert direct.status_code == routed.status_code == 200, routed.text
     assert routed.json()["output_ids"] == direct.json()["output_ids"]
     assert routed.json()["text"] == direct.json()["text"]
@@ -96,30 +85,30 @@ def test_generate_through_router(server, router):
     assert json.loads(events[-2])["text"] == direct.json()["text"]  # the last chunk holds the whole text
 
 
-def test_completions_through_router(server, router):
+def test_completions_through_router(server_url, router):
     prompt = "It was the best of times,"
     direct, routed = (c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
-                                           extra_body={"ignore_eos": True}) for c in _clients(server, router))
+                                           extra_body={"ignore_eos": True}) for c in _clients(server_url, router))
     assert routed.choices[0].text == direct.choices[0].text
     assert routed.choices[0].logprobs.tokens == direct.choices[0].logprobs.tokens
     assert routed.usage.completion_tokens == 10
 
-    _, via = _clients(server, router)
+    _, via = _clients(server_url, router)
     stream = via.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
                                     extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream) == direct.choices[0].text
 
 
-def test_chat_through_router(server, router):
+def test_chat_through_router(server_url, router):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
     # The router sends max_tokens on as max_completion_tokens, and adds continue_final_message: false.
     direct, routed = (c.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
                                                 extra_body={"ignore_eos": True})
-                      for c in _clients(server, router))
+                      for c in _clients(server_url, router))
     assert routed.choices[0].message.content == direct.choices[0].message.content
     assert routed.usage.completion_tokens == 9
 
-    _, via = _clients(server, router)
+    _, via = _clients(server_url, router)
     stream = via.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -127,14 +116,14 @@ def test_chat_through_router(server, router):
     assert chunks[-1].usage.completion_tokens == 9
 
 
-def test_continue_final_message_through_router(server, router):
+def test_continue_final_message_through_router(server_url, router):
     messages = [{"role": "user", "content": "Name a sea."}, {"role": "assistant", "content": "The sea is"}]
     extra = {"ignore_eos": True, "continue_final_message": True}
     direct, routed = (c.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                                extra_body=extra) for c in _clients(server, router))
+                                                extra_body=extra) for c in _clients(server_url, router))
     assert routed.choices[0].message.content == direct.choices[0].message.content
     # Continuing the message is another prompt than a new assistant turn after it.
-    new_turn = _clients(server, router)[0].chat.completions.create(
+    new_turn = _clients(server_url, router)[0].chat.completions.create(
         model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     assert new_turn.usage.prompt_tokens != direct.usage.prompt_tokens
 
