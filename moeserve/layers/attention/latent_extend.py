@@ -25,6 +25,7 @@ there (`absorbed_extend_pays` says no for any step off the CPU).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 # default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
 CPU_ABSORBED_RATE = {torch.float32: 1.5}
 CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
+# NOTE: the choice is per step, so a request's rounding depends on the requests beside it; MOESERVE_ABSORBED_EXTEND=0
+# keeps every extend expanded (tests whose two serves batch differently by timing and compare FP8 tokens)
+ENABLED = os.environ.get("MOESERVE_ABSORBED_EXTEND", "1") != "0"
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
 
 
@@ -72,7 +76,7 @@ def absorbed_extend_pays(shape: MLAShape, plan: ExtendPlan, extend_lens: list[in
     """Run this extend step absorbed: a CPU step (queries: any of its query tensors, whose device and dtype decide)
     whose multiply-adds, weighed by each form's rate for the dtype, take less time absorbed. Never on another
     device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton expanded path unchanged."""
-    if not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
+    if not ENABLED or not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
         return False
     pairs = query_key_pairs(extend_lens, seq_lens)
     rate = CPU_ABSORBED_RATE.get(queries.dtype, CPU_ABSORBED_RATE_16BIT)
