@@ -367,10 +367,10 @@ class ModelRunner:
         if refused:
             raise ValueError(refused)
         draft_graphs = None
-        if self.graph_runner is not None and self.graph_runner.with_hidden and num_draft_tokens > 1:
+        if self.graph_runner is not None and self.graph_runner.with_hidden:
             from moeserve.rank.speculative.draft_graphs import DraftStepGraphs
 
-            # the draft's one-token steps at the verify's request buckets (its extend runs eagerly)
+            # the draft's decode-row steps (its extend over accepted tokens, its one-token steps)
             draft_graphs = DraftStepGraphs(drafter, self.config.hidden_size, self.dtype, self.graph_runner,
                                            num_draft_tokens + 1)
         elif self.device.type == "cuda":

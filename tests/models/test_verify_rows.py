@@ -1,6 +1,7 @@
-"""A verify step as decode rows (moeserve/rank/speculative/verify_rows.py) against the same step as an extend: the
-final-normed hidden states and logits of every row agree in float32, on ragged batches (requests of different
-lengths, slots scattered over the pool), for DeepSeek-V3/V2 (MLA: the absorbed decode path against the expanded
+"""A verify step (and a draft extend over accepted tokens, of 1 to k + 1 tokens per request) as decode rows
+(moeserve/rank/speculative/verify_rows.py) against the same step as an extend: the final-normed hidden states and
+logits of every row agree in float32, on ragged batches (requests of different lengths, slots scattered over the
+pool), for DeepSeek-V3/V2 (MLA: the absorbed decode path against the expanded
 extend), a GQA MoE model (the torch decode path), and the shipped default model.
 
 The extend path is the reference: it is the one checked against transformers (test_parity.py)."""
@@ -12,7 +13,7 @@ import torch
 
 from moeserve.core.forward_batch import ForwardMode
 from moeserve.models.default_model import default_model_path
-from moeserve.rank.speculative.verify_rows import verify_as_decode
+from moeserve.rank.speculative.verify_rows import extend_as_decode, verify_as_decode
 from tests.models.harness import ATOL, RTOL, Runner, random_tokens
 
 PROMPTS = [7, 23, 1, 40]  # tokens each request holds in the cache before the verify step
@@ -24,15 +25,17 @@ def _hidden_and_logits(runner: Runner, batch) -> tuple[torch.Tensor, torch.Tenso
         return h, runner.model.head_logits(h)
 
 
-def _check(path: str, num_rows: int, seed: int) -> None:
+def _check(path: str, num_rows: int | list[int], seed: int) -> None:
+    """num_rows: a verify step's tokens per request, or a list (one count per request) for a ragged extend."""
     runner = Runner(path)
     vocab = runner.config.vocab_size
     reqs = [(i, random_tokens(n, seed + i, vocab)) for i, n in enumerate(PROMPTS)]
     runner.extend(reqs)
-    step = [(i, random_tokens(num_rows, seed + 100 + i, vocab)) for i in range(len(PROMPTS))]
+    counts = num_rows if isinstance(num_rows, list) else [num_rows] * len(PROMPTS)
+    step = [(i, random_tokens(n, seed + 100 + i, vocab)) for i, n in enumerate(counts)]
     verify = runner.batch(ForwardMode.EXTEND, step, return_all_logits=True)
-    rows = verify_as_decode(verify, num_rows)
-    assert rows.mode.is_decode and rows.num_tokens == verify.num_tokens == num_rows * len(PROMPTS)
+    rows = extend_as_decode(verify) if isinstance(num_rows, list) else verify_as_decode(verify, num_rows)
+    assert rows.mode.is_decode and rows.num_tokens == verify.num_tokens == sum(counts)
     # both write the same slots with the same rows: the extend runs second, so it reads only its own writes
     h_rows, logits_rows = _hidden_and_logits(runner, rows)
     h_ext, logits_ext = _hidden_and_logits(runner, verify)
@@ -45,6 +48,12 @@ def _check(path: str, num_rows: int, seed: int) -> None:
 @pytest.mark.parametrize("name", ["v3_q_lora", "v3_no_q_lora", "v2_lite", "qwen3_moe"])
 def test_verify_rows_equal_extend(tiny_checkpoint, name, num_rows):
     _check(tiny_checkpoint(name), num_rows, seed=3)
+
+
+@pytest.mark.parametrize("name", ["v3_q_lora", "qwen3_moe"])
+def test_ragged_extend_rows_equal_extend(tiny_checkpoint, name):
+    """A round's draft extend over the last round's accepted tokens: a different count per request."""
+    _check(tiny_checkpoint(name), [3, 1, 4, 2], seed=11)
 
 
 def test_verify_rows_equal_extend_default_model():
@@ -69,3 +78,18 @@ def test_row_slots_are_causal_prefixes(tiny_checkpoint):
     assert rows.decode_slots.shape == (6, 8)
     for r, n in enumerate(rows.seq_lens_cpu):
         assert rows.decode_slots[r, :n].tolist() == rows.kv_indices[rows.kv_indptr[r]:rows.kv_indptr[r + 1]].tolist()
+
+
+def test_ragged_row_slots_are_causal_prefixes(tiny_checkpoint):
+    """extend_as_decode with 1 and 3 tokens per request: each row its request's causal prefix, padded alike."""
+    runner = Runner(tiny_checkpoint("v3_q_lora"))
+    runner.extend([(0, random_tokens(5, 1)), (1, random_tokens(2, 2))])
+    ext = runner.batch(ForwardMode.EXTEND, [(0, random_tokens(1, 3)), (1, random_tokens(3, 4))])
+    rows = extend_as_decode(ext)
+    assert rows.seq_lens_cpu == [6, 3, 4, 5]
+    assert rows.positions.tolist() == [5, 2, 3, 4]
+    assert torch.equal(rows.out_cache_loc, ext.out_cache_loc) and torch.equal(rows.input_ids, ext.input_ids)
+    assert rows.decode_slots.shape == (4, 6)
+    for r, (rid, n) in enumerate(zip([0, 1, 1, 1], rows.seq_lens_cpu, strict=True)):
+        got = rows.kv_indices[rows.kv_indptr[r]:rows.kv_indptr[r + 1]].tolist()
+        assert got == runner.slots[rid][:n] == rows.decode_slots[r, :n].tolist()

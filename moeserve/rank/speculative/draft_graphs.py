@@ -1,9 +1,11 @@
-"""The draft model's one-token steps (a round's drafts 2..k, round.py) replayed from CUDA graphs.
+"""The draft model's decode-row steps replayed from CUDA graphs: a round's draft extend over the last round's
+accepted tokens (1 to k + 1 rows per request, verify_rows.py) and its one-token drafts 2..k (round.py).
 
-Such a step reads the previous step's tokens and hidden states [B, H]: the tokens go in as the batch's input ids,
-the hidden states through one more static buffer that every graph reads. Captured at the verify graphs' request
-buckets (B requests, one row each) and length buckets; padding rows read stale hidden states and write their KV to
-the draft pool's scratch slot 0, and their outputs are dropped, as the decode graphs' padding rows are.
+Such a step reads tokens and hidden states [rows, H]: the tokens go in as the batch's input ids, the hidden states
+through one more static buffer that every graph reads. Captured at the verify graphs' row buckets (B requests times
+k + 1, what an extend over accepted tokens fits in) and request buckets (B rows, a one-token step), at their length
+buckets; padding rows read stale hidden states and write their KV to the draft pool's scratch slot 0, and their
+outputs are dropped, as the decode graphs' padding rows are.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ class DraftStepGraphs:
     def __init__(self, drafter: Drafter, hidden_size: int, dtype: torch.dtype, verify: CudaGraphRunner,
                  rows_per_request: int):
         self.drafter = drafter
-        sizes = [n // rows_per_request for n in verify.bs_buckets]  # the verify graphs' request buckets
+        requests = [n // rows_per_request for n in verify.bs_buckets]  # the verify graphs' request buckets
+        sizes = sorted(set(requests) | set(verify.bs_buckets))
         device = verify.device
         self.hidden_in = torch.zeros(sizes[-1], hidden_size, dtype=dtype, device=device)
         self.graphs = CudaGraphRunner(self._forward, drafter.kv_pool, sizes[-1], verify.max_len, device, sizes,
@@ -33,8 +36,8 @@ class DraftStepGraphs:
 
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, hidden: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Drafter.forward for a one-token step (fb on the device, with decode_slots): (logits [B, V], hidden
-        [B, H]), from a graph where one fits."""
+        """As Drafter.forward for a batch of decode rows (fb on the device, with decode_slots): (logits [rows, V],
+        hidden [rows, H]), from a graph where one fits."""
         if not self.graphs.can_run(fb):
             return self.drafter.forward(fb, input_ids, hidden)
         self.hidden_in[:hidden.shape[0]].copy_(hidden)

@@ -5,7 +5,8 @@ back the KV of the rejected drafts.
 Positions. A request whose target KV holds positions [0, L) and whose last token t = x_L has no KV yet:
   - the draft model's row at position p reads (x_{p+1}, h_p), h_p the target's hidden state that predicted x_{p+1};
     its KV is valid for positions [0, draft_start), and Req.draft_hidden holds h_p for [draft_start, L);
-  - drafting: one extend over [draft_start, L) (the last row gives d_1 and g_1), then k - 1 one-token steps at
+  - drafting: one extend over [draft_start, L) (the last row gives d_1 and g_1; run as decode rows when it covers
+    at most k + 1 positions, the last round's accepted tokens: verify_rows.py), then k - 1 one-token steps at
     positions L .. L + k - 2 reading (d_{j-1}, g_{j-1}), which write the draft's KV in the verify step's slots
     (scratch: the next round's extend writes those positions again with the target's hidden states);
   - verify: the target over [x_L, d_1..d_k] at positions L .. L + k gives k + 1 rows of logits and h_L .. h_{L+k}
@@ -39,7 +40,7 @@ from moeserve.rank.scheduled_batch import ScheduledBatch
 from moeserve.rank.speculative.acceptance import accept_greedy, accept_sampled, expand_rows, processed_probs
 from moeserve.rank.speculative.draft_graphs import DraftStepGraphs
 from moeserve.rank.speculative.drafter import Drafter
-from moeserve.rank.speculative.verify_rows import verify_as_decode
+from moeserve.rank.speculative.verify_rows import extend_as_decode, verify_as_decode
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,12 @@ class SpeculativeRound:
         pairs = list(zip(reqs, kv_lens, strict=True))
         ids = [t for req, kv_len in pairs for t in req.fill_ids[req.draft_start + 1:kv_len + 1]]
         extend_lens = [kv_len - req.draft_start for req, kv_len in pairs]
-        logits, g = self._draft_extend(scheduler, reqs, kv_lens, ids)
         last = torch.as_tensor(np.cumsum(extend_lens) - 1, device=device)
+        if max(extend_lens) <= self.k + 1:  # the last round's accepted tokens: decode rows, graphed where they fit
+            logits, g = self._draft_extend(scheduler, reqs, kv_lens, ids, as_rows=True)
+            logits = logits[last]
+        else:  # a prompt (or a chunk) not drafted over yet
+            logits, g = self._draft_extend(scheduler, reqs, kv_lens, ids)
         token, g = logits.argmax(dim=-1), g[last]
         drafts = [token]
         block = table.table[rows, : max(kv_lens) + self.k]  # every draft step's slots, padded
@@ -159,26 +164,28 @@ class SpeculativeRound:
         return torch.stack(drafts, dim=1)
 
     def _draft_extend(self, scheduler, reqs: list[Req], ends: list[int], ids: list[int],
-                      last_ids: torch.Tensor | None = None, last_of: list[bool] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      last_ids: torch.Tensor | None = None, last_of: list[bool] | None = None,
+                      as_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft extend over positions [req.draft_start, end) of each request, reading ids (the token after
         each position, host ints) and the first end - draft_start rows of req.draft_hidden; writes the draft's KV.
         last_ids [sum(last_of)] on the device: the ids of the last rows of the requests flagged in last_of, in
         order (tokens sampled this step, not on the host yet). Returns the drafter's (logits of each request's
-        last row, hidden [T, H])."""
+        last row, hidden [T, H]); as_rows: the extend runs as one decode row per token (verify_rows.py) through
+        draft_step (graphs where they fit), and the logits are every row's [T, V]."""
         table = scheduler.req_table
         device = self.runner.device
         rows = [req.row for req in reqs]
         extend_lens = [end - req.draft_start for req, end in zip(reqs, ends, strict=True)]
         locs = [table.table[req.row, req.draft_start:end] for req, end in zip(reqs, ends, strict=True)]
         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, ends, extend_lens, np.concatenate(locs),
-                                table.gather(rows, ends)).to(device)
+                                table.gather(rows, ends))
+        fb = (extend_as_decode(fb) if as_rows else fb).to(device)
         input_ids = fb.input_ids
         if last_ids is not None:
             at = np.cumsum(extend_lens)[np.asarray(last_of, dtype=bool)] - 1
             input_ids = input_ids.index_put((torch.as_tensor(at, device=device),), last_ids.view(-1))
         hidden = torch.cat([req.draft_hidden[:n].to(device) for req, n in zip(reqs, extend_lens, strict=True)])
-        return self.drafter.forward(fb, input_ids, hidden)
+        return (self.draft_step if as_rows else self.drafter.forward)(fb, input_ids, hidden)
 
     # ------------------------------------------------------------------ PD prefill
     @torch.inference_mode()

@@ -1,5 +1,7 @@
 """A verify step run as decode rows: each request's k + 1 tokens become k + 1 one-token "requests" over the same
-slots, row j at position L + j reading the first L + j + 1 of them (its own KV, written first, included).
+slots, row j at position L + j reading the first L + j + 1 of them (its own KV, written first, included). A round's
+draft extend over the last round's accepted tokens (1 to k + 1 per request, round.py) runs the same way, so that
+the draft's graphs (draft_graphs.py) replay it too.
 
 Causal attention over [0, L + j] is exactly what the extend over [L, L + k] gives that row, so the logits are the
 same; what changes is the path. A DECODE step runs MLA's absorbed form over the latent cache (one query row
@@ -22,16 +24,25 @@ from moeserve.layers.attention.ops import padded_kv_slots
 
 def verify_as_decode(fb: ForwardBatch, num_rows: int) -> ForwardBatch:
     """fb: a verify step as the scheduler builds it (EXTEND, num_rows = k + 1 tokens per request, host tensors)
-    -> a DECODE batch of B * num_rows rows in fb's token order: the same tokens, positions and written slots; row
-    (b, j) reads request b's first L_b + j + 1 slots. The lock-step header (global_num_tokens, any_extend) is
-    fb's: the token count is unchanged, and keeping any_extend keeps the EP dispatch mode a verify extend had."""
+    -> a DECODE batch of B * num_rows rows in fb's token order (extend_as_decode)."""
     assert all(n == num_rows for n in fb.extend_lens_cpu), (fb.extend_lens_cpu, num_rows)
+    return extend_as_decode(fb)
+
+
+def extend_as_decode(fb: ForwardBatch) -> ForwardBatch:
+    """fb: an EXTEND batch on the host (any extend lengths) -> a DECODE batch of one row per token in fb's token
+    order: the same tokens, positions and written slots; row j of request b reads b's first prefix_b + j + 1 slots.
+    The lock-step header (global_num_tokens, any_extend) is fb's: the token count is unchanged, and keeping
+    any_extend keeps the EP dispatch mode the extend had."""
     i64 = torch.int64
-    seq = torch.tensor(fb.seq_lens_cpu, dtype=i64)  # L + num_rows per request
-    offsets = torch.arange(1 - num_rows, 1, dtype=i64)  # row j reads seq - num_rows + j + 1 slots
-    lens = (seq[:, None] + offsets[None, :]).reshape(-1)  # [B * num_rows]
-    starts = fb.kv_indptr[:-1].repeat_interleave(num_rows)  # each row's slots begin at its request's
-    row_indptr = torch.zeros(lens.shape[0] + 1, dtype=i64)
+    n = fb.extend_lens.to(i64)
+    total_rows = int(fb.qo_indptr[-1])
+    seq = torch.tensor(fb.seq_lens_cpu, dtype=i64)
+    # row r (request b, j-th of its tokens) reads prefix_b + j + 1 slots
+    j = torch.arange(total_rows, dtype=i64) - torch.repeat_interleave(fb.qo_indptr[:-1], n, output_size=total_rows)
+    lens = torch.repeat_interleave(seq - n, n, output_size=total_rows) + j + 1
+    starts = torch.repeat_interleave(fb.kv_indptr[:-1], n, output_size=total_rows)  # each row's slots begin at b's
+    row_indptr = torch.zeros(total_rows + 1, dtype=i64)
     row_indptr[1:] = torch.cumsum(lens, 0)
     # entry e of row r is slot kv_indices[starts[r] + (e - row_indptr[r])]
     total = int(row_indptr[-1])
@@ -42,5 +53,5 @@ def verify_as_decode(fb: ForwardBatch, num_rows: int) -> ForwardBatch:
                              kv_indices, kv_pool=fb.kv_pool)
     out.global_num_tokens, out.any_extend = fb.global_num_tokens, fb.any_extend
     block, _ = padded_kv_slots(fb.kv_indices, fb.kv_indptr, seq, max(fb.seq_lens_cpu))
-    out.decode_slots = block.repeat_interleave(num_rows, dim=0)
+    out.decode_slots = torch.repeat_interleave(block, n, dim=0, output_size=total_rows)
     return out
