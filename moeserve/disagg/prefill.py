@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from moeserve.core.background_thread import keep_caller_threads, single_threaded_torch
 from moeserve.disagg.control import ControlChannel
 from moeserve.disagg.group import RankGroup
 from moeserve.disagg.liveness import Heartbeat
@@ -311,7 +312,9 @@ class PrefillRooms:
         self.backend_sync()
         pool = self.pools.get(rec.decode_addr)
         if pool is None:
-            pool = self.pools[rec.decode_addr] = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="pd-transfer")
+            keep_caller_threads()  # (core/background_thread.py)
+            pool = self.pools[rec.decode_addr] = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="pd-transfer",
+                                                                initializer=single_threaded_torch)
         pool.submit(self._write, rec.seq, peers, runs)
 
     def backend_sync(self) -> None:

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from moeserve.core.background_thread import background_thread
 from moeserve.eplb.algorithm import rebalance_experts, rebalance_experts_reference
 from moeserve.eplb.location import ExpertLocation
 from moeserve.eplb.metrics import balancedness_of_loads, gpu_loads
@@ -220,7 +221,7 @@ class Rebalancer:
                 job.error, job.result, job.staging = f"{type(e).__name__}: {e}", FAILED, {}
 
         self._job = job
-        self._thread = threading.Thread(target=body, name="moeserve-eplb", daemon=True)
+        self._thread = background_thread(body, "moeserve-eplb")
         self._thread.start()
 
     def _window(self) -> torch.Tensor:

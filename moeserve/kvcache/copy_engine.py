@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moeserve.core.background_thread import background_thread
 from moeserve.kvcache.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class CopyEngine:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: queue.Queue[_Backup | None] = queue.Queue()
         self._in_flight: deque[CopyHandle] = deque()  # scheduler thread only
-        self._worker = threading.Thread(target=self._run, name="kv-host-copier", daemon=True)
+        self._worker = background_thread(self._run, "kv-host-copier")
         self._worker.start()
 
     def backup(self, device_slots: np.ndarray, host_slots: np.ndarray,

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from moeserve.core.background_thread import background_thread
 from moeserve.kvcache.host_pool import HostKVPool
 from moeserve.kvcache.storage.base import StorageBackend
 from moeserve.kvcache.storage.keys import page_keys
@@ -45,7 +46,7 @@ class StorageTier:
         self._pending: dict[str, torch.Tensor] = {}  # key -> page copy, until the writer thread put it
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-storage-writer", daemon=True)
+        self._writer = background_thread(self._write_loop, "kv-storage-writer")
         self._writer.start()
         if self.page_size < SMALL_PAGE:
             logger.warning("KV storage with --page-size %d stores a page (a file, an object) every %d tokens: the "
@@ -60,9 +61,8 @@ class StorageTier:
     def write(self, keys: list[str], host_slots: np.ndarray) -> None:
         """Store the host pages at host_slots [len(keys) * page_size] under keys: copied now (the host pages are
         free to go when this returns), put by the writer thread."""
-        ps = self.page_size
-        for i, key in enumerate(keys):
-            page = self._page(host_slots[i * ps : (i + 1) * ps])  # index_select: a copy
+        pages = self._pages(host_slots[: len(keys) * self.page_size])  # a copy
+        for key, page in zip(keys, pages, strict=True):
             with self._lock:
                 if key in self._pending:  # keys name contents: the same page is on its way
                     continue
@@ -130,19 +130,25 @@ class StorageTier:
         return pages
 
     def fill(self, host_slots: np.ndarray, pages: list[torch.Tensor]) -> None:
-        """Write pages (from read) into the host pages at host_slots [len(pages) * page_size]."""
+        """Write pages (from read) into the host pages at host_slots [len(pages) * page_size]: one copy per
+        buffer for all of them."""
+        if not pages:
+            return
         ps = self.page_size
-        for i, page in enumerate(pages):
-            idx = torch.from_numpy(host_slots[i * ps : (i + 1) * ps])
-            offset = 0
-            for buf in self.host.buffers:
-                n = ps * buf[0].numel()
-                buf.index_copy_(0, idx, page[offset : offset + n].view(ps, *buf.shape[1:]))
-                offset += n
+        idx = torch.from_numpy(host_slots[: len(pages) * ps])
+        rows = torch.stack(pages)  # [pages, page_numel]: each page is its buffers' rows, one buffer after another
+        offset = 0
+        for buf in self.host.buffers:
+            n = ps * buf[0].numel()
+            buf.index_copy_(0, idx, rows[:, offset : offset + n].reshape(-1, *buf.shape[1:]))
+            offset += n
 
-    def _page(self, host_slots: np.ndarray) -> torch.Tensor:
+    def _pages(self, host_slots: np.ndarray) -> torch.Tensor:
+        """The stored form of the host pages at host_slots [pages * page_size]: [pages, page_numel], row i page i's
+        rows of every buffer in turn (one gather per buffer for all the pages)."""
         idx = torch.from_numpy(host_slots)
-        return torch.cat([buf.index_select(0, idx).reshape(-1) for buf in self.host.buffers])
+        n = len(host_slots) // self.page_size
+        return torch.cat([buf.index_select(0, idx).view(n, -1) for buf in self.host.buffers], dim=1)
 
     def close(self) -> None:
         """Put what is queued (at most CLOSE_TIMEOUT_S), then close the backend."""

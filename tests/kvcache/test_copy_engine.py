@@ -50,6 +50,29 @@ def test_backups_complete_in_the_worker_and_equal_the_device_rows(kind):
     engine.close()
 
 
+def test_worker_threads_run_torch_single_threaded(tmp_path):
+    """The copy worker and the storage writer run their torch ops with one intra-op thread (no OpenMP team of
+    their own beside the forward's: core/background_thread.py), and leave the caller's setting alone."""
+    pool = _pool("mla", 16, 2)
+    host = HostKVPool(pool, 24)
+    layout = KVLayout.of_pool(pool, "test-model")
+    tier = StorageTier(FileStorage(tmp_path), host, layout.root(), "best_effort")
+    seen: list[tuple[str, int]] = []
+    real_put = tier.backend.put
+    tier.backend.put = lambda key, page: (seen.append(("writer", torch.get_num_threads())), real_put(key, page))
+    engine = CopyEngine(host)
+    before = torch.get_num_threads()
+    hs = host.alloc(16)
+    engine.backup(np.arange(2, 18, dtype=np.int64), hs,
+                  then=lambda: (seen.append(("copier", torch.get_num_threads())), tier.write(["ab" * 32], hs)))
+    engine.wait_all(DEADLINE_S)
+    assert tier.flush(DEADLINE_S)
+    assert seen == [("copier", 1), ("writer", 1)]
+    assert torch.get_num_threads() == before
+    engine.close()
+    tier.close()
+
+
 class Gate:
     """Holds the copy engine's worker before each copy until opened."""
 
