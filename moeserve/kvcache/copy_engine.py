@@ -4,7 +4,7 @@ backup queues a copy and returns a CopyHandle at once. On CPU a worker thread ga
 (index_select) and scatters them into the host buffers. On CUDA the gather runs on a side stream that first
 waits for an event recorded on the compute stream, so it reads the rows written by every step launched before;
 the rows go non_blocking into pinned staging buffers, an event marks the end, and the worker thread waits for
-that event and scatters the staging rows into the host buffers. The CUDA path is written, not run.
+that event and scatters the staging rows into the host buffers. The CUDA path ran on one H100 (2026-12-07, tests/kvcache/test_copy_engine.py).
 
 A handle is done once the bytes are in the host buffers and its `then` ran (the storage write). Until then the
 caller must neither free the device slots (the forward would rewrite them) nor read, free or rewrite the host
@@ -96,7 +96,7 @@ class CopyEngine:
         self._worker.join(COPY_TIMEOUT_S)
 
     def _gather_cuda(self, device_slots: np.ndarray) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-        """Launch the gather of device slots into pinned rows on the side stream (written, not run on a GPU)."""
+        """Launch the gather of device slots into pinned rows on the side stream."""
         assert self._stream is not None
         device = self.host.device_buffers[0].device
         ready = torch.cuda.Event()

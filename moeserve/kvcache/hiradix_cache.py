@@ -10,7 +10,7 @@ allocated (eviction takes other leaves first and waits for a pending one only wh
 its host pages are neither read (load-back, the storage write) nor freed until the copy completed; reset and
 close wait for every copy. Load-backs (host -> device, host_pool.py) gather the host rows in the scheduler's
 thread: on CPU the copy is done when the match returns; on CUDA it is queued non_blocking on the compute stream
-ahead of the prefill that reads it (written, not run on a GPU).
+ahead of the prefill that reads it (run on one H100, 2026-12-07).
 
 Write policies (SGLang's names): write_through copies a node to host when it enters the tree;
 write_through_selective when a later match first reuses it; write_back when it is evicted from the device. Under

@@ -75,7 +75,7 @@ class HostKVPool:
         """Copy host slots [n] to device slots [n], on the device's current stream: ahead of any forward that
         reads them (the scheduler launches that later, on the same stream). The host rows are gathered now, so
         the host slots may be freed or rewritten when this returns. On CUDA the rows go through pinned staging
-        buffers, copied non_blocking (written, not run on a GPU); on CPU the copy is done when this returns."""
+        buffers, copied non_blocking (run on one H100, 2026-12-07); on CPU the copy is done when this returns."""
         device = self.device_buffers[0].device
         cuda = device.type == "cuda"
         dev_idx = torch.from_numpy(device_slots).to(device)
