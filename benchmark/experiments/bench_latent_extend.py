@@ -20,7 +20,7 @@ import moeserve.models.deepseek as deepseek
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.model_config import ModelConfig
 from moeserve.kvcache.kv_pool import make_kv_pool
-from moeserve.layers.attention.latent_extend import absorbed_extend_pays
+from moeserve.layers.attention.latent_extend import absorbed_requests
 from moeserve.layers.attention.ops import AttentionMetadata
 from moeserve.models.default_model import default_model_path
 
@@ -76,10 +76,10 @@ def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
             ms = {}
             with torch.no_grad():
                 for absorbed in (False, True):
-                    deepseek.absorbed_extend_pays = lambda *a, absorbed=absorbed: absorbed
+                    deepseek.absorbed_requests = lambda shape, plan, ext, seq, q, absorbed=absorbed: [absorbed] * len(ext)
                     ms[absorbed] = time_ms(lambda q=q_nope, r=q_rope, m=meta: attn._attend(q, r, m), reps)
-            deepseek.absorbed_extend_pays = absorbed_extend_pays
-            pick = "absorbed" if absorbed_extend_pays(attn.shape, meta.extend_plan, [T], [L + T], q_nope) else "expanded"
+            deepseek.absorbed_requests = absorbed_requests
+            pick = "absorbed" if all(absorbed_requests(attn.shape, meta.extend_plan, [T], [L + T], q_nope)) else "expanded"
             print(f"{T:>5} {L:>6} {ms[False]:>12.3f} {ms[True]:>12.3f} {ms[False] / ms[True]:>6.2f} {pick:>10}",
                   flush=True)
 
@@ -109,9 +109,9 @@ def bench_forward(reps: int, new_tokens: int = 100) -> None:
         ms = {}
         with torch.no_grad():
             for absorbed in (False, True):
-                deepseek.absorbed_extend_pays = lambda *a, absorbed=absorbed: absorbed
+                deepseek.absorbed_requests = lambda shape, plan, ext, seq, q, absorbed=absorbed: [absorbed] * len(ext)
                 ms[absorbed] = time_ms(lambda b=batch: model(b), reps)
-        deepseek.absorbed_extend_pays = absorbed_extend_pays
+        deepseek.absorbed_requests = absorbed_requests
         print(f"{L:>6} {ms[False]:>12.1f} {ms[True]:>12.1f} {ms[False] / ms[True]:>6.2f}", flush=True)
 
 

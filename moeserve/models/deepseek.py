@@ -44,7 +44,7 @@ from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
 from moeserve.layers.attention.latent_decode import LatentDecode, latent_to_heads, pick_latent_decode
-from moeserve.layers.attention.latent_extend import MLAShape, absorbed_extend, absorbed_extend_pays
+from moeserve.layers.attention.latent_extend import MLAShape, absorbed_extend, absorbed_requests
 from moeserve.layers.attention.ops import AttentionMetadata, attend_parts, extend_attention
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.moe.router import TopKRouter
@@ -121,10 +121,35 @@ class MLAttention(nn.Module):
             w_uk, w_uv = self._kv_b()
             q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
             return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv)
-        if absorbed_extend_pays(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens, q_nope):
-            # a short tail over a long prefix: the decode's absorbed form, causal over each request's rows
-            w_uk, w_uv = self._kv_b()
-            return absorbed_extend(q_nope, q_rope, cache[meta.kv_indices], w_uk, w_uv, meta.extend_plan, self.scale)
+        key = ("absorbed", self.shape)  # the step's choice, made by its first MLA layer for all of them
+        forms = meta.memo.get(key)
+        if forms is None:
+            forms = meta.memo[key] = absorbed_requests(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens,
+                                                       q_nope)
+        if all(forms):
+            return self._absorbed(q_nope, q_rope, cache, meta)
+        if not any(forms):
+            return self._expanded(q_nope, q_rope, cache, meta)
+        parts_key = ("absorbed parts", self.shape)  # requests of both forms: each form over its own requests
+        parts = meta.memo.get(parts_key)
+        if parts is None:
+            parts = meta.memo[parts_key] = [
+                (*meta.select([b for b, f in enumerate(forms) if f == form]), form) for form in (True, False)]
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        for rows, part, absorbed in parts:
+            attend = self._absorbed if absorbed else self._expanded
+            out[rows] = attend(q_nope[rows], q_rope[rows], cache, part)
+        return out
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """A short tail over a long prefix: the decode's absorbed form, causal over each request's rows."""
+        w_uk, w_uv = self._kv_b()
+        return absorbed_extend(q_nope, q_rope, cache[meta.kv_indices], w_uk, w_uv, meta.extend_plan, self.scale)
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Every latent of the sequences expanded through kv_b_proj into per-head k_nope and v."""
         c_kv, k_rope = cache[meta.kv_indices].to(q_nope.dtype).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(c_kv.shape[0], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [S, h, nope], [S, h, v]

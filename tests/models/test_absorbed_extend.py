@@ -15,7 +15,7 @@ import moeserve.models.deepseek as deepseek
 from moeserve.core.forward_batch import ForwardMode
 from moeserve.layers.attention import latent_extend
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
-from moeserve.layers.attention.latent_extend import MLAShape, absorbed_extend_pays, query_key_pairs
+from moeserve.layers.attention.latent_extend import MLAShape, absorbed_requests, query_key_pairs
 from moeserve.models.default_model import default_model_path
 from tests.models.harness import ATOL, RTOL, Runner, random_tokens
 
@@ -35,7 +35,7 @@ def _run(runner: Runner, batch, absorbed: bool, monkeypatch) -> torch.Tensor:
         return latent_extend.absorbed_extend(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(deepseek, "absorbed_extend_pays", lambda *a: absorbed)
+        m.setattr(deepseek, "absorbed_requests", lambda shape, plan, ext, seq, q: [absorbed] * len(ext))
         m.setattr(deepseek, "absorbed_extend", spy)
         with torch.no_grad():
             logits = runner.model(batch)
@@ -85,6 +85,33 @@ def test_mixed_prefixes_and_fresh_prompts_in_one_batch(tiny_checkpoint, name, mo
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_requests_of_both_forms_in_one_step(tiny_checkpoint, name, monkeypatch):
+    """The form is chosen per request: a step whose requests part runs each form over its own requests (their rows
+    gathered, their own slots and plan) and gives every row the all-expanded step's logits."""
+    runner = Runner(_path(tiny_checkpoint, name))
+    _cached(runner, {"a": 150, "b": 20, "c": 64}, seed=80)
+    vocab = runner.config.vocab_size
+    step = [("b", 30), ("new1", 12), ("a", 4), ("new2", 1), ("c", 64), ("new3", 40)]
+    batch = runner.batch(ForwardMode.EXTEND, [(rid, random_tokens(n, 90 + i, vocab)) for i, (rid, n) in
+                                              enumerate(step)], return_all_logits=True)
+    expanded = _run(runner, batch, False, monkeypatch)
+    forms, calls = [True, False, False, True, True, False], []
+
+    def spy(q_nope, *args, **kwargs):
+        calls.append(q_nope.shape[0])
+        return latent_extend.absorbed_extend(q_nope, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(deepseek, "absorbed_requests", lambda shape, plan, ext, seq, q: list(forms))
+        m.setattr(deepseek, "absorbed_extend", spy)
+        with torch.no_grad():
+            split = runner.model(batch)
+    absorbed_rows = sum(n for (_, n), f in zip(step, forms, strict=True) if f)
+    assert calls == [absorbed_rows] * runner.config.num_hidden_layers  # each layer: the absorbed requests' rows
+    torch.testing.assert_close(split, expanded, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_chunked_prefill_equals_one_step(tiny_checkpoint, name, monkeypatch):
     """A prompt in chunks, absorbed (each chunk over the ones before it), against the whole prompt in one expanded
     step: the same logits for every position."""
@@ -125,7 +152,7 @@ def test_cost_rule():
 
     def pays(shape, ext, seq, dtype=torch.bfloat16, device="cpu"):
         queries = torch.empty(0, dtype=dtype, device=device)
-        return absorbed_extend_pays(shape, ExtendPlan.build(ext, seq, "cpu"), ext, seq, queries)
+        return all(absorbed_requests(shape, ExtendPlan.build(ext, seq, "cpu"), ext, seq, queries))
 
     for dtype in (torch.bfloat16, torch.float32):
         assert pays(v3, [16], [4096], dtype)
@@ -135,7 +162,10 @@ def test_cost_rule():
     default = MLAShape(heads=4, kv_lora=64, rope=16, nope=32, v=32)
     assert pays(default, [100, 90], [1100, 1000]) and pays(default, [100, 90], [1100, 1000], torch.float32)
     kernel_plan = ExtendPlan.build([16], [4096], "cpu", kernel=True)
-    assert not absorbed_extend_pays(v3, kernel_plan, [16], [4096], torch.empty(0))
+    assert absorbed_requests(v3, kernel_plan, [16], [4096], torch.empty(0)) == [False]
+    # per request: a short tail over a long prefix beside a long fresh prompt, each its own form
+    assert absorbed_requests(v3, ExtendPlan.build([16, 4096], [4096, 8192], "cpu"), [16, 4096], [4096, 8192],
+                             torch.empty(0)) == [True, False]
     assert not pays(v3, [16], [4096], device="meta")  # any device but the CPU keeps the expanded form
 
 

@@ -17,17 +17,6 @@ EPLB = dict(enable_eplb=True, eplb_rebalance_num_iterations=3, eplb_rebalance_la
 PARALLEL = dict(enable_dp_attention=True, moe_a2a_backend="all2all")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _expanded_extends():
-    """Every extend in the expanded form: the absorbed extend is chosen per step, so a request's FP8 rounding then
-    depends on the requests batched beside it, and the two serves compared here batch by timing (a near tie moved
-    the last token in one CI run of four)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOESERVE_ABSORBED_EXTEND", "0")
-    yield
-    mp.undo()
-
-
 @pytest.fixture(scope="module")
 def skewed_fp8(fp8_checkpoint, tmp_path_factory) -> str:
     from safetensors.torch import load_file, save_file

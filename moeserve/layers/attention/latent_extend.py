@@ -20,12 +20,11 @@ benchmark/experiments/bench_latent_extend.py measured the crossover (docs/servin
 `absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs ExtendPlan's padded groups, every
 query row's heads folded into the rows of one matmul against the single latent head (no copy of K or V per head),
 the group's causal mask broadcast over the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
-there (`absorbed_extend_pays` says no for any step off the CPU).
+there (`absorbed_requests` says no for any step off the CPU).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +38,6 @@ from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 # default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
 CPU_ABSORBED_RATE = {torch.float32: 1.5}
 CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
-# NOTE: the choice is per step, so a request's rounding depends on the requests beside it; MOESERVE_ABSORBED_EXTEND=0
-# keeps every extend expanded (tests whose two serves batch differently by timing and compare FP8 tokens)
-ENABLED = os.environ.get("MOESERVE_ABSORBED_EXTEND", "1") != "0"
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
 
 
@@ -71,16 +67,21 @@ def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
     return sum(n * s - n * (n - 1) // 2 for n, s in zip(extend_lens, seq_lens, strict=True))
 
 
-def absorbed_extend_pays(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int], seq_lens: list[int],
-                         queries: torch.Tensor) -> bool:
-    """Run this extend step absorbed: a CPU step (queries: any of its query tensors, whose device and dtype decide)
-    whose multiply-adds, weighed by each form's rate for the dtype, take less time absorbed. Never on another
-    device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton expanded path unchanged."""
-    if not ENABLED or not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
-        return False
-    pairs = query_key_pairs(extend_lens, seq_lens)
+def absorbed_requests(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int], seq_lens: list[int],
+                      queries: torch.Tensor) -> list[bool]:
+    """Per request of a CPU extend step (queries: any of its query tensors, whose device and dtype decide): run its
+    rows absorbed, where its own multiply-adds, weighed by each form's rate for the dtype, take less time absorbed.
+    A request's form depends on its own lengths alone, so its rounding never depends on the requests batched
+    beside it. Never on another device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton
+    expanded path unchanged."""
+    if not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
+        return [False] * len(extend_lens)
     rate = CPU_ABSORBED_RATE.get(queries.dtype, CPU_ABSORBED_RATE_16BIT)
-    return shape.absorbed_cost(sum(extend_lens), pairs) < rate * shape.expanded_cost(sum(seq_lens), pairs)
+    out = []
+    for n, s in zip(extend_lens, seq_lens, strict=True):
+        pairs = query_key_pairs([n], [s])
+        out.append(shape.absorbed_cost(n, pairs) < rate * shape.expanded_cost(s, pairs))
+    return out
 
 
 def absorbed_extend(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,

@@ -16,7 +16,7 @@ decode row is computed as in a DECODE step (the absorbed MLA form, no expansion 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -61,6 +61,7 @@ class AttentionMetadata:
     extend_part: AttentionMetadata | None = None
     decode_part: AttentionMetadata | None = None
     pieces: PieceSplitter | None = None  # set while a piecewise CUDA graph is captured (attend_parts says what for)
+    memo: dict = field(default_factory=dict)  # what a layer derives from the step once for every layer
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: torch.Tensor | None) -> AttentionMetadata:
@@ -99,6 +100,30 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.shape[0])
+
+    def select(self, requests: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """An EXTEND step's rows of some of its requests ([t] int64 on the step's device, in token order) and
+        their own metadata: their slots, lengths and plan, as if they had been batched alone."""
+        assert self.mode.is_extend and not self.mode.is_mixed and self.extend_plan is not None
+        device = self.out_cache_loc.device
+        q_start = [0]
+        kv_start = [0]
+        for n, s in zip(self.extend_lens, self.seq_lens, strict=True):
+            q_start.append(q_start[-1] + n)
+            kv_start.append(kv_start[-1] + s)
+        rows = torch.cat([torch.arange(q_start[b], q_start[b + 1]) for b in requests]).to(device)
+        kv_rows = torch.cat([torch.arange(kv_start[b], kv_start[b + 1]) for b in requests]).to(device)
+        extend_lens = [self.extend_lens[b] for b in requests]
+        seq_lens = [self.seq_lens[b] for b in requests]
+        kv_indptr = torch.zeros(len(requests) + 1, dtype=torch.int64)
+        kv_indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
+        sub = AttentionMetadata(mode=self.mode, kv_pool=self.kv_pool, out_cache_loc=self.out_cache_loc[rows],
+                                kv_indices=self.kv_indices[kv_rows], kv_indptr=kv_indptr.to(device),
+                                rope=None if self.rope is None else self.rope[rows], extend_lens=extend_lens,
+                                seq_lens=seq_lens)
+        sub.extend_plan = ExtendPlan.build(extend_lens, seq_lens, device,
+                                           kernel=self.extend_plan.seqs_host is not None)
+        return rows, sub
 
     def parts(self) -> list[tuple[slice, AttentionMetadata]]:
         """(rows of this step's tokens, their metadata) per part: one EXTEND or DECODE part, or a MIXED step's two."""
