@@ -87,6 +87,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), False, tp, rank)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, rank, ps.attn_tp_group)
+        self._extend_absorbable = True  # (process_weights_after_loading: False for an FP8 kv_b_proj)
         self.latent_decode: LatentDecode | None = None  # DECODE's kernel (layers/attention/latent_decode.py): at load
         self._qkv_a: Callable[[torch.Tensor], torch.Tensor] | None = None  # x's two projections in one GEMM: at load
         # Set at load: x's projections multiply in FP8, so the norm before this layer hands x over quantized
@@ -125,8 +126,8 @@ class MLAttention(nn.Module):
         forms = meta.memo.get(key)
         if forms is None:
             forms = meta.memo[key] = absorbed_requests(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens,
-                                                       q_nope)
-        if all(forms):
+                                                       q_nope) if self._extend_absorbable else []
+        if forms and all(forms):
             return self._absorbed(q_nope, q_rope, cache, meta)
         if not any(forms):
             return self._expanded(q_nope, q_rope, cache, meta)
@@ -162,6 +163,10 @@ class MLAttention(nn.Module):
         The decode kernel is picked here, for the device and the cache's dtype."""
         dtype = self.kv_a_layernorm.weight.dtype  # the activations' and the KV pool's
         self._kv_b_dense = self.kv_b_proj.dense_weight(dtype)
+        # an FP8 kv_b_proj keeps every extend expanded, as on CUDA: the expanded form quantizes its input per
+        # 128-block and the absorbed one multiplies the dequantized weight, an e4m3 step apart, so a prompt's
+        # rounding would follow how it was chunked (2 DP ranks against 1 parted by 0.032 in a log-prob)
+        self._extend_absorbable = not isinstance(self.kv_b_proj, Fp8Linear | Fp8ColumnParallelLinear)
         self._qkv_a = self._fuse_qkv_a(device)
         self.quantized_input = self._x_projections_fp8()
         self._q_b_fp8 = self.q_lora_rank is not None and isinstance(self.q_b_proj, Fp8ColumnParallelLinear)

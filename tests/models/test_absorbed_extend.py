@@ -184,3 +184,18 @@ def test_score_blocks(tiny_checkpoint, monkeypatch):
     whole = _run(runner, batch, True, monkeypatch)
     monkeypatch.setattr(latent_extend, "SCORE_BYTES", 3 * 4 * 4 * 70)  # 3 query rows of 4 heads over 70 keys
     torch.testing.assert_close(_run(runner, batch, True, monkeypatch), whole, atol=ATOL, rtol=RTOL)
+
+
+def test_fp8_kv_b_keeps_extends_expanded(fp8_checkpoint, monkeypatch):
+    """An FP8 kv_b_proj: a short tail over a long prefix, which the rule would run absorbed, runs expanded (the two
+    forms are an e4m3 step apart there, so a prompt's rounding would follow its chunking)."""
+    runner = Runner(fp8_checkpoint[0])
+    _cached(runner, {0: 150}, seed=95)
+    batch = runner.batch(ForwardMode.EXTEND, [(0, random_tokens(3, 96, runner.config.vocab_size))])
+    plan = ExtendPlan.build([3], [153], "cpu")
+    assert all(absorbed_requests(runner.model.model.layers[0].self_attn.shape, plan, [3], [153], torch.empty(0)))
+    calls = []
+    monkeypatch.setattr(deepseek, "absorbed_extend", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        runner.model(batch)
+    assert calls == []
