@@ -4,7 +4,8 @@ backup queues a copy and returns a CopyHandle at once. On CPU a worker thread ga
 (index_select) and scatters them into the host buffers. On CUDA the gather runs on a side stream that first
 waits for an event recorded on the compute stream, so it reads the rows written by every step launched before;
 the rows go non_blocking into pinned staging buffers, an event marks the end, and the worker thread waits for
-that event and scatters the staging rows into the host buffers. The CUDA path ran on one H100 (2026-12-07, tests/kvcache/test_copy_engine.py).
+that event and scatters the staging rows into the host buffers. The CUDA path ran on one H100 (2026-12-07,
+tests/kvcache/test_copy_engine.py).
 
 A handle is done once the bytes are in the host buffers and its `then` ran (the storage write). Until then the
 caller must neither free the device slots (the forward would rewrite them) nor read, free or rewrite the host

@@ -125,9 +125,11 @@ class MLAttention(nn.Module):
         key = ("absorbed", self.shape)  # the step's choice, made by its first MLA layer for all of them
         forms = meta.memo.get(key)
         if forms is None:
-            forms = meta.memo[key] = absorbed_requests(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens,
-                                                       q_nope) if self._extend_absorbable else []
-        if forms and all(forms):
+            forms = [False] * len(meta.extend_lens)
+            if self._extend_absorbable:
+                forms = absorbed_requests(self.shape, meta.extend_plan, meta.extend_lens, meta.seq_lens, q_nope)
+            meta.memo[key] = forms
+        if all(forms):
             return self._absorbed(q_nope, q_rope, cache, meta)
         if not any(forms):
             return self._expanded(q_nope, q_rope, cache, meta)

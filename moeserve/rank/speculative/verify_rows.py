@@ -38,9 +38,7 @@ def extend_as_decode(fb: ForwardBatch) -> ForwardBatch:
     n = fb.extend_lens.to(i64)
     total_rows = int(fb.qo_indptr[-1])
     seq = torch.tensor(fb.seq_lens_cpu, dtype=i64)
-    # row r (request b, j-th of its tokens) reads prefix_b + j + 1 slots
-    j = torch.arange(total_rows, dtype=i64) - torch.repeat_interleave(fb.qo_indptr[:-1], n, output_size=total_rows)
-    lens = torch.repeat_interleave(seq - n, n, output_size=total_rows) + j + 1
+    lens = fb.positions.to(i64) + 1  # a row reads the slots up to its own position
     starts = torch.repeat_interleave(fb.kv_indptr[:-1], n, output_size=total_rows)  # each row's slots begin at b's
     row_indptr = torch.zeros(total_rows + 1, dtype=i64)
     row_indptr[1:] = torch.cumsum(lens, 0)
