@@ -107,7 +107,7 @@ class HiRadixCache(RadixCache):
         self.lock(parent)  # making host room must not evict the path
         try:
             pages = self.storage.read(keys)
-            host_slots = self._host_alloc(len(pages) * ps) if pages else None
+            host_slots = self._host_alloc(len(pages) * ps) if len(pages) else None
             if host_slots is None:
                 return None
             self.storage.fill(host_slots, pages)

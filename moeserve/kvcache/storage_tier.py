@@ -90,53 +90,39 @@ class StorageTier:
             time.sleep(0.001)
         return False
 
-    def _stored_count(self, keys: list[str]) -> int:
-        """How many leading keys are stored or on their way (pending)."""
-        i = 0
-        while i < len(keys):
-            with self._lock:
-                while i < len(keys) and keys[i] in self._pending:
-                    i += 1
-            if i == len(keys):
-                break
-            n = self.backend.batch_exists(keys[i:])
-            if n == 0:
-                break
-            i += n
-        return i
-
-    def _get(self, key: str) -> torch.Tensor | None:
+    def _read_page(self, key: str, out: torch.Tensor) -> bool:
+        """One page into out: from its copy on the way to the backend, else from the backend."""
         with self._lock:
             page = self._pending.get(key)
-        return page if page is not None else self.backend.get(key)  # (put completes before the pop)
+        if page is None:
+            return self.backend.read_into(key, out)  # (a put completes before its pending copy goes)
+        out.copy_(page)
+        return True
 
-    def read(self, keys: list[str]) -> list[torch.Tensor]:
+    def read(self, keys: list[str]) -> torch.Tensor:
         """The stored pages of the leading keys, up to the first miss (absent or corrupt) or, with the timeout
-        policy, the deadline."""
-        count = self._stored_count(keys)
+        policy, the deadline: [pages, page_numel], row i page i (as `_pages` lays it out)."""
         deadline = None
         if self.prefetch_policy == "timeout":
-            deadline = time.monotonic() + TIMEOUT_BASE_S + TIMEOUT_PER_KI_TOKEN_S * count * self.page_size / 1024
-        pages = []
-        want = self.host.page_numel
-        for key in keys[:count]:
-            page = self._get(key)
-            if page is None or page.dtype != self.host.dtype or page.numel() != want:
+            deadline = time.monotonic() + TIMEOUT_BASE_S + TIMEOUT_PER_KI_TOKEN_S * len(keys) * self.page_size / 1024
+        rows = torch.empty(len(keys), self.host.page_numel, dtype=self.host.dtype)
+        count = 0
+        for key in keys:
+            if not self._read_page(key, rows[count]):
                 break
-            pages.append(page.reshape(-1))
-            self.host.traffic.bytes_from_storage += page.numel() * page.element_size()
+            count += 1
             if deadline is not None and time.monotonic() > deadline:
                 break
-        return pages
+        self.host.traffic.bytes_from_storage += count * self.host.page_numel * rows.element_size()
+        return rows[:count]
 
-    def fill(self, host_slots: np.ndarray, pages: list[torch.Tensor]) -> None:
-        """Write pages (from read) into the host pages at host_slots [len(pages) * page_size]: one copy per
+    def fill(self, host_slots: np.ndarray, rows: torch.Tensor) -> None:
+        """Write pages (read's rows) into the host pages at host_slots [len(rows) * page_size]: one copy per
         buffer for all of them."""
-        if not pages:
+        if not len(rows):
             return
         ps = self.page_size
-        idx = torch.from_numpy(host_slots[: len(pages) * ps])
-        rows = torch.stack(pages)  # [pages, page_numel]: each page is its buffers' rows, one buffer after another
+        idx = torch.from_numpy(host_slots[: len(rows) * ps])
         offset = 0
         for buf in self.host.buffers:
             n = ps * buf[0].numel()

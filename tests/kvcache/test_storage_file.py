@@ -96,6 +96,44 @@ def test_corrupt_pages_are_misses(tmp_path, caplog):
     assert torch.equal(store.get(keys[0]), pages[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_read_into_checks_what_get_checks(tmp_path, dtype):
+    """read_into reads a page's payload straight into the caller's tensor: bit-exact, counted like get; a corrupt
+    or truncated page is a miss and deleted; a page of another layout is a miss and kept; a page stored in another
+    shape of the same length is read."""
+    gen = torch.Generator().manual_seed(11)
+    store = FileStorage(tmp_path)
+    keys = _keys(7)
+    flat = [_page(gen, dtype, (96,)) for _ in range(4)]
+    for key, page in zip(keys, flat, strict=False):
+        store.put(key, page)
+    store.put(keys[4], _page(gen, dtype, (4, 24)))  # another shape, the same length
+    store.put(keys[5], _page(gen, torch.float16 if dtype != torch.float16 else torch.float32, (96,)))  # another dtype
+    out = torch.empty(96, dtype=dtype)
+    before = store.stats()
+    assert store.read_into(keys[0], out) and torch.equal(out.view(torch.uint8), flat[0].view(torch.uint8))
+    s = store.stats()
+    assert s["hits"] == before["hits"] + 1
+    assert s["bytes_read"] == before["bytes_read"] + len(encode_page(keys[0], flat[0]))
+    assert not store.read_into(keys[6], out) and store.stats()["misses"] == s["misses"] + 1  # absent
+    assert store.read_into(keys[4], out) and torch.equal(out.view(torch.uint8),
+                                                           store.get(keys[4]).reshape(-1).view(torch.uint8))
+    assert not store.read_into(keys[5], out) and store.path_of(keys[5]).exists()  # kept: not corrupt
+    flip, trunc, head = (store.path_of(k) for k in keys[1:4])
+    data = bytearray(flip.read_bytes())
+    data[-3] ^= 0x04  # a bit of the payload
+    flip.write_bytes(bytes(data))
+    trunc.write_bytes(trunc.read_bytes()[:-2])
+    data = bytearray(head.read_bytes())
+    data[HEADER_BYTES - 1] ^= 0x80  # a bit of the stored checksum
+    head.write_bytes(bytes(data))
+    corrupt = store.stats()["corrupt"]
+    for key in keys[1:4]:
+        assert not store.read_into(key, out)
+    assert store.stats()["corrupt"] == corrupt + 3
+    assert not flip.exists() and not trunc.exists() and not head.exists()
+
+
 def test_restart_finds_pages(tmp_path):
     """A fresh process on the same directory reads what this one wrote, and the other way round."""
     gen = torch.Generator().manual_seed(2)

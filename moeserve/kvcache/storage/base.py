@@ -24,15 +24,16 @@ logger = logging.getLogger(__name__)
 class StorageStats:
     bytes_read: int = 0  # stored bytes of pages that checked out
     bytes_written: int = 0
-    hits: int = 0  # get() calls that returned a page
-    misses: int = 0  # get() calls that returned None (absent or corrupt)
+    hits: int = 0  # pages read (get, read_into) that checked out
+    misses: int = 0  # pages asked for and not read (absent or corrupt)
     corrupt: int = 0  # pages that failed their checks (counted in misses too)
     puts: int = 0  # pages written (a put of a key already stored writes nothing)
 
 
 class StorageBackend(ABC):
-    """Pages by key. `get` returns the stored tensor or None; `put` stores atomically (a reader never sees half a
-    page); `batch_exists` says how far a chain of keys is stored."""
+    """Pages by key. `get` returns the stored tensor or None; `read_into` reads one into a caller's tensor (the
+    storage tier's path); `put` stores atomically (a reader never sees half a page); `batch_exists` says how far a
+    chain of keys is stored."""
 
     def __init__(self) -> None:
         self._stats = StorageStats()
@@ -80,13 +81,27 @@ class StorageBackend(ABC):
                 page = decode_page(key, data)
             except CorruptPage as e:
                 self._on_corrupt(key, str(e))
+        self._count_read(None if page is None else len(data))
+        return page
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Read the page stored under `key` into `out` (a contiguous 1-D CPU tensor): whether it was stored,
+        checked out and has out's dtype and length (a miss otherwise, out's contents then undefined). A backend
+        may read the bytes straight into out (FileStorage); this default goes through `get`."""
+        page = self.get(key)
+        if page is None or page.dtype != out.dtype or page.numel() != out.numel():
+            return False
+        out.copy_(page.reshape(-1))
+        return True
+
+    def _count_read(self, nbytes: int | None) -> None:
+        """Count one page read: a hit of nbytes stored bytes, or a miss (None)."""
         with self._lock:
-            if page is None:
+            if nbytes is None:
                 self._stats.misses += 1
             else:
                 self._stats.hits += 1
-                self._stats.bytes_read += len(data)
-        return page
+                self._stats.bytes_read += nbytes
 
     def put(self, key: str, page: torch.Tensor) -> None:
         """Store `page` (any shape; moved to the CPU) under `key`. Keys name contents, so a key already stored is

@@ -20,7 +20,10 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from moeserve.kvcache.storage.base import StorageBackend
+from moeserve.kvcache.storage.page_format import HEADER_BYTES, CorruptPage, check_parts, page_meta
 from moeserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -89,11 +92,45 @@ class FileStorage(StorageBackend):
             n = os.readv(fd, [data])
         finally:
             os.close(fd)
+        self._touch(path)
+        return data if n == len(data) else data[:n]
+
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """The page's bytes read straight into out: header and meta into a small buffer, the payload into out's
+        memory, in one readv; then checked. A file of another size or meta (a page of another layout, a truncated
+        one) takes the base's path, which tells those apart."""
+        meta = page_meta(out.dtype, out.shape)
+        head = bytearray(HEADER_BYTES + len(meta))
+        payload = memoryview(out.view(torch.uint8).numpy())
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._count_read(None)
+            return False
+        try:
+            whole = os.fstat(fd).st_size == len(head) + len(payload)
+            n = os.readv(fd, [head, payload]) if whole else -1
+        finally:
+            os.close(fd)
+        if n != len(head) + len(payload) or head[HEADER_BYTES:] != meta:
+            return super().read_into(key, out)
+        try:
+            check_parts(key, head, payload)
+        except CorruptPage as e:
+            self._on_corrupt(key, str(e))
+            self._count_read(None)
+            return False
+        self._touch(path)
+        self._count_read(n)
+        return True
+
+    @staticmethod
+    def _touch(path: str) -> None:
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
             pass
-        return data if n == len(data) else data[:n]
 
     def _exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))

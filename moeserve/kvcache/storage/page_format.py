@@ -34,9 +34,38 @@ def encode_page(key: str, tensor: torch.Tensor) -> bytes:
         raise TypeError(f"cannot store a page of dtype {tensor.dtype}")
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     payload = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    meta = name.encode() + b"\0" + struct.pack(f"<{tensor.dim()}Q", *tensor.shape)
-    crc = zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key.encode())))
-    return _HEADER.pack(MAGIC, VERSION, len(meta), len(payload), crc) + meta + payload
+    meta = page_meta(tensor.dtype, tensor.shape)
+    return _HEADER.pack(MAGIC, VERSION, len(meta), len(payload), _crc(key, meta, payload)) + meta + payload
+
+
+def page_meta(dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bytes:
+    """The meta field of a page of this dtype and shape (what a reader expecting that page compares)."""
+    return str(dtype).removeprefix("torch.").encode() + b"\0" + struct.pack(f"<{len(shape)}Q", *shape)
+
+
+def check_parts(key: str, head: bytes | bytearray | memoryview, payload: memoryview) -> None:
+    """A page read in two parts, head (the header and the meta the reader expects: HEADER_BYTES + its length)
+    and payload (the rest): CorruptPage unless the header's magic, version and lengths match the parts and the
+    checksum covers them. The caller compares head's meta with the one it expects."""
+    magic, version, meta_len, payload_len, crc = _HEADER.unpack_from(head)
+    _check_magic(magic, version)
+    if meta_len != len(head) - HEADER_BYTES or payload_len != len(payload):
+        raise CorruptPage(f"the header says {meta_len} + {payload_len} bytes, the page has "
+                          f"{len(head) - HEADER_BYTES} + {len(payload)}")
+    if _crc(key, memoryview(head)[HEADER_BYTES:], payload) != crc:
+        raise CorruptPage("checksum mismatch")
+
+
+def _crc(key: str, meta: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """The checksum of a page: its key, meta and payload."""
+    return zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key.encode())))
+
+
+def _check_magic(magic: bytes, version: int) -> None:
+    if magic != MAGIC:
+        raise CorruptPage(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CorruptPage(f"format version {version}, this reader knows {VERSION}")
 
 
 def decode_page(key: str, data: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -44,16 +73,13 @@ def decode_page(key: str, data: bytes | bytearray | memoryview) -> torch.Tensor:
     if len(data) < HEADER_BYTES:
         raise CorruptPage(f"{len(data)} bytes, shorter than the header")
     magic, version, meta_len, payload_len, crc = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptPage(f"bad magic {magic!r}")
-    if version != VERSION:
-        raise CorruptPage(f"format version {version}, this reader knows {VERSION}")
+    _check_magic(magic, version)
     if len(data) != HEADER_BYTES + meta_len + payload_len:
         raise CorruptPage(f"{len(data)} bytes, the header says {HEADER_BYTES + meta_len + payload_len}")
     view = memoryview(data)
     meta = view[HEADER_BYTES:HEADER_BYTES + meta_len]
     payload = view[HEADER_BYTES + meta_len:]
-    if zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(key.encode()))) != crc:
+    if _crc(key, meta, payload) != crc:
         raise CorruptPage("checksum mismatch")
     name, sep, dims = bytes(meta).partition(b"\0")
     dtype = _DTYPES.get(name.decode("ascii", "replace"))
@@ -63,7 +89,7 @@ def decode_page(key: str, data: bytes | bytearray | memoryview) -> torch.Tensor:
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if numel * itemsize != payload_len:
         raise CorruptPage(f"shape {shape} of {dtype} needs {numel * itemsize} bytes, the payload has {payload_len}")
     if payload_len == 0:
