@@ -26,6 +26,7 @@ class TierTraffic:
     load_back_seconds: float = 0.0  # the scheduler's time in load-backs (CUDA: launching the copies)
     bytes_to_storage: int = 0  # with a storage tier (storage_tier.py)
     bytes_from_storage: int = 0
+    storage_pages_dropped: int = 0  # writes the storage tier dropped: its writer was too far behind
 
 
 class HostKVPool:

@@ -32,6 +32,9 @@ TIMEOUT_BASE_S = 0.5
 TIMEOUT_PER_KI_TOKEN_S = 0.25
 SMALL_PAGE = 16  # pages smaller than this make a storage write per few tokens (a warning at start)
 CLOSE_TIMEOUT_S = 60.0  # close waits this long for the writer thread to put what is queued
+# Page copies waiting for the writer thread take at most this many bytes (and at most the host pool's size): a
+# backend slower than the pages coming makes later writes drop (a later miss, never a wrong page), not memory grow.
+MAX_PENDING_BYTES = 1 << 30
 
 
 class StorageTier:
@@ -44,6 +47,9 @@ class StorageTier:
         self.root = root
         self.prefetch_policy = prefetch_policy
         self._pending: dict[str, torch.Tensor] = {}  # key -> page copy, until the writer thread put it
+        self._page_bytes = host.page_numel * host.dtype.itemsize
+        self._max_pending = max(1, min(MAX_PENDING_BYTES, host.num_pages * self._page_bytes) // self._page_bytes)
+        self._dropped_logged = False
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue()
         self._writer = background_thread(self._write_loop, "kv-storage-writer")
@@ -60,7 +66,16 @@ class StorageTier:
 
     def write(self, keys: list[str], host_slots: np.ndarray) -> None:
         """Store the host pages at host_slots [len(keys) * page_size] under keys: copied now (the host pages are
-        free to go when this returns), put by the writer thread."""
+        free to go when this returns), put by the writer thread. Pages past the pending cap are dropped (counted
+        in the tier's traffic, logged once): the writes of a chain stop at its first drop, since a read stops at
+        the first missing key anyway."""
+        with self._lock:
+            room = self._max_pending - len(self._pending)
+        if room < len(keys):
+            self._drop(len(keys) - max(room, 0))
+            keys = keys[: max(room, 0)]
+        if not keys:
+            return
         pages = self._pages(host_slots[: len(keys) * self.page_size])  # a copy
         for key, page in zip(keys, pages, strict=True):
             with self._lock:
@@ -68,7 +83,16 @@ class StorageTier:
                     continue
                 self._pending[key] = page
             self._queue.put((key, page))
-            self.host.traffic.bytes_to_storage += page.numel() * page.element_size()
+            self.host.traffic.bytes_to_storage += self._page_bytes
+
+    def _drop(self, pages: int) -> None:
+        self.host.traffic.storage_pages_dropped += pages
+        if not self._dropped_logged:
+            self._dropped_logged = True
+            logger.warning("KV storage: the backend takes pages slower than they come (%d pages, %.1f MiB, wait "
+                           "for it); later pages are dropped until it catches up (counted in "
+                           "moeserve:hicache_storage_pages_dropped, not logged again)", self._max_pending,
+                           self._max_pending * self._page_bytes / 2**20)
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -176,3 +176,37 @@ def test_writes_are_put_by_a_thread_and_read_back_while_on_their_way():
     assert sorted(backend.pages) == sorted(keys)
     tier.close()
     assert not tier._writer.is_alive()
+
+
+def test_writes_past_the_pending_cap_are_dropped_not_queued(monkeypatch, caplog):
+    """A backend that takes no page (its writer held at a gate): the page copies waiting for it stop at the cap;
+    later writes are dropped and counted (logged once), the pages kept read back exactly, and a read stops at the
+    first dropped key."""
+    pool = _pool("mla", PAGES, 2)
+    host = HostKVPool(pool, 2 * PAGES)
+    monkeypatch.setattr(storage_tier, "MAX_PENDING_BYTES", 3 * host.page_numel * host.dtype.itemsize)
+    backend = _SlowWrites()
+    tier = StorageTier(backend, host, KVLayout.of_pool(pool, "m").root(), "wait_complete")
+    tokens = [random.Random(5).randrange(1000) for _ in range(10)]
+    slots = host.alloc(len(tokens))
+    for buf in host.buffers:
+        buf.normal_()
+    want = [buf[torch.from_numpy(slots[:6])].clone() for buf in host.buffers]
+    keys = tier.keys(tokens)
+    with caplog.at_level("WARNING"):
+        tier.write(keys[:4], slots[:8])
+        tier.write(keys[4:], slots[8:])
+    assert host.traffic.storage_pages_dropped == 2 and len(tier._pending) == 3
+    assert sum("slower than they come" in r.message for r in caplog.records) == 1
+    assert host.traffic.bytes_to_storage == 3 * host.page_numel * host.dtype.itemsize
+    backend.gate.set()
+    assert tier.flush(10.0) and len(backend.pages) == 3
+    pages = tier.read(keys)
+    assert len(pages) == 3  # the fourth key was dropped: the chain ends there
+    fresh = host.alloc(6)
+    tier.fill(fresh, pages)
+    for buf, w in zip(host.buffers, want, strict=True):
+        assert torch.equal(buf[torch.from_numpy(fresh)], w)
+    tier.write(keys[3:4], slots[6:8])  # room again: written
+    assert tier.flush(10.0) and len(tier.read(keys)) == 4  # (the fifth was dropped as well)
+    tier.close()

@@ -75,7 +75,10 @@ def test_metrics_count_tiers_bytes_and_load_back_time():
     assert s[("moeserve:hicache_bytes_total", "to_host")] == 2000
     assert s[("moeserve:hicache_bytes_total", "to_device")] == 600
     assert s[("moeserve:hicache_load_back_seconds_total", None)] == 1.0
+    assert s[("moeserve:hicache_storage_pages_dropped_total", None)] == 0
     assert s[("moeserve:hicache_host_tokens", None)] == 42
     s = _samples(m.render([_load(dict(report, bytes_to_device=400)), _load(report, 1)]))  # growth only
     assert s[("moeserve:hicache_bytes_total", "to_device")] == 700
+    s = _samples(m.render([_load(dict(report, storage_pages_dropped=3)), _load(dict(report, storage_pages_dropped=2), 1)]))
+    assert s[("moeserve:hicache_storage_pages_dropped_total", None)] == 5
     assert s[("moeserve:hicache_bytes_total", "to_host")] == 2000

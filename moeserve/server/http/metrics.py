@@ -95,6 +95,9 @@ class Metrics:
         self.hicache_load_back_seconds = Counter(
             "moeserve:hicache_load_back_seconds", "Time spent loading host pages back to the device (the requests "
             "whose prefix they were waited for it).", names, registry=r).labels(**self.labels)
+        self.hicache_storage_pages_dropped = Counter(
+            "moeserve:hicache_storage_pages_dropped", "Pages the storage tier did not write: its writer was too far "
+            "behind (a later miss, never a wrong page).", names, registry=r).labels(**self.labels)
         self.hicache_host_tokens = gauge("hicache_host_tokens", "KV tokens held in the host tier (all DP groups).")
         self._hicache_seen: dict[str, float] = {}
         self._pd_seen = (0, 0, 0.0, 0.0)
@@ -164,7 +167,7 @@ class Metrics:
         """From each DP group's cumulative host-tier counters: their growth since the last scrape."""
         self.hicache_host_tokens.set(sum(g["host_used_tokens"] for g in groups))
         for name in ("bytes_to_host", "bytes_to_device", "bytes_to_storage", "bytes_from_storage",
-                     "load_back_seconds"):
+                     "load_back_seconds", "storage_pages_dropped"):
             now = sum(g.get(name, 0) for g in groups)
             grown = now - self._hicache_seen.get(name, 0)
             self._hicache_seen[name] = now
@@ -172,6 +175,8 @@ class Metrics:
                 continue
             if name == "load_back_seconds":
                 self.hicache_load_back_seconds.inc(grown)
+            elif name == "storage_pages_dropped":
+                self.hicache_storage_pages_dropped.inc(grown)
             else:
                 self.hicache_bytes.labels(**self.labels, direction=name.removeprefix("bytes_")).inc(grown)
 
