@@ -72,6 +72,7 @@ def main() -> None:
             row |= {k: totals[k] - before.get(k, 0.0) for k in ("match", "forward", "release")}
             rows[turn].append(row)
             conv += [rng.randrange(2, vocab) for _ in range(args.answer_len)]
+    eng.close()
     print(f"{'turn':>4} {'prompt':>6} {'cached':>6} {'TTFT':>8} {'match':>8} {'forward':>8} {'release':>8}  (ms, p50)")
     for turn, rs in rows.items():
         def med(k, rs=rs):

@@ -24,6 +24,11 @@ class InProcessEngine:
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 
+    def close(self) -> None:
+        """Let the host and storage tiers' threads finish (a process that exits while the storage writer is
+        busy aborts in torch's teardown)."""
+        self.scheduler.close()
+
     def run(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
             return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1) -> list[dict]:
         """Submit all prompts at once, step until every one finished; per prompt: ids, finish, cached, output and
