@@ -18,6 +18,7 @@ import platform
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from moeserve.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
+# A cached build of another source (another checkout, an older version) is deleted by a new build once no process
+# loaded it for this long: several trees on one machine keep their builds rather than delete each other's.
+STALE_BUILD_S = 14 * 24 * 3600
 _loaded: dict[tuple[Path, str], ctypes.CDLL | None] = {}
 
 
@@ -75,6 +79,24 @@ def _cpu_id() -> str:
     return "\n".join(parts)
 
 
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _delete_stale(builds, keep: Path) -> None:
+    """Delete the builds (other than keep) no process loaded for STALE_BUILD_S (a loaded one stays mapped)."""
+    now = time.time()
+    for old in builds:
+        try:
+            if old != keep and now - old.stat().st_mtime > STALE_BUILD_S:
+                old.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _build(source: Path, isa: str) -> Path:
     """Compile `source` for `isa` into the cache (or find it there); the path of the shared library."""
     cxx, version = _compiler()
@@ -84,6 +106,7 @@ def _build(source: Path, isa: str) -> Path:
     out_dir = cache_root() / "kernels"
     target = out_dir / f"{source.stem}-{isa}-{key}.so"
     if target.is_file():
+        _touch(target)  # in use: not stale for other builds
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     errors = []
@@ -95,9 +118,7 @@ def _build(source: Path, isa: str) -> Path:
         if proc.returncode == 0:
             os.replace(tmp, target)  # atomic: processes building at once all end with one complete file
             logger.info("built %s: %s", source.name, " ".join(cmd[:-4]))
-            for old in out_dir.glob(f"{source.stem}-{isa}-*.so"):  # builds of older sources (a loaded one stays mapped)
-                if old != target:
-                    old.unlink(missing_ok=True)
+            _delete_stale(out_dir.glob(f"{source.stem}-{isa}-*.so"), keep=target)
             return target
         os.unlink(tmp)
         errors.append(f"{' '.join(flags)}: {proc.stderr.strip().splitlines()[-1:]}")
