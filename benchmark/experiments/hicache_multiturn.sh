@@ -8,35 +8,29 @@
 # in flight, so TTFT is the prefill of what is not cached (not queueing behind other requests). Pages of 16
 # tokens in all three (a storage tier stores a file per page: with pages of 1 its writes, a file per token, took
 # the CPU from the prefills they ran beside, 2.7x on the forward in benchmark/experiments/hicache_phases.py).
+# The three servers run at once and take the turns in turn (hicache_interleaved.py): an idle server waits in a
+# blocking poll, and the VM's drift over the run falls on all three alike.
 set -euo pipefail
 OUT=${1:-/tmp/hicache_bench}
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-31870}
 rm -rf "$OUT" && mkdir -p "$OUT"
-COMMON=(--max-total-tokens 2048 --page-size 16 --port "$PORT" --log-level warning)
-BENCH=(--port "$PORT" --dataset multiturn --multiturn-num-conversations 24 --multiturn-turns 6
-       --multiturn-system-prompt-len 512 --multiturn-user-len 64 --multiturn-output-len 32 --max-concurrency 1
-       --seed 1 --disable-tqdm)
+COMMON=(--max-total-tokens 2048 --page-size 16 --log-level warning)
 declare -A MODES=(
   [off]=""
   [host]="--enable-hierarchical-cache --hicache-ratio 2"
   [host_file]="--enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"$OUT/pages\"}"
 )
+pids=()
+servers=()
+trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait' EXIT
+port=$PORT
 for mode in off host host_file; do
   # shellcheck disable=SC2086
-  $PY -m moeserve.cli serve "${COMMON[@]}" ${MODES[$mode]} > "$OUT/server_$mode.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 300); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 1; done
-  echo "=== $mode"
-  $PY -m moeserve.cli bench serving "${BENCH[@]}" --output-file "$OUT/$mode.json" | tee "$OUT/bench_$mode.txt"
-  kill -INT $pid; wait $pid || true
+  $PY -m moeserve.cli serve "${COMMON[@]}" --port "$port" ${MODES[$mode]} > "$OUT/server_$mode.log" 2>&1 &
+  pids+=($!)
+  servers+=(--server "$mode=http://localhost:$port")
+  port=$((port + 1))
 done
-$PY - "$OUT" <<'PYEOF'
-import json, sys
-out = sys.argv[1]
-print(f"{'mode':<10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'input tok/s':>12} {'cached':>8}")
-for mode in ("off", "host", "host_file"):
-    s = json.load(open(f"{out}/{mode}.json"))["summary"]
-    print(f"{mode:<10} {s['ttft_ms']['median']:>12.1f} {s['ttft_ms']['p99']:>12.1f} {s['input_throughput']:>12.1f} "
-          f"{100 * s['cached_token_rate']:>7.1f}%")
-PYEOF
+$PY benchmark/experiments/hicache_interleaved.py "${servers[@]}" --out "$OUT" --conversations 24 --turns 6 \
+  --system-len 512 --user-len 64 --output-len 32 --seed 1 | tee "$OUT/table.txt"
