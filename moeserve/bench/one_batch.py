@@ -65,7 +65,8 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
 
     def one_round(tag: str) -> dict:
         sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
-                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
+                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool,
+                          draft_kv_pool=runner.draft_kv_pool)
         prompts = [torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
                    for _ in range(batch_size)]
         tokens: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(batch_size)}
@@ -125,7 +126,8 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.steps import StepPipeline
 
     sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
-                      num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
+                      num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool,
+                      draft_kv_pool=runner.draft_kv_pool)
     steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()

@@ -1,7 +1,8 @@
 """The host tier's KV memory: the device pool's buffers, same layout, in host memory (pinned on CUDA).
 
-Buffer i here mirrors `kv_buffers(device_pool)[i]` (MLA: one latent buffer per layer; GQA: K then V per layer), with
-its own slots in whole pages and its own page allocator. Copies are by slot lists, every buffer in one call:
+Buffer i here mirrors `kv_buffers(device_pool)[i]` (MLA: one latent buffer per layer; GQA: K then V per layer), then
+those of the speculative draft's own pool where there is one (its MTP layer's KV, at the same slots), with its own
+slots in whole pages and its own page allocator. Copies are by slot lists, every buffer in one call:
 device -> host backups run off the scheduler's thread (copy_engine.py), host -> device loads here.
 """
 
@@ -29,13 +30,27 @@ class TierTraffic:
     storage_pages_dropped: int = 0  # writes the storage tier dropped: its writer was too far behind
 
 
-class HostKVPool:
-    """num_pages pages of the device pool's layout in host memory, page 0 unused as on the device."""
+def device_buffers(device_pool: KVPool, draft_pool: KVPool | None) -> list[torch.Tensor]:
+    """The device buffers a host page mirrors: the target's, then the draft's (one dtype: a stored page is one
+    tensor)."""
+    out = kv_buffers(device_pool)
+    if draft_pool is not None:
+        if draft_pool.page_size != device_pool.page_size or draft_pool.dtype != device_pool.dtype:
+            raise ValueError(f"the draft's KV pool ({draft_pool.dtype}, pages of {draft_pool.page_size}) differs from "
+                             f"the target's ({device_pool.dtype}, {device_pool.page_size}): the hierarchical cache "
+                             "copies both as one page")
+        out += kv_buffers(draft_pool)
+    return out
 
-    def __init__(self, device_pool: KVPool, num_pages: int):
+
+class HostKVPool:
+    """num_pages pages of the device pool's layout (and draft_pool's, at the same slots) in host memory, page 0
+    unused as on the device."""
+
+    def __init__(self, device_pool: KVPool, num_pages: int, draft_pool: KVPool | None = None):
         self.page_size = device_pool.page_size
         self.num_pages = num_pages
-        self.device_buffers = kv_buffers(device_pool)
+        self.device_buffers = device_buffers(device_pool, draft_pool)
         pin = device_pool.device.type == "cuda"
         rows = (num_pages + 1) * self.page_size
         # empty: a host page is always written (from the device) before it is read
@@ -48,11 +63,11 @@ class HostKVPool:
         self.traffic = TierTraffic()
 
     @staticmethod
-    def num_pages_for(device_pool: KVPool, ratio: float, size_gb: int) -> int:
+    def num_pages_for(device_pool: KVPool, ratio: float, size_gb: int, draft_pool: KVPool | None = None) -> int:
         """Host pages for --hicache-size GB when > 0, else --hicache-ratio times the device pool's pages."""
         if size_gb > 0:
-            page_bytes = device_pool.bytes_per_token * device_pool.page_size
-            return max(1, size_gb * (1 << 30) // page_bytes)
+            per_token = device_pool.bytes_per_token + (draft_pool.bytes_per_token if draft_pool is not None else 0)
+            return max(1, size_gb * (1 << 30) // (per_token * device_pool.page_size))
         return max(1, int(device_pool.num_pages * ratio))
 
     def report(self) -> dict[str, int | float]:

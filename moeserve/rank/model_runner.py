@@ -14,7 +14,7 @@ from moeserve.args import ServerArgs
 from moeserve.core.forward_batch import ForwardBatch
 from moeserve.ep.stats import enable_local_expert_tokens
 from moeserve.kernels import cpu_isa
-from moeserve.kvcache.kv_pool import make_kv_pool
+from moeserve.kvcache.kv_pool import KVPool, make_kv_pool
 from moeserve.models.decoder import CausalLM, logit_rows
 from moeserve.parallel.state import get_parallel_state
 from moeserve.rank.expert_load import eplb_staging_bytes, make_rebalancer, make_recorder
@@ -357,6 +357,12 @@ class ModelRunner:
     def num_draft_tokens(self) -> int:
         """Drafts per request of a verify step (k), 0 without speculative decoding: the scheduler's decode_len."""
         return self.speculative.k if self.speculative is not None else 0
+
+    @property
+    def draft_kv_pool(self) -> KVPool | None:
+        """The draft model's own KV pool (its slots the target's), None without speculative decoding: the PD
+        transfers and the hierarchical cache's host tier carry it beside the target's."""
+        return self.speculative.drafter.kv_pool if self.speculative is not None else None
 
     def enable_speculation(self, drafter: Drafter, num_draft_tokens: int) -> None:
         """Decode by speculative rounds (rank/speculative/round.py) with this draft model."""

@@ -27,7 +27,7 @@ from moeserve.constrained.base import GrammarBackend, GrammarError, NoGrammarBac
 from moeserve.core.forward_batch import DECODE_LEN, ForwardBatch, ForwardMode
 from moeserve.kvcache import HostKVPool, PageAllocator, make_prefix_cache
 from moeserve.kvcache.req_to_token import ReqToTokenPool
-from moeserve.kvcache.storage.keys import KVLayout, model_identity
+from moeserve.kvcache.storage.keys import KVLayout, kv_layout_name, model_identity
 from moeserve.kvcache.storage.registry import make_storage
 from moeserve.kvcache.storage_tier import StorageTier
 from moeserve.rank.io_struct import FinishReason, GenerateReq, LoadOut, TokenOut
@@ -52,9 +52,10 @@ class Scheduler(PDHost, StepResults):
 
     def __init__(self, server_args: ServerArgs, num_pages: int, context_length: int,
                  eos_token_ids: list[int], tokenizer=None, dp_rank: int = 0, grammar: GrammarBackend | None = None,
-                 kv_pool: KVPool | None = None, num_draft_tokens: int = 0):
-        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to.
-        num_draft_tokens: speculative decoding's k (rank/speculative/), 0 without it."""
+                 kv_pool: KVPool | None = None, num_draft_tokens: int = 0, draft_kv_pool: KVPool | None = None):
+        """kv_pool: the model runner's device pool, which the hierarchical cache's host tier copies from and to,
+        with draft_kv_pool, the speculative draft's (ModelRunner.draft_kv_pool). num_draft_tokens: speculative
+        decoding's k (rank/speculative/), 0 without it."""
         self.args = server_args
         # speculative decoding (rank/speculative/): decode steps verify [t, d_1..d_k], k + 1 tokens per request
         self.num_draft_tokens = num_draft_tokens
@@ -73,9 +74,9 @@ class Scheduler(PDHost, StepResults):
         self.storage: StorageTier | None = None
         if server_args.enable_hierarchical_cache and not no_cache:
             assert kv_pool is not None, "the hierarchical cache needs the device KV pool"
-            self.host_pool = _host_pool(server_args, kv_pool)
+            self.host_pool = _host_pool(server_args, kv_pool, draft_kv_pool)
             if server_args.hicache_storage_backend is not None:
-                self.storage = _storage_tier(server_args, kv_pool, self.host_pool)
+                self.storage = _storage_tier(server_args, kv_pool, draft_kv_pool, self.host_pool)
         self.cache = make_prefix_cache(not no_cache, self.allocator, self.page_size, self.host_pool,
                                        server_args.hicache_write_policy, self.storage)
         self.max_running = server_args.max_running_requests
@@ -468,21 +469,26 @@ class Scheduler(PDHost, StepResults):
         req.row = None
 
 
-def _host_pool(args: ServerArgs, kv_pool: KVPool) -> HostKVPool:
-    """The hierarchical cache's host pool: --hicache-size GB, else --hicache-ratio times the device pool."""
-    pool = HostKVPool(kv_pool, HostKVPool.num_pages_for(kv_pool, args.hicache_ratio, args.hicache_size))
+def _host_pool(args: ServerArgs, kv_pool: KVPool, draft_pool: KVPool | None) -> HostKVPool:
+    """The hierarchical cache's host pool: --hicache-size GB, else --hicache-ratio times the device pool; its pages
+    hold the draft's KV too where speculative decoding has a pool of its own."""
+    pages = HostKVPool.num_pages_for(kv_pool, args.hicache_ratio, args.hicache_size, draft_pool)
+    pool = HostKVPool(kv_pool, pages, draft_pool)
     logger.info("hierarchical cache: host KV pool of %d tokens (%.2f GiB%s), %s", pool.num_pages * pool.page_size,
                 pool.total_bytes / (1 << 30), ", pinned" if kv_pool.device.type == "cuda" else "",
                 args.hicache_write_policy)
     return pool
 
 
-def _storage_tier(args: ServerArgs, kv_pool: KVPool, host: HostKVPool) -> StorageTier:
+def _storage_tier(args: ServerArgs, kv_pool: KVPool, draft_pool: KVPool | None, host: HostKVPool) -> StorageTier:
     """--hicache-storage-backend over the host pool, its keys rooted in the model's identity and the pool's layout
-    (pages of another model, dtype, page size or weights' load are never read)."""
+    (pages of another model, dtype, page size or weights' load, or with the draft's KV or without, are never read)."""
     load = f"load_format={args.load_format} quantization={args.quantization}"
     if args.load_format == "dummy":
         load += f" seed={args.random_seed}"
+    if draft_pool is not None:  # the draft's layer (its own checkpoint or the target's MTP) and its KV layout
+        draft = args.speculative_draft_model_path
+        load += f" draft={model_identity(draft) if draft else 'mtp'} {kv_layout_name(draft_pool)}"
     assert args.model_path is not None  # the model runner resolved it
     layout = KVLayout.of_pool(kv_pool, model_identity(args.model_path), extra=load)
     backend = make_storage(args.hicache_storage_backend, args.hicache_storage_backend_extra_config)

@@ -122,13 +122,13 @@ def _run(server_args: ServerArgs, rank: int, ports: WorkerPorts, ctx: zmq.Contex
     grammar = make_grammar_backend(server_args.grammar_backend, tokenizer, runner.vocab_size)
     scheduler = Scheduler(server_args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
                           tokenizer=tokenizer, dp_rank=dp_rank, grammar=grammar,
-                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool)
+                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool,
+                          draft_kv_pool=runner.draft_kv_pool)
     if server_args.disagg.enabled:
         from moeserve.rank.pd_host import make_pd_rooms
 
-        draft_pool = runner.speculative.drafter.kv_pool if runner.speculative is not None else None
         scheduler.pd = make_pd_rooms(server_args, runner.kv_pool, runner.config, scheduler, dp_rank, sync,
-                                     draft_pool)
+                                     runner.draft_kv_pool)
     req_sock = None
     if sync.is_leader:
         req_sock = ctx.socket(zmq.PULL)

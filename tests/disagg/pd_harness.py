@@ -54,9 +54,9 @@ class PDPair:
         args = ServerArgs.from_kwargs(disaggregation_mode=mode, disaggregation_bootstrap_port=self.port, **kwargs)
         runner = ModelRunner(args)
         sched = Scheduler(args, runner.num_pages, runner.context_length, runner.config.eos_token_ids,
-                          kv_pool=runner.kv_pool, num_draft_tokens=runner.num_draft_tokens)
-        draft_pool = runner.speculative.drafter.kv_pool if runner.speculative is not None else None
-        sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0, draft_pool=draft_pool)
+                          kv_pool=runner.kv_pool, num_draft_tokens=runner.num_draft_tokens,
+                          draft_kv_pool=runner.draft_kv_pool)
+        sched.pd = make_pd_rooms(args, runner.kv_pool, runner.config, sched, 0, draft_pool=runner.draft_kv_pool)
         return Side(args, runner, sched, StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule))
 
     def submit(self, rid: str, ids: list[int], params: SamplingParams, return_logprob: bool = False,

@@ -20,7 +20,7 @@ class InProcessEngine:
                                    grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
                                                                 self.runner.vocab_size),
                                    num_draft_tokens=self.runner.num_draft_tokens,
-                                   kv_pool=self.runner.kv_pool)
+                                   kv_pool=self.runner.kv_pool, draft_kv_pool=self.runner.draft_kv_pool)
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 

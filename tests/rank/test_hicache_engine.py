@@ -160,3 +160,39 @@ def test_a_restarted_engine_hits_storage(model_path, tmp_path):
     assert sum(d["storage"] for d in details) >= 48  # the first turns' pages, read back after the restart
     assert sum(r["cached_tokens"] for r in two) > sum(r["cached_tokens"] for r in off[1])
     _accounted(restarted)
+
+
+def test_speculation_over_host_and_storage_tiers(tmp_path):
+    """NEXTN over the hierarchical cache (the embedded model's trained MTP layer, file storage): second turns whose
+    histories come back from host and storage give the plain run's greedy tokens, and the draft's KV comes back
+    with the target's: the verify rounds match a run whose device pool holds every history (within a few, for
+    rounding between batches), where a draft over another request's stale KV accepts fewer."""
+    rng = random.Random(12)
+    firsts = [[rng.randrange(2, 3000) for _ in range(48)] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=2, page_size=8, max_running_requests=2,
+                disable_overlap_schedule=True)
+
+    def two_turns(eng):
+        one = eng.run(firsts, params)
+        two = eng.run([p + r["output_ids"] + [rng2.randrange(2, 3000) for _ in range(8)]
+                       for p, r in zip(firsts, one, strict=True)], params)
+        return one, two
+
+    rng2 = random.Random(13)
+    plain = two_turns(InProcessEngine(page_size=8, max_total_tokens=2048))
+    rng2 = random.Random(13)
+    roomy = two_turns(InProcessEngine(max_total_tokens=2048, **spec))  # every history stays on the device
+    rng2 = random.Random(13)
+    store = json.dumps({"path": str(tmp_path)})
+    eng = InProcessEngine(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8.0,
+                          hicache_storage_backend="file", hicache_storage_backend_extra_config=store, **spec)
+    tiered = two_turns(eng)
+    for want, got in ((plain, roomy), (plain, tiered)):
+        assert [r["output_ids"] for r in want[0] + want[1]] == [r["output_ids"] for r in got[0] + got[1]]
+    details = [r["cached_tokens_details"] for r in tiered[1]]
+    assert sum(d["host"] + d["storage"] for d in details) >= 8 * 48 // 2, details
+    rounds = [sum(r["spec_verify_ct"] for r in run[1]) for run in (roomy, tiered)]
+    assert abs(rounds[0] - rounds[1]) <= 0.05 * rounds[0], rounds
+    _accounted(eng)
+    eng.close()

@@ -217,7 +217,6 @@ def test_bench_serving_reports_the_accept_length():
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(expert_distribution_recorder_mode="stat"), "--enable-eplb and --expert-distribution-recorder-mode"),
     (dict(enable_torch_compile=True), "--enable-torch-compile"),
-    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
 ])
 def test_unsupported_flags_are_refused_by_name(ckpt, flags, named):
     from moeserve.args import ServerArgs

@@ -17,7 +17,6 @@ def unsupported_with_speculation(args: ServerArgs) -> str | None:
         (args.disagg.role is not PDRole.NULL and args.enable_dp_attention,
          "--disaggregation-mode and --enable-dp-attention"),
         (args.enable_torch_compile, "--enable-torch-compile"),
-        (args.enable_hierarchical_cache, "--enable-hierarchical-cache"),
         (args.enable_static_shape_extend, "--enable-static-shape-extend"),  # its extends run forward_hidden
         (args.enable_eplb or args.expert_distribution_recorder_mode is not None,
          "--enable-eplb and --expert-distribution-recorder-mode"),
