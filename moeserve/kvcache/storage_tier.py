@@ -31,6 +31,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # --hicache-sto
 TIMEOUT_BASE_S = 0.5
 TIMEOUT_PER_KI_TOKEN_S = 0.25
 SMALL_PAGE = 16  # pages smaller than this make a storage write per few tokens (a warning at start)
+FIRST_ROWS = 32  # a read's first buffer holds this many pages; it doubles while more come
 CLOSE_TIMEOUT_S = 60.0  # close waits this long for the writer thread to put what is queued
 # Page copies waiting for the writer thread take at most this many bytes (and at most the host pool's size): a
 # backend slower than the pages coming makes later writes drop (a later miss, never a wrong page), not memory grow.
@@ -125,13 +126,16 @@ class StorageTier:
 
     def read(self, keys: list[str]) -> torch.Tensor:
         """The stored pages of the leading keys, up to the first miss (absent or corrupt) or, with the timeout
-        policy, the deadline: [pages, page_numel], row i page i (as `_pages` lays it out)."""
+        policy, the deadline: [pages, page_numel], row i page i (as `_pages` lays it out). The rows grow as pages
+        come (a long prompt asks for many keys, storage may hold few of them)."""
         deadline = None
         if self.prefetch_policy == "timeout":
             deadline = time.monotonic() + TIMEOUT_BASE_S + TIMEOUT_PER_KI_TOKEN_S * len(keys) * self.page_size / 1024
-        rows = torch.empty(len(keys), self.host.page_numel, dtype=self.host.dtype)
+        rows = torch.empty(min(len(keys), FIRST_ROWS), self.host.page_numel, dtype=self.host.dtype)
         count = 0
         for key in keys:
+            if count == len(rows):
+                rows = torch.cat([rows, torch.empty_like(rows[: min(count, len(keys) - count)])])
             if not self._read_page(key, rows[count]):
                 break
             count += 1

@@ -210,3 +210,26 @@ def test_writes_past_the_pending_cap_are_dropped_not_queued(monkeypatch, caplog)
     tier.write(keys[3:4], slots[6:8])  # room again: written
     assert tier.flush(10.0) and len(tier.read(keys)) == 4  # (the fifth was dropped as well)
     tier.close()
+
+
+def test_a_read_of_many_keys_grows_its_rows(monkeypatch):
+    """More pages than the read's first buffer: every one read back exactly, in order; a chain asked far past what
+    is stored stops at the first missing key."""
+    monkeypatch.setattr(storage_tier, "FIRST_ROWS", 2)
+    pool = _pool("mla", PAGES, 1)
+    host = HostKVPool(pool, 2 * PAGES)
+    tier = StorageTier(_SlowMemory(delay=0.0), host, KVLayout.of_pool(pool, "m").root(), "wait_complete")
+    tokens = [random.Random(8).randrange(1000) for _ in range(7)]
+    slots = host.alloc(len(tokens))
+    for buf in host.buffers:
+        buf.normal_()
+    tier.write(tier.keys(tokens), slots)
+    assert tier.flush(10.0)
+    more = tokens + [random.Random(9).randrange(1000) for _ in range(20)]
+    pages = tier.read(tier.keys(more))
+    assert len(pages) == 7
+    fresh = host.alloc(7)
+    tier.fill(fresh, pages)
+    for buf in host.buffers:
+        assert torch.equal(buf[torch.from_numpy(fresh)], buf[torch.from_numpy(slots)])
+    tier.close()
