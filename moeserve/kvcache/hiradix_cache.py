@@ -96,7 +96,8 @@ class HiRadixCache(RadixCache):
 
     def _prefetch(self, path: list[TreeNode], tokens: list[int]) -> TreeNode | None:
         """Read the stored pages that continue path (the tree's match of tokens) into host pages: a new host-only
-        node below path's end, or None when storage has none (or the host pool has no room)."""
+        node below path's end, or None when storage has none (or the host pool has no room). A chain longer than
+        the host pool can take is read as far as it fits."""
         assert self.storage is not None
         ps = self.page_size
         start, end = sum(len(n.key) for n in path), len(tokens) // ps * ps
@@ -106,8 +107,11 @@ class HiRadixCache(RadixCache):
         keys = self.storage.keys(tokens[:end])[start // ps :]
         self.lock(parent)  # making host room must not evict the path
         try:
-            pages = self.storage.read(keys)
+            pages = self.storage.read(keys[: self.host.num_pages])
             host_slots = self._host_alloc(len(pages) * ps) if len(pages) else None
+            if host_slots is None and len(pages):  # what the host pool could free: its free pages now
+                pages = pages[: self.host.allocator.num_free_pages]
+                host_slots = self.host.alloc(len(pages) * ps) if len(pages) else None
             if host_slots is None:
                 return None
             self.storage.fill(host_slots, pages)

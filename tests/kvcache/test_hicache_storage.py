@@ -22,11 +22,12 @@ from tests.kvcache.test_hicache import _check, _pool, _write
 PAGES = 16
 
 
-def _cache(kind: str, page_size: int, directory, policy: str = "write_through", model: str = "m"):
+def _cache(kind: str, page_size: int, directory, policy: str = "write_through", model: str = "m",
+           host_pages: int = 2 * PAGES):
     pool = _pool(kind, PAGES, page_size)
     for buf in kv_buffers(pool):
         buf.normal_()
-    alloc, host = PageAllocator(PAGES, page_size), HostKVPool(pool, 2 * PAGES)
+    alloc, host = PageAllocator(PAGES, page_size), HostKVPool(pool, host_pages)
     root = KVLayout.of_pool(pool, model).root()
     storage = StorageTier(FileStorage(directory), host, root, "wait_complete")
     return pool, alloc, HiRadixCache(alloc, page_size, host, policy, storage)
@@ -84,6 +85,19 @@ def test_a_corrupt_page_is_a_miss_and_other_layouts_are_not_read(tmp_path):
     assert not path.exists()  # deleted as corrupt
     _, _, other = _cache("mla", page_size, tmp_path, model="another model")
     assert len(other.match_prefix(tokens + [0, 0]).slots) == 0
+
+
+def test_a_stored_chain_longer_than_the_host_pool_is_read_as_far_as_it_fits(tmp_path):
+    page_size = 2
+    tokens = [random.Random(4).randrange(1000) for _ in range(12 * page_size)]
+    pool, alloc, cache = _cache("mla", page_size, tmp_path)
+    _insert(pool, alloc, cache, tokens)
+    cache.copies.wait_all()
+    assert cache.storage.flush(10.0)
+    pool2, _, small = _cache("mla", page_size, tmp_path, host_pages=5)  # a host pool of 5 pages, 12 stored
+    match = small.match_prefix(tokens + [0, 0])
+    assert len(match.slots) == 5 * page_size == match.storage_tokens
+    _check(pool2, tokens[: 5 * page_size], match.slots)
 
 
 class _SlowMemory(StorageBackend):
