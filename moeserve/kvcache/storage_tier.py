@@ -48,7 +48,7 @@ class StorageTier:
         self.root = root
         self.prefetch_policy = prefetch_policy
         self._pending: dict[str, torch.Tensor] = {}  # key -> page copy, until the writer thread put it
-        self._page_bytes = host.page_numel * host.dtype.itemsize
+        self._page_bytes = host.bytes_per_token * host.page_size  # one stored page
         self._max_pending = max(1, min(MAX_PENDING_BYTES, host.num_pages * self._page_bytes) // self._page_bytes)
         self._dropped_logged = False
         self._lock = threading.Lock()
@@ -141,7 +141,7 @@ class StorageTier:
             count += 1
             if deadline is not None and time.monotonic() > deadline:
                 break
-        self.host.traffic.bytes_from_storage += count * self.host.page_numel * rows.element_size()
+        self.host.traffic.bytes_from_storage += count * self._page_bytes
         return rows[:count]
 
     def fill(self, host_slots: np.ndarray, rows: torch.Tensor) -> None:
