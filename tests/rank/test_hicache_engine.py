@@ -150,7 +150,9 @@ def test_a_restarted_engine_hits_storage(model_path, tmp_path):
     firsts = _first_turns(11, 4)
     off = _two_turns(_engine(model_path, "qwen3_moe", False), firsts, 4)
     kw = dict(hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"path": str(tmp_path)}))
-    one = _engine(model_path, "qwen3_moe", True, **kw).run(firsts, GREEDY)
+    first = _engine(model_path, "qwen3_moe", True, **kw)
+    one = first.run(firsts, GREEDY)
+    first.close()  # as a server that stops: its storage writes are put (a busy writer left pages unwritten)
     restarted = _engine(model_path, "qwen3_moe", True, **kw)  # fresh device and host pools, the same directory
     two = restarted.run(_seconds(firsts, one, 4), GREEDY)
     for a, b in zip(off[0] + off[1], one + two, strict=True):
