@@ -43,12 +43,13 @@ inline float hsum(f32v v) {
   return s;
 }
 
-// y[:M, n0:n0 + NC] from xf [M, K] fp32 and w rows n0.. (bf16): M * NC vector accumulators.
+// y[:M, n0:n0 + NC] from xf [M, K] fp32 (rows K apart) and w rows n0.. (bf16, ldw apart): M * NC vector
+// accumulators.
 template <int M, int NC, typename Y>
-void cols_fma(const float* xf, const uint16_t* w, int64_t K, int64_t n0, Y* y, int64_t ldy) {
+void cols_fma(const float* xf, const uint16_t* w, int64_t ldw, int64_t K, int64_t n0, Y* y, int64_t ldy) {
   const int64_t Kvec = K / kLanes * kLanes;
   const uint16_t* row[NC];
-  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * K;
+  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * ldw;
   f32v acc[M][NC];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < NC; ++c) acc[m][c] = f32v{};
@@ -72,9 +73,10 @@ void cols_fma(const float* xf, const uint16_t* w, int64_t K, int64_t n0, Y* y, i
 // The same from x in bf16 with bf16 dot products: 32 products of a row and a column a step; the K tail (K not a
 // multiple of 32) is loaded masked, its missing lanes zero.
 template <int M, int NC, typename Y>
-void cols_dpbf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, Y* y, int64_t ldy) {
+void cols_dpbf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t n0, Y* y,
+                 int64_t ldy) {
   const uint16_t* row[NC];
-  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * K;
+  for (int c = 0; c < NC; ++c) row[c] = w + (n0 + c) * ldw;
   __m512 acc[M][NC];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -83,7 +85,7 @@ void cols_dpbf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, Y*
     __m512bh wv[NC];
     for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, row[c] + k);
     for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
       for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, wv[c]);
     }
   }
@@ -92,22 +94,24 @@ void cols_dpbf16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, Y*
 }
 #endif
 
-// Columns [n0, n1) for M rows, NC at a time (fewer at the end).
+// Columns [n0, n1) for M rows, NC at a time (fewer at the end): x rows ldx apart (bf16; xf: the same widened to
+// fp32, rows K apart, in the builds without AVX-512 BF16), w rows ldw apart.
 template <int M, typename Y>
-void col_range(const uint16_t* x, const float* xf, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, Y* y,
-               int64_t ldy) {
+void col_range(const uint16_t* x, int64_t ldx, const float* xf, const uint16_t* w, int64_t ldw, int64_t K,
+               int64_t n0, int64_t n1, Y* y, int64_t ldy) {
 #ifdef __AVX512BF16__
   (void)xf;
   constexpr int NC = 4;  // M * NC <= 16 accumulators of AVX-512's 32 registers
   int64_t n = n0;
-  for (; n + NC <= n1; n += NC) cols_dpbf16<M, NC>(x, w, K, n, y, ldy);
-  for (; n < n1; ++n) cols_dpbf16<M, 1>(x, w, K, n, y, ldy);
+  for (; n + NC <= n1; n += NC) cols_dpbf16<M, NC>(x, ldx, w, ldw, K, n, y, ldy);
+  for (; n < n1; ++n) cols_dpbf16<M, 1>(x, ldx, w, ldw, K, n, y, ldy);
 #else
   (void)x;
+  (void)ldx;
   constexpr int NC = kLanes == 16 ? 4 : (M <= 2 ? 4 : 2);  // M * NC accumulators, room left for the loads
   int64_t n = n0;
-  for (; n + NC <= n1; n += NC) cols_fma<M, NC>(xf, w, K, n, y, ldy);
-  for (; n < n1; ++n) cols_fma<M, 1>(xf, w, K, n, y, ldy);
+  for (; n + NC <= n1; n += NC) cols_fma<M, NC>(xf, w, ldw, K, n, y, ldy);
+  for (; n < n1; ++n) cols_fma<M, 1>(xf, w, ldw, K, n, y, ldy);
 #endif
 }
 
@@ -124,7 +128,7 @@ void skinny(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, Y* y, in
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t n0 = i * kCols, n1 = n0 + kCols < N ? n0 + kCols : N;
-    col_range<M, Y>(x, xf, w, K, n0, n1, y, N);
+    col_range<M, Y>(x, K, xf, w, K, K, n0, n1, y, N);
   }
 }
 
@@ -136,6 +140,83 @@ void dispatch(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_
     case 3: skinny<3, Y>(x, w, N, K, y, num_threads); break;
     case 4: skinny<4, Y>(x, w, N, K, y, num_threads); break;
     default: break;  // the caller checks 1 <= M <= kMaxRows
+  }
+}
+
+// The batched form, MLA's absorbed decode (per head g, its query rows times W_UK[g] or W_UV[g]):
+//
+//     y[g, m, n] = sum_k x[g, m, k] * w[g, n, k]        any M, four rows at a time
+//
+// x: K contiguous, rows sxm and groups sxg apart; y: N contiguous, rows sym and groups syg apart; w either with K
+// contiguous (rows swn apart: the dot products above) or with N contiguous (row k of w[g]^T swk apart: each output
+// row a sum of weight rows scaled by x, fp32 fused multiply-adds in every build).
+
+// y[:M, n0:n1] = sum_k x[m, k] * wt[k, n] (wt rows ldk apart, N contiguous), kLanes * NV columns at a time.
+template <int M, typename Y>
+void rows_axpy(const uint16_t* x, int64_t ldx, const uint16_t* wt, int64_t ldk, int64_t K, int64_t n0, int64_t n1,
+               Y* y, int64_t ldy) {
+  constexpr int NV = 4;  // M * NV <= 16 accumulators
+  int64_t n = n0;
+  for (; n + NV * kLanes <= n1; n += NV * kLanes) {
+    f32v acc[M][NV];
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = f32v{};
+    for (int64_t k = 0; k < K; ++k) {
+      f32v wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = loadv(wt + k * ldk + n + v * kLanes);
+      for (int m = 0; m < M; ++m) {
+        const float xs = to_f32(x[m * ldx + k]);
+        for (int v = 0; v < NV; ++v) acc[m][v] += xs * wv[v];
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < NV; ++v) storev(y + m * ldy + n + v * kLanes, acc[m][v]);
+  }
+  for (; n < n1; ++n)  // columns past the last whole block
+    for (int m = 0; m < M; ++m) {
+      float v = 0.0f;
+      for (int64_t k = 0; k < K; ++k) v += to_f32(x[m * ldx + k]) * to_f32(wt[k * ldk + n]);
+      put(y, m * ldy + n, v);
+    }
+}
+
+// One group's M (<= kMaxRows) rows.
+template <int M, typename Y>
+void group_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t swn, int64_t swk, int64_t N, int64_t K,
+                Y* y, int64_t ldy) {
+  if (swn == 1 && swk != 1) {
+    rows_axpy<M, Y>(x, ldx, w, swk, K, 0, N, y, ldy);
+    return;
+  }
+#ifdef __AVX512BF16__
+  col_range<M, Y>(x, ldx, nullptr, w, swn, K, 0, N, y, ldy);
+#else
+  thread_local std::vector<float> widened;
+  widened.resize(M * K);
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) widened[m * K + k] = to_f32(x[m * ldx + k]);
+  col_range<M, Y>(x, ldx, widened.data(), w, swn, K, 0, N, y, ldy);
+#endif
+}
+
+template <typename Y>
+void batched(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* w, int64_t swg, int64_t swn, int64_t swk,
+             int64_t G, int64_t M, int64_t N, int64_t K, Y* y, int64_t syg, int64_t sym, int num_threads) {
+  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows, items = G * chunks;
+  const int threads = G * N * K * chunks < kOneThreadElems ? 1 : num_threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t g = i / chunks, m0 = (i % chunks) * kMaxRows;
+    const int rows = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
+    const uint16_t* xg = x + g * sxg + m0 * sxm;
+    const uint16_t* wg = w + g * swg;
+    Y* yg = y + g * syg + m0 * sym;
+    switch (rows) {
+      case 1: group_rows<1, Y>(xg, sxm, wg, swn, swk, N, K, yg, sym); break;
+      case 2: group_rows<2, Y>(xg, sxm, wg, swn, swk, N, K, yg, sym); break;
+      case 3: group_rows<3, Y>(xg, sxm, wg, swn, swk, N, K, yg, sym); break;
+      default: group_rows<4, Y>(xg, sxm, wg, swn, swk, N, K, yg, sym); break;
+    }
   }
 }
 
@@ -162,6 +243,13 @@ void moeserve_skinny_gemm_bf16(const uint16_t* x, const uint16_t* w, int64_t M, 
 void moeserve_skinny_gemm_bf16_f32out(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, float* y,
                                       int num_threads) {
   dispatch<float>(x, w, M, N, K, y, num_threads);
+}
+
+// The batched form above: x [G, M, K], w [G, N, K] with K or N contiguous, y [G, M, N] bf16; strides in elements.
+void moeserve_batched_skinny_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* w, int64_t swg,
+                                       int64_t swn, int64_t swk, int64_t G, int64_t M, int64_t N, int64_t K,
+                                       uint16_t* y, int64_t syg, int64_t sym, int num_threads) {
+  batched<uint16_t>(x, sxg, sxm, w, swg, swn, swk, G, M, N, K, y, syg, sym, num_threads);
 }
 
 }

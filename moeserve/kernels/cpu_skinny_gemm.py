@@ -1,12 +1,20 @@
 """bf16 x W^T on the CPU for one to four rows (cpu_skinny_gemm.cpp): the decode batch's dense projections.
 
     cpu_skinny_gemm(x [..., K] bf16, w [N, K] bf16 contiguous) -> [..., N] bf16, summed in fp32
+    cpu_batched_skinny_gemm(x [G, M, K] bf16, w [G, N, K] bf16, out=None) -> [G, M, N] bf16: torch.bmm(x, w^T)
+        per group (MLA's absorbed decode: the query's rows through W_UK and W_UV per head)
 
 At one row torch's bf16 F.linear (oneDNN) pays its own fixed cost per call, about three times fp32's on the
 shared Xeon this was aimed at (issue 50); the kernel reads each weight row once for all rows, with AVX-512 BF16
 dot products in the amx build and fp32 fused multiply-adds in the avx512 and avx2 builds (kernels/cpu_isa.py).
 `takes(x, w)` says whether it runs a product: CPU bf16 tensors, 1 to MAX_ROWS rows, w contiguous, not under
 torch.compile (a traced row-count test would split the compiled forward by batch size).
+
+The batched form reads x, w and out through their strides (x and out with their last dimension contiguous, w with
+K or N contiguous: W_UK's per-head transpose is N-contiguous, W_UV K-contiguous), so the views MLA passes need no
+copies. torch's bf16 bmm there paid 30-49 us a call at one row on the tiny V3's heads (4 x [32, 512]) against the
+kernel's 10-13, and at 16 heads of V3's shapes 148 / 1,042 us (W_UK / W_UV) against 76 / 80; from 16 rows on
+torch's was faster (one thread of the 2-core EPYC VM, 2026-12-07): `batched_takes` takes 1 to MAX_ROWS rows.
 
 The C++ source is compiled on first use (moeserve/kernels/build.py); where that is impossible `takes` is False and
 callers keep F.linear.
@@ -61,8 +69,38 @@ def cpu_skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
+def batched_takes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether cpu_batched_skinny_gemm runs torch.bmm(x, w.transpose(1, 2)) (module docstring)."""
+    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
+        return False
+    return (x.dim() == 3 and w.dim() == 3 and 1 <= x.shape[1] <= MAX_ROWS and x.shape[0] == w.shape[0]
+            and x.shape[2] == w.shape[2]
+            and x.stride(2) == 1 and 1 in (w.stride(1), w.stride(2))
+            and (out is None or (out.dtype is torch.bfloat16 and out.shape == (x.shape[0], x.shape[1], w.shape[1])
+                                 and out.stride(2) == 1))
+            and not torch.compiler.is_compiling() and load() is not None)
+
+
+def cpu_batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [G, M, K] bf16, w [G, N, K] bf16 -> x w^T [G, M, N] bf16 (into out where given); check batched_takes()."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU skinny GEMM does not run here; check batched_takes()")
+    G, M, K = x.shape
+    N = w.shape[1]
+    y = x.new_empty(G, M, N) if out is None else out
+    if M and N:
+        lib.moeserve_batched_skinny_gemm_bf16(x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0),
+                                              w.stride(1), w.stride(2), G, M, N, K, y.data_ptr(), y.stride(0),
+                                              y.stride(1), torch.get_num_threads())
+    return y
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moeserve_batched_skinny_gemm_bf16.restype = None
+    lib.moeserve_batched_skinny_gemm_bf16.argtypes = [p, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, p, i64,
+                                                      i64, ctypes.c_int]
     lib.moeserve_skinny_gemm_bf16.restype = None
     lib.moeserve_skinny_gemm_bf16.argtypes = [p, p, i64, i64, i64, p, ctypes.c_int]
     lib.moeserve_skinny_dpbf16.restype = ctypes.c_int

@@ -19,7 +19,8 @@ W_UV at one row (3.1 against 3.4 us, 2.9 against 3.8) and lost or tied everywher
 
 On the CPU, bf16 products of 1 to 4 rows run the C++ kernel (kernels/cpu_skinny_gemm.py, built for the --cpu-isa
 picked at load): torch's bf16 F.linear pays a fixed cost per call there that a decode step's many small
-projections feel. Other CPU dtypes (float32) keep F.linear.
+projections feel; the batched form runs it for any row count (per-head weights are small). Other CPU dtypes
+(float32) keep F.linear and torch.bmm.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Module docstring: x [G, M, K], w [G, N, K] -> [G, M, N] (into out where given)."""
+    if cpu_skinny_gemm.batched_takes(x, w, out):
+        return cpu_skinny_gemm.cpu_batched_skinny_gemm(x, w, out)
     if (x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0] and 1 in (w.stride(1), w.stride(2))
             and x.shape[1] == 1 and w.numel() * w.element_size() <= MAX_BATCHED_BYTES
             and _takes_kernel(x, w, x.shape[1])):

@@ -161,6 +161,52 @@ def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("heads", "nope", "v", "r"), [(4, 32, 32, 512), (3, 24, 40, 72), (16, 128, 128, 512)])
+def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r):
+    """MLA's absorbed decode as the model calls it (models/deepseek.py): q_nope's per-head rows through W_UK's
+    transpose (N contiguous) into a fresh tensor, and the latent output's rows through W_UV (K contiguous) into
+    the strided [h, B, v] view of a [B, h, v] tensor; against float64 on the same bf16 values. Widths that are
+    and are not multiples of the vectors; V3's 128-wide heads on 16 of them (split over the threads)."""
+    gen = torch.Generator().manual_seed(rows * heads + r + len(isa))
+    kv_b = (torch.randn(heads * (nope + v), r, generator=gen) * r**-0.5).bfloat16()
+    w = kv_b.view(heads, nope + v, r)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_nope = torch.randn(rows, heads, nope + 16, generator=gen).bfloat16()[..., :nope]
+    x1, w1 = q_nope.transpose(0, 1), w_uk.transpose(1, 2)
+    assert w1.stride(1) == 1 and cpu_skinny_gemm.batched_takes(x1, w1)
+    got = skinny_gemm.batched_skinny_gemm(x1, w1)
+    assert got.dtype == torch.bfloat16 and got.shape == (heads, rows, r)
+    torch.testing.assert_close(got.double(), torch.bmm(x1.double(), w1.double().transpose(1, 2)), rtol=1.6e-2,
+                               atol=1e-2)
+    o_latent = torch.randn(rows, heads, r, generator=gen).bfloat16()
+    out = torch.full((rows, heads, v), float("nan"), dtype=torch.bfloat16)
+    x2 = o_latent.transpose(0, 1)
+    assert w_uv.stride(2) == 1 and cpu_skinny_gemm.batched_takes(x2, w_uv, out.transpose(0, 1))
+    skinny_gemm.batched_skinny_gemm(x2, w_uv, out=out.transpose(0, 1))
+    want = torch.bmm(x2.double(), w_uv.double().transpose(1, 2)).transpose(0, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_batched_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
+    """torch.bmm for 5 rows, float32, and a weight with neither K nor N contiguous; the kernel for 1-4 rows."""
+    calls = []
+    kernel = cpu_skinny_gemm.cpu_batched_skinny_gemm
+    monkeypatch.setattr(cpu_skinny_gemm, "cpu_batched_skinny_gemm",
+                        lambda x, w, out=None: calls.append(x.shape) or kernel(x, w, out))
+    gen = torch.Generator().manual_seed(len(isa))
+    w = (torch.randn(4, 48, 64, generator=gen) * 0.125).bfloat16()
+    for x in (torch.randn(4, 5, 64, generator=gen).bfloat16(), torch.randn(4, 2, 64, generator=gen)):
+        ww = w if x.dtype == torch.bfloat16 else w.float()
+        torch.testing.assert_close(skinny_gemm.batched_skinny_gemm(x, ww), torch.bmm(x, ww.transpose(1, 2)))
+    strided = torch.randn(4, 48, 128, generator=gen).bfloat16()[..., ::2]  # neither K nor N contiguous
+    x = torch.randn(4, 2, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(skinny_gemm.batched_skinny_gemm(x, strided), torch.bmm(x, strided.transpose(1, 2)))
+    assert calls == []
+    skinny_gemm.batched_skinny_gemm(x, w)
+    assert calls == [(4, 2, 64)]
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
 def test_only_the_amx_skinny_gemm_has_bf16_dot_products(isa):
     cpu_skinny_gemm.load()
