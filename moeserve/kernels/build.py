@@ -32,6 +32,7 @@ _lock = threading.Lock()
 # loaded it for this long: several trees on one machine keep their builds rather than delete each other's.
 STALE_BUILD_S = 14 * 24 * 3600
 _loaded: dict[tuple[Path, str], ctypes.CDLL | None] = {}
+_MISSING = object()
 
 
 def _flag_sets(isa: str) -> list[list[str]]:
@@ -45,6 +46,9 @@ def load_library(source: Path, bind: Callable[[ctypes.CDLL], ctypes.CDLL], fallb
     """The compiled library of `source` for the process's ISA (built on its first call), or None where it cannot
     be built."""
     isa = cpu_isa.current()
+    lib = _loaded.get((source, isa), _MISSING)  # asked on every kernel call: no lock once loaded
+    if lib is not _MISSING:
+        return lib
     with _lock:
         if (source, isa) not in _loaded:
             try:

@@ -14,14 +14,16 @@ may be strided views (q_rope is a slice of q, c_kv and k_rope of kv_a_proj's out
 must be dense.
 
 The Triton kernel (triton_ops/mla_rope_cache.py) runs on CUDA for float32/float16/bfloat16 caches: one program per
-token, no host synchronisation, so it is captured in CUDA graphs. `mla_rope_cache_reference` (the same
-signature) is today's sequence of torch ops and runs everywhere else (and under torch.compile).
+token, no host synchronisation, so it is captured in CUDA graphs. On the CPU in bf16 the C++ kernel
+(cpu_mla_rope_cache.py) does the same pass. `mla_rope_cache_reference` (the same signature) is the sequence of torch
+ops and runs everywhere else (and under torch.compile).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeserve.kernels import cpu_mla_rope_cache
 from moeserve.kernels.rms_norm import rms_norm_reference
 from moeserve.kernels.rotary import rotate
 from moeserve.kernels.triton_available import use_triton
@@ -42,7 +44,10 @@ def mla_rope_cache_reference(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: t
 def mla_rope_cache(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, norm_weight: torch.Tensor,
                    eps: float, rope: torch.Tensor, interleaved: bool, cache: torch.Tensor,
                    loc: torch.Tensor) -> torch.Tensor:
-    """Module docstring. Triton on CUDA, the reference elsewhere (and under torch.compile)."""
+    """Module docstring. Triton on CUDA, C++ on the CPU in bf16, the reference elsewhere (and under torch.compile)."""
+    if cpu_mla_rope_cache.takes(q_rope, c_kv, k_rope, norm_weight, rope, cache):
+        return cpu_mla_rope_cache.cpu_mla_rope_cache(q_rope, c_kv, k_rope, norm_weight, eps, rope, interleaved, cache,
+                                                     loc)
     if (use_triton(q_rope) and not torch.compiler.is_compiling() and cache.dtype in _CACHE_DTYPES
             and norm_weight.dtype == c_kv.dtype == k_rope.dtype and rope.dtype == torch.float32
             and q_rope.shape[0] > 0):

@@ -10,7 +10,8 @@ append=(first, n): n more columns, ids first .. first + n - 1 with weight 1 (the
 The variants are moeserve/layers/moe/router.py's (DeepSeek's names). `select_experts_reference` is the torch
 sequence (softmax or sigmoid, add, grouped top-2 sums, top-k of the groups, scatter, mask, top-k, gather, sums):
 5 kernels for a plain top-k of softmax scores, 15 for DeepSeek-V3's grouped gate. On CUDA the Triton kernel
-(triton_ops/moe_select.py) does all of it in one launch, one program per token. The k ids come in no particular
+(triton_ops/moe_select.py) does all of it in one launch, one program per token; on the CPU a C++ kernel does all but
+the scoring (cpu_moe_select.py). The k ids come in no particular
 order in either (the MoE sums over them); ties between equal scores may pick different experts.
 """
 
@@ -18,18 +19,26 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels import cpu_moe_select
 from moeserve.kernels.triton_available import use_triton
 
 MAX_EXPERTS = 1024  # the Triton kernel holds a token's scores in one block
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, **variant) -> tuple[torch.Tensor, torch.Tensor]:
-    """Module docstring; `variant`: select_experts_reference's keywords. Triton on CUDA, the reference elsewhere."""
+    """Module docstring; `variant`: select_experts_reference's keywords. Triton on CUDA, C++ on the CPU
+    (cpu_moe_select.py), the reference elsewhere and under torch.compile."""
     if (use_triton(router_logits) and router_logits.shape[0] > 0 and router_logits.shape[-1] <= MAX_EXPERTS
             and not torch.compiler.is_compiling()):
         from moeserve.kernels.triton_ops.moe_select import select_experts as triton_select_experts
 
         return triton_select_experts(router_logits, top_k, **variant)
+    if cpu_moe_select.takes(router_logits):
+        append = variant.pop("append", None)
+        ids, weights = cpu_moe_select.cpu_select_experts(router_logits, top_k, **variant)
+        if append is None:
+            return ids, weights
+        return append_slots(ids, weights, torch.arange(append[0], append[0] + append[1]))
     return select_experts_reference(router_logits, top_k, **variant)
 
 

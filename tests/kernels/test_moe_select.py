@@ -1,12 +1,13 @@
-"""The Triton expert selection against its torch reference: every gate variant, group limits, bias, renormalization
-and scaling, on fresh random logits of shapes that are not powers of two."""
+"""The Triton and the CPU (C++) expert selections against their torch reference: every gate variant, group limits,
+bias, renormalization and scaling, on fresh random logits of shapes that are not powers of two."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeserve.kernels.moe_select import select_experts_reference
+from moeserve.kernels import cpu_moe_select
+from moeserve.kernels.moe_select import select_experts, select_experts_reference
 
 VARIANTS = {
     "softmax top-k (Mixtral, V2-Lite)": dict(E=64, k=6),
@@ -84,3 +85,40 @@ def test_strided_logits(device):
 @pytest.mark.parametrize("name", ["softmax top-k (Mixtral, V2-Lite)", "V3 noaux_tc"])
 def test_select_many_tokens(name):
     test_select_matches_reference(name, 4099, "cuda")
+
+
+@pytest.mark.skipif(cpu_moe_select.load() is None, reason="no C++ compiler: the kernel cannot build")
+@pytest.mark.parametrize("T", [1, 6, 300])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cpu_select_matches_reference(name, T):
+    """select_experts on CPU tensors runs the C++ kernel (300 tokens: split over the threads); the ids the
+    reference's, the weights to an fp32 rounding (the renormalizing sum in another order)."""
+    v = dict(VARIANTS[name])
+    E, k, with_bias = v.pop("E"), v.pop("k"), v.pop("bias", False)
+    gen = torch.Generator().manual_seed(T * 1000 + E * 10 + k + 7)
+    logits = torch.randn(T, E, generator=gen) * 3
+    bias = torch.randn(E, generator=gen) * 0.5 if with_bias else None
+    assert cpu_moe_select.takes(logits)
+    ref_ids, ref_w = _sorted(*select_experts_reference(logits, k, correction_bias=bias, **v))
+    ids, w = select_experts(logits, k, correction_bias=bias, **v)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k)
+    ids, w = _sorted(ids, w)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(cpu_moe_select.load() is None, reason="no C++ compiler: the kernel cannot build")
+def test_cpu_select_appends_and_refuses_bad_variants():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 24, generator=gen)
+    ids, w = select_experts(logits, 3, scoring_func="sigmoid", topk_method="noaux_tc", n_group=3, topk_group=2,
+                            append=(24, 1))
+    assert torch.equal(ids[:, 3], torch.full((3,), 24)) and torch.equal(w[:, 3], torch.ones(3))
+    ref = _sorted(*select_experts_reference(logits, 3, scoring_func="sigmoid", topk_method="noaux_tc", n_group=3,
+                                            topk_group=2))
+    assert torch.equal(_sorted(ids[:, :3], w[:, :3])[0], ref[0])
+    for bad in (dict(scoring_func="tanh"), dict(topk_method="random"), dict(topk_method="noaux_tc", n_group=5)):
+        with pytest.raises(ValueError):
+            cpu_moe_select.cpu_select_experts(logits, 3, **bad)
+    with pytest.raises(ValueError):
+        cpu_moe_select.cpu_select_experts(logits, 25)

@@ -1,7 +1,7 @@
 """Every ISA build of the C++ CPU kernels (--cpu-isa amx, avx512, avx2; kernels/cpu_isa.py) against float64
 references, in bf16 and float32: the experts kernel on ragged loads with empty experts, the one-call MoE with
-tokens routed nowhere, MLA decode over the paged latent cache, the bf16 skinny GEMM of 1 to 4 rows. A path the CPU
-lacks is skipped, saying why."""
+tokens routed nowhere, MLA decode over the paged latent cache, the bf16 skinny GEMM of 1 to 4 rows and its batched
+form, MLA's latent write (norm, rotary, cache rows). A path the CPU lacks is skipped, saying why."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.args import ServerArgs
-from moeserve.kernels import build, cpu_experts, cpu_isa, cpu_mla_decode, cpu_skinny_gemm, skinny_gemm
+from moeserve.kernels import (build, cpu_experts, cpu_isa, cpu_mla_decode, cpu_mla_rope_cache, cpu_skinny_gemm,
+                              mla_rope_cache, skinny_gemm)
 from moeserve.layers.moe.experts import Experts
 
 pytestmark = pytest.mark.skipif(cpu_experts.load() is None, reason="no C++ compiler: the kernels cannot build")
@@ -205,6 +206,36 @@ def test_batched_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
     assert calls == []
     skinny_gemm.batched_skinny_gemm(x, w)
     assert calls == [(4, 2, 64)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("T", "H", "r", "R"), [(1, 4, 512, 64), (7, 6, 40, 24), (70, 16, 512, 64)])
+def test_mla_rope_cache_is_the_references(isa, T, H, r, R, interleaved):
+    """The C++ latent write in bf16 against kernels/mla_rope_cache.py's torch reference on the model's strided views
+    (q_rope a slice of q, c_kv and k_rope of one projection), scattered unordered slots and every other cache row
+    random: the rotations bit for bit, the norm to a bf16 rounding (its sum of squares in another order), rows
+    outside loc untouched. 70 tokens are split over the threads."""
+    gen = torch.Generator().manual_seed(T * 100 + H + r + interleaved + len(isa))
+    q = torch.randn(T, H, 24 + R, generator=gen).bfloat16()
+    kv = (3 * torch.randn(T, r + R, generator=gen)).bfloat16()
+    c_kv, k_rope = kv.split([r, R], dim=-1)
+    angles = torch.rand(T, R, generator=gen) * 6.3
+    rope = torch.stack((angles.cos(), angles.sin() * torch.where(torch.arange(R) % 2 == 0, -1.0, 1.0)), dim=1)
+    N = 3 * T + 11
+    args = dict(q_rope=q[..., 24:], c_kv=c_kv, k_rope=k_rope,
+                norm_weight=(1 + 0.1 * torch.randn(r, generator=gen)).bfloat16(), eps=1e-6, rope=rope,
+                interleaved=interleaved, loc=torch.randperm(N, generator=gen)[:T])
+    cache = torch.randn(N, r + R, generator=gen).bfloat16()
+    want_cache = cache.clone()
+    want_q = mla_rope_cache.mla_rope_cache_reference(**args, cache=want_cache)
+    assert cpu_mla_rope_cache.takes(args["q_rope"], c_kv, k_rope, args["norm_weight"], rope, cache)
+    got_q = mla_rope_cache.mla_rope_cache(**args, cache=cache)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache[:, r:], want_cache[:, r:])
+    torch.testing.assert_close(cache[:, :r], want_cache[:, :r], rtol=1.6e-2, atol=1e-5)
+    untouched = torch.ones(N, dtype=torch.bool)
+    untouched[args["loc"]] = False
+    assert torch.equal(cache[untouched], want_cache[untouched])
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
