@@ -37,10 +37,18 @@ constexpr int64_t kOneThreadElems = 1 << 16;  // below this many weight elements
 inline void put(float* y, int64_t i, float v) { y[i] = v; }
 inline void put(uint16_t* y, int64_t i, float v) { y[i] = to_bf16(v); }
 
-inline float hsum(f32v v) {
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline float hsum(f32v v) {  // halving: 16 -> 8 -> 4 lanes in vector adds, then 2 scalar levels
+#ifdef __AVX512F__
+  const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const f32x8 h = v;
+#endif
+  const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 // y[:M, n0:n0 + NC] from xf [M, K] fp32 (rows K apart) and w rows n0.. (bf16, ldw apart): M * NC vector
