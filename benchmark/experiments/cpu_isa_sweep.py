@@ -55,21 +55,23 @@ def kernels(rounds: int) -> dict:
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)])
         wts = torch.rand(T, TOPK, generator=gen)
         if packed is not None:
-            out[f"experts tiles T={T}"] = _median_us(lambda: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2, packed),
+            out[f"experts tiles T={T}"] = _median_us(lambda x=x, ids=ids, wts=wts: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2, packed),
                                                      200, rounds)
-        out[f"experts avx T={T}"] = _median_us(lambda: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2), 200, rounds)
+        out[f"experts avx T={T}"] = _median_us(
+            lambda x=x, ids=ids, wts=wts: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2), 200, rounds)
     cache = torch.randn(64 * ROWS + 8, LATENT, generator=gen).bfloat16()
     for B in (1, 16, 64):
         q = torch.randn(B, HEADS, LATENT, generator=gen).bfloat16()
         idx = torch.randperm(cache.shape[0], generator=gen)[:B * ROWS]
         indptr = torch.arange(B + 1) * ROWS
         out[f"mla_decode B={B}"] = _median_us(
-            lambda: cpu_mla_decode.mla_decode(q, cache, idx, indptr, V_DIM, 0.1), 200, rounds)
+            lambda q=q, idx=idx, indptr=indptr: cpu_mla_decode.mla_decode(q, cache, idx, indptr, V_DIM, 0.1), 200,
+            rounds)
     for name, (N, K) in {"kv_a (576, 256)": (576, 256), "gate_up (1024, 256)": (1024, 256),
                          "lm_head (1024, 256)": (1024, 256), "o_proj (256, 128)": (256, 128)}.items():
         w = (torch.randn(N, K, generator=gen) * K**-0.5).bfloat16()
         x = torch.randn(1, K, generator=gen).bfloat16()
-        out[f"skinny 1 row {name}"] = _median_us(lambda: cpu_skinny_gemm.cpu_skinny_gemm(x, w), 400, rounds)
+        out[f"skinny 1 row {name}"] = _median_us(lambda x=x, w=w: cpu_skinny_gemm.cpu_skinny_gemm(x, w), 400, rounds)
     return out
 
 

@@ -14,8 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.args import ServerArgs
-from moeserve.kernels import (build, cpu_experts, cpu_isa, cpu_mla_decode, cpu_mla_rope_cache, cpu_skinny_gemm,
-                              mla_rope_cache, skinny_gemm)
+from moeserve.kernels import (
+    build,
+    cpu_experts,
+    cpu_isa,
+    cpu_mla_decode,
+    cpu_mla_rope_cache,
+    cpu_skinny_gemm,
+    mla_rope_cache,
+    skinny_gemm,
+)
 from moeserve.layers.moe.experts import Experts
 
 pytestmark = pytest.mark.skipif(cpu_experts.load() is None, reason="no C++ compiler: the kernels cannot build")
