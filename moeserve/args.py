@@ -171,7 +171,8 @@ class ServerArgs:
     # --- CPU kernels ---
     cpu_isa: str = _flag(
         "auto", "Instruction set of moeserve's C++ CPU kernels: amx (AMX tiles for the bf16 experts, AVX-512 BF16), "
-        "avx512, avx2, or auto (the best this CPU has, logged at start). An ISA the CPU lacks is refused.",
+        "avx512bf16 (AVX-512 BF16 dot products, no AMX: AMD Zen 4 and later), avx512, avx2, or auto (the best this "
+        "CPU has, logged at start). An ISA the CPU lacks is refused.",
         cpu_isa.CHOICES)
 
     # hierarchical KV cache

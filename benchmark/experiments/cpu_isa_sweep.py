@@ -1,9 +1,10 @@
 """Where a CPU decode step goes, per kernel build (--cpu-isa) and thread count: the C++ kernels alone, then whole
 decode steps with each kernel call timed inside them.
 
-For each ISA the CPU runs (amx, avx512, avx2) and each --threads count, one subprocess (a process builds one ISA):
+For each ISA the CPU runs (amx, avx512bf16, avx512, avx2) and each --threads count, one subprocess (a process builds one ISA):
   kernels  the tiny V3's shapes (benchmarks/configs/deepseek-v3-tiny-kv512): the routed experts (`cpu_moe_local`,
-           16 experts, H 256, I 128, top-4; on AMX tiles and, in the amx build, its AVX path too) at 1 to 64 tokens;
+           16 experts, H 256, I 128, top-4; over packed weights and, in the amx and avx512bf16 builds, the unpacked
+           path too) at 1 to 64 tokens;
            MLA decode (4 heads, latent 576, 48 rows per request) at batch 1 to 64; the skinny GEMM at one row.
            Median over rounds of many calls, us per call.
   steps    `bench one-batch`'s rounds (16-token prompts, --output-len new tokens, bf16 dummy weights) at batch 1,
@@ -55,7 +56,7 @@ def kernels(rounds: int) -> dict:
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)])
         wts = torch.rand(T, TOPK, generator=gen)
         if packed is not None:
-            out[f"experts tiles T={T}"] = _median_us(lambda x=x, ids=ids, wts=wts: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2, packed),
+            out[f"experts packed T={T}"] = _median_us(lambda x=x, ids=ids, wts=wts: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2, packed),
                                                      200, rounds)
         out[f"experts avx T={T}"] = _median_us(
             lambda x=x, ids=ids, wts=wts: cpu_experts.cpu_moe_local(x, ids, wts, w13, w2), 200, rounds)
@@ -173,7 +174,7 @@ def main() -> None:
         if not rows:
             continue
         print(f"\n{threads} thread(s): " + " | ".join(r["isa"] for r in rows))
-        for key in rows[0]["kernels"]:
+        for key in dict.fromkeys(k for r in rows for k in r["kernels"]):
             print(f"  {key:32s} " + " ".join(f"{r['kernels'].get(key, float('nan')):9.1f}" for r in rows) + " us")
         for bs in rows[0].get("steps", {}):
             for key in rows[0]["steps"][bs]:

@@ -11,8 +11,9 @@
 // tile (12 chains, 8 loads per 12 FMAs: AVX2's 16 registers all used) read the weights a third fewer times than
 // 4 did: at 16 rows per expert (a batch of 64 with top-4 of 16 experts) 15% faster on the 2-core AMD VM.
 //
-// bf16 on AMX (the amx build, kernels/cpu_isa.py): both GEMMs on tiles, x and the activation rounded to bf16,
-// sums in fp32, over weights packed at load into the tiles' VNNI layout (see `amx` below).
+// bf16 with AVX-512 BF16 (the amx and avx512bf16 builds, kernels/cpu_isa.py): both GEMMs as bf16 dot products, or
+// on AMX tiles in the amx build, x and the activation rounded to bf16, sums in fp32, over weights packed at load
+// into the VNNI layout (see `packed` below).
 //
 // Plain C++ (GCC/Clang vector extensions, AMX intrinsics under #if) and OpenMP, no torch headers:
 // moeserve/kernels/build.py compiles it on first use for the process's ISA, and moeserve/kernels/cpu_experts.py
@@ -27,9 +28,11 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MOESERVE_AMX 1
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#ifdef __AVX512BF16__
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -215,20 +218,82 @@ int moe_local(const float* x, const int64_t* topk_ids, const float* topk_weights
   return 0;
 }
 
-#ifdef MOESERVE_AMX
+#ifdef __AVX512BF16__
 // ---------------------------------------------------------------------------------------------------------------
-// AMX: a tile is 16 rows of 64 bytes. C (fp32) is 16 rows x 16 columns; A (bf16) 16 rows x 32 of K; B (bf16)
-// 16 rows of K pairs x 16 columns x the pair: B[k / 2][n][k % 2], the VNNI layout. The weights are packed at
-// load (cpu_experts.pack) as column blocks of 16, each block's whole K contiguous: w13p [E, 2I / 16, H / 2, 16,
-// 2] and w2p [E, H / 16, I / 2, 16, 2], so that a B tile is 16 consecutive 64-byte rows and a block streams.
-// A work item keeps four C tiles (64 output columns; for gate/up, 32 of gate and the same 32 of up, so that
-// SiLU·mul happens on the tiles' results) and walks K, loading each A tile once for the four products.
-// Tiles: 0-3 C, 4 A, 5-6 B. Needs H and I multiples of 32 (cpu_experts.pack checks).
+// bf16 over packed weights (the amx and avx512bf16 builds). The weights are packed at load (cpu_experts.pack) in
+// the VNNI layout, as column blocks of 16, each block's whole K contiguous: w13p [E, 2I / 16, H / 2, 16, 2] and
+// w2p [E, H / 16, I / 2, 16, 2] (B[k / 2][n][k % 2]): a block's step of two K is one 64-byte vector. x and the
+// activation are rounded to bf16 (as torch's bf16 path rounds them), sums in fp32. A work item computes four blocks
+// (64 output columns; for gate/up, 32 of gate and the same 32 of up, so that SiLU·mul happens on the results) for
+// its expert's rows, a few rows at a time:
+//   dot products (vdpbf16ps): per step of two K, each row's pair broadcast against the blocks' vectors, up to 6
+//                             rows x 4 blocks of accumulators in registers;
+//   AMX tiles (the amx build): 16 rows a tile, C 16 x 16 fp32, A 16 rows x 32 K, B a block's 32 K; for segments of
+//                             at least `tile_from` rows left (the caller's choice: a tile computes 16 rows whatever
+//                             the count, and each thread configures its tiles per call).
+// Needs H and I multiples of 32 (cpu_experts.pack checks).
+namespace packed {
+
+constexpr int kBlock = 16;     // output columns of one packed block
+constexpr int kSlackRows = 16;  // rows past the last segment that a tile may read (and whose results it drops)
+constexpr int kDotRows = 6;     // rows of one dot-product pass, at most
+
+// n floats (a multiple of 16) -> bf16.
+inline void row_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    std::memcpy(dst + i, &v, sizeof v);
+  }
+}
+
+// c[R, 16 NB] (ldc floats) = a[R, K] (rows lda bf16 elements apart) · the NB packed blocks b[j] ([K / 2, 16, 2]).
+template <int R, int NB>
+inline void dot_blocks(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c, int64_t ldc) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(b[j] + k2 * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * k2, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * kBlock, acc[r][j]);
+}
+
+template <int NB>
+inline void dot_rows(int R, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
+                     int64_t ldc) {
+  switch (R) {
+    case 6: dot_blocks<6, NB>(a, lda, b, K, c, ldc); break;
+    case 5: dot_blocks<5, NB>(a, lda, b, K, c, ldc); break;
+    case 4: dot_blocks<4, NB>(a, lda, b, K, c, ldc); break;
+    case 3: dot_blocks<3, NB>(a, lda, b, K, c, ldc); break;
+    case 2: dot_blocks<2, NB>(a, lda, b, K, c, ldc); break;
+    default: dot_blocks<1, NB>(a, lda, b, K, c, ldc); break;
+  }
+}
+
+inline void dot(int R, int nb, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
+                int64_t ldc) {
+  switch (nb) {
+    case 4: dot_rows<4>(R, a, lda, b, K, c, ldc); break;
+    case 3: dot_rows<3>(R, a, lda, b, K, c, ldc); break;
+    case 2: dot_rows<2>(R, a, lda, b, K, c, ldc); break;
+    default: dot_rows<1>(R, a, lda, b, K, c, ldc); break;
+  }
+}
+
+#ifdef MOESERVE_AMX
 namespace amx {
 
 constexpr int kTileRows = 16;
-constexpr int kTileK = 32;   // bf16 along K in one A tile
-constexpr int kBlock = 16;   // output columns of one C tile / packed block
+constexpr int kTileK = 32;  // bf16 along K in one A tile
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -242,7 +307,7 @@ bool enable() {  // Linux gives a process the tile state only when asked (ARCH_R
   return ok;
 }
 
-void configure() {
+void configure() {  // tiles 0-3 C, 4 A, 5-6 B
   TileConfig c;
   for (int t = 0; t < 7; ++t) {
     c.rows[t] = kTileRows;
@@ -251,17 +316,9 @@ void configure() {
   _tile_loadconfig(&c);
 }
 
-// n floats (a multiple of 16) -> bf16.
-inline void row_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-    std::memcpy(dst + i, &v, sizeof v);
-  }
-}
-
-// c[16, 16 NB] (ldc floats) = a[16, K] (lda bf16 elements apart) · the NB packed column blocks b[j] ([K/2, 16, 2]).
+// c[16, 16 NB] (ldc floats) = a[16, K] · the NB packed blocks b[j]; each A tile loaded once for the NB products.
 template <int NB>
-inline void matmul_tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c, int64_t ldc) {
+inline void tile_blocks(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c, int64_t ldc) {
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (NB > 2) _tile_zero(2);
@@ -289,29 +346,58 @@ inline void matmul_tiles(const uint16_t* a, int64_t lda, const uint16_t* const* 
   if (NB > 3) _tile_stored(3, c + 3 * kBlock, ldc * 4);
 }
 
-inline void matmul_blocks(int nb, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
-                          int64_t ldc) {
+inline void tiles(int nb, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
+                  int64_t ldc) {
   switch (nb) {
-    case 4: matmul_tiles<4>(a, lda, b, K, c, ldc); break;
-    case 3: matmul_tiles<3>(a, lda, b, K, c, ldc); break;
-    case 2: matmul_tiles<2>(a, lda, b, K, c, ldc); break;
-    default: matmul_tiles<1>(a, lda, b, K, c, ldc); break;
+    case 4: tile_blocks<4>(a, lda, b, K, c, ldc); break;
+    case 3: tile_blocks<3>(a, lda, b, K, c, ldc); break;
+    case 2: tile_blocks<2>(a, lda, b, K, c, ldc); break;
+    default: tile_blocks<1>(a, lda, b, K, c, ldc); break;
   }
 }
 
-// The experts over grouped bf16 rows xs [M + 16, H] (16 rows of slack: a tile reads 16 rows from a segment's
-// start whatever its count; rows are independent, so the extra rows' results are dropped). act [M + 16, I]
-// bf16 scratch; out [M, H] fp32, the valid rows of each segment.
+}  // namespace amx
+#endif
+
+// Rows [r0, r0 + step) of a segment of `count` rows: tiles (16 rows, the valid ones kept) where the build has them
+// and at least tile_from rows are left, else dot products over up to kDotRows rows. Returns step.
+inline int64_t product(int64_t count, int64_t r0, int64_t tile_from, int nb, const uint16_t* a, int64_t lda,
+                       const uint16_t* const* b, int64_t K, float* c, int64_t ldc) {
+  const int64_t left = count - r0;
+#ifdef MOESERVE_AMX
+  if (left >= tile_from) {
+    amx::tiles(nb, a, lda, b, K, c, ldc);
+    return left < amx::kTileRows ? left : amx::kTileRows;
+  }
+#else
+  (void)tile_from;
+#endif
+  const int R = static_cast<int>(left < kDotRows ? left : kDotRows);
+  dot(R, nb, a, lda, b, K, c, ldc);
+  return R;
+}
+
+// The experts over grouped bf16 rows xs [M + kSlackRows, H]; act [M + kSlackRows, I] bf16 scratch; out [M, H] fp32,
+// the valid rows of each segment. tile_from: as `product`'s (the amx build; ignored by the others).
 void experts(const uint16_t* xs, const uint16_t* w13p, const uint16_t* w2p, const int32_t* offsets,
-             const int32_t* counts, int64_t E, int64_t H, int64_t I, uint16_t* act, float* out, int num_threads) {
+             const int32_t* counts, int64_t E, int64_t H, int64_t I, uint16_t* act, float* out, int64_t tile_from,
+             int num_threads) {
   const std::vector<Item> up = items(offsets, counts, E, I, 2 * kBlock);  // 32 columns of gate and of up
   const std::vector<Item> down = items(offsets, counts, E, H, 4 * kBlock);
   const int64_t n_up = static_cast<int64_t>(up.size()), n_down = static_cast<int64_t>(down.size());
   const int64_t block13 = H * kBlock, block2 = I * kBlock;  // elements of one packed column block
+  constexpr int64_t kRowsMax = 16;  // rows of one product, at most (a tile's)
+#ifdef MOESERVE_AMX
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = counts[e] > most ? counts[e] : most;
+  const bool tiles = most >= tile_from;  // threads configure tiles only where some segment runs on them
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
-    configure();
-    alignas(64) float c[kTileRows * 4 * kBlock];
+#ifdef MOESERVE_AMX
+    if (tiles) amx::configure();
+#endif
+    alignas(64) float c[kRowsMax * 4 * kBlock];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_up; ++i) {
       const Item& it = up[i];
@@ -319,14 +405,14 @@ void experts(const uint16_t* xs, const uint16_t* w13p, const uint16_t* w2p, cons
       const int64_t j = it.c0 / kBlock;
       const uint16_t* b[4] = {w + j * block13, w + (j + 1) * block13, w + (I / kBlock + j) * block13,
                               w + (I / kBlock + j + 1) * block13};
-      for (int64_t r0 = 0; r0 < it.count; r0 += kTileRows) {
-        matmul_tiles<4>(xs + (it.first + r0) * H, H, b, H, c, 4 * kBlock);
-        const int64_t R = it.count - r0 < kTileRows ? it.count - r0 : kTileRows;
+      for (int64_t r0 = 0; r0 < it.count;) {
+        const int64_t R = product(it.count, r0, tile_from, 4, xs + (it.first + r0) * H, H, b, H, c, 4 * kBlock);
         for (int64_t r = 0; r < R; ++r) {
           const float* g = c + r * 4 * kBlock;
           uint16_t* a = act + (it.first + r0 + r) * I + it.c0;
           for (int cc = 0; cc < 2 * kBlock; ++cc) a[cc] = to_bf16(silu(g[cc]) * g[2 * kBlock + cc]);
         }
+        r0 += R;
       }
     }
 #pragma omp for schedule(dynamic, 1)
@@ -336,18 +422,20 @@ void experts(const uint16_t* xs, const uint16_t* w13p, const uint16_t* w2p, cons
       const int nb = static_cast<int>((it.c1 - it.c0) / kBlock);
       const uint16_t* b[4];
       for (int q = 0; q < nb; ++q) b[q] = w + (it.c0 / kBlock + q) * block2;
-      for (int64_t r0 = 0; r0 < it.count; r0 += kTileRows) {
-        matmul_blocks(nb, act + (it.first + r0) * I, I, b, I, c, 4 * kBlock);
-        const int64_t R = it.count - r0 < kTileRows ? it.count - r0 : kTileRows;
+      for (int64_t r0 = 0; r0 < it.count;) {
+        const int64_t R = product(it.count, r0, tile_from, nb, act + (it.first + r0) * I, I, b, I, c, 4 * kBlock);
         for (int64_t r = 0; r < R; ++r)
           std::memcpy(out + (it.first + r0 + r) * H + it.c0, c + r * 4 * kBlock, (it.c1 - it.c0) * sizeof(float));
+        r0 += R;
       }
     }
-    _tile_release();
+#ifdef MOESERVE_AMX
+    if (tiles) _tile_release();
+#endif
   }
 }
 
-}  // namespace amx
+}  // namespace packed
 #endif
 
 }  // namespace
@@ -387,37 +475,53 @@ int moeserve_moe_local_bf16(const float* x, const int64_t* topk_ids, const float
                              num_threads);
 }
 
-// 1 where this build has the AMX kernels below and the process got the tile state, else 0.
-int moeserve_experts_amx_available() {
-#ifdef MOESERVE_AMX
-  return amx::enable() ? 1 : 0;
+// 1 where this build has the packed-weight kernels below (the avx512bf16 build; the amx build where the process got
+// the tile state), else 0.
+int moeserve_experts_packed_available() {
+#if defined(MOESERVE_AMX)
+  return packed::amx::enable() ? 1 : 0;
+#elif defined(__AVX512BF16__)
+  return 1;
 #else
   return 0;
 #endif
 }
 
+// 1 where the packed-weight kernels can run segments on AMX tiles (the amx build), else 0.
+int moeserve_experts_tiles() {
 #ifdef MOESERVE_AMX
-// The bf16 AMX forms of the two entry points above: x fp32 (rounded to bf16 here); w13p [E, 2I / 16, H / 2, 16, 2]
-// and w2p [E, H / 16, I / 2, 16, 2] bf16 (cpu_experts.pack); H and I multiples of 32. moeserve_experts_amx takes
-// no act scratch; moeserve_moe_local_amx's scratch is [T * k * H] fp32.
-void moeserve_experts_amx(const float* x, const uint16_t* w13p, const uint16_t* w2p, const int32_t* offsets,
-                          const int32_t* counts, int64_t E, int64_t H, int64_t I, float* out, int num_threads) {
-  const int64_t M = offsets[E];
-  std::vector<uint16_t> xs((M + amx::kTileRows) * H, 0), act((M + amx::kTileRows) * I, 0);
-  for (int64_t r = 0; r < M; ++r) amx::row_to_bf16(x + r * H, xs.data() + r * H, H);
-  amx::experts(xs.data(), w13p, w2p, offsets, counts, E, H, I, act.data(), out, num_threads);
+  return 1;
+#else
+  return 0;
+#endif
 }
 
-int moeserve_moe_local_amx(const float* x, const int64_t* topk_ids, const float* topk_weights, int64_t T, int64_t k,
-                           const uint16_t* w13p, const uint16_t* w2p, int64_t E, int64_t H, int64_t I,
-                           float* scratch, float* out, int64_t* expert_counts, int num_threads) {
+#ifdef __AVX512BF16__
+// The bf16 packed-weight forms of the two entry points above: x fp32 (rounded to bf16 here); w13p [E, 2I / 16, H / 2,
+// 16, 2] and w2p [E, H / 16, I / 2, 16, 2] bf16 (cpu_experts.pack); H and I multiples of 32; tile_from: segments
+// with at least this many rows left run on AMX tiles in the amx build. moeserve_experts_packed takes no act
+// scratch; moeserve_moe_local_packed's scratch is [T * k * H] fp32.
+void moeserve_experts_packed(const float* x, const uint16_t* w13p, const uint16_t* w2p, const int32_t* offsets,
+                             const int32_t* counts, int64_t E, int64_t H, int64_t I, float* out, int64_t tile_from,
+                             int num_threads) {
+  const int64_t M = offsets[E];
+  std::vector<uint16_t> xs((M + packed::kSlackRows) * H, 0), act((M + packed::kSlackRows) * I, 0);
+  for (int64_t r = 0; r < M; ++r) packed::row_to_bf16(x + r * H, xs.data() + r * H, H);
+  packed::experts(xs.data(), w13p, w2p, offsets, counts, E, H, I, act.data(), out, tile_from, num_threads);
+}
+
+int moeserve_moe_local_packed(const float* x, const int64_t* topk_ids, const float* topk_weights, int64_t T,
+                              int64_t k, const uint16_t* w13p, const uint16_t* w2p, int64_t E, int64_t H, int64_t I,
+                              float* scratch, float* out, int64_t* expert_counts, int64_t tile_from,
+                              int num_threads) {
   const int64_t P = T * k;
   Grouping g;
   if (!group_pairs(topk_ids, P, E, expert_counts, g)) return -1;
-  std::vector<uint16_t> xs((P + amx::kTileRows) * H, 0), act((P + amx::kTileRows) * I, 0);
-  for (int64_t p = 0; p < P; ++p) amx::row_to_bf16(x + (p / k) * H, xs.data() + g.row_of[p] * H, H);
+  std::vector<uint16_t> xs((P + packed::kSlackRows) * H, 0), act((P + packed::kSlackRows) * I, 0);
+  for (int64_t p = 0; p < P; ++p) packed::row_to_bf16(x + (p / k) * H, xs.data() + g.row_of[p] * H, H);
   float* ys = scratch;  // [P, H] the experts' outputs
-  amx::experts(xs.data(), w13p, w2p, g.offsets.data(), g.counts.data(), E, H, I, act.data(), ys, num_threads);
+  packed::experts(xs.data(), w13p, w2p, g.offsets.data(), g.counts.data(), E, H, I, act.data(), ys, tile_from,
+                  num_threads);
   combine(ys, g.row_of.data(), topk_weights, T, k, H, out, num_threads);
   return 0;
 }

@@ -13,9 +13,11 @@ stream it and it stays in cache across the row blocks) is not done: the rebalanc
 slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
 the kernel is about 20% of a decode step (benchmark/results/, 2026-12-01); tiles of up to 6 rows took some of it.
 
-bf16 on AMX (--cpu-isa amx, kernels/cpu_isa.py): `pack(w13, w2)` gives the weights in the tiles' VNNI layout (a
-copy made at load beside the transposed weights, and again when an EPLB swap rewrites slots); both functions take
-it as `packed` and run both GEMMs on tiles, x and the activation rounded to bf16 as torch's bf16 path rounds them.
+bf16 with AVX-512 BF16 (--cpu-isa amx or avx512bf16, kernels/cpu_isa.py): `pack(w13, w2)` gives the weights in the
+VNNI layout (a copy made at load beside the transposed weights, and again when an EPLB swap rewrites slots); both
+functions take it as `packed` and run both GEMMs as bf16 dot products, or on AMX tiles in the amx build for an
+expert's rows where at least TILE_FROM_ROWS are left, x and the activation rounded to bf16 as torch's bf16 path
+rounds them.
 torch's bf16 path does use AMX (oneDNN's brg_matmul:avx10_1_512_amx, ONEDNN_VERBOSE=1) but pays a call per
 expert and matrix: the tiny V3's layer (16 experts, H 256, I 128) at 16 rows per expert took 3.3 ms as per-expert
 F.linear against 0.54 ms here (1.95 ms on the AVX path), one thread of the shared 2-core Xeon, 2026-12-06.
@@ -32,13 +34,15 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels import cpu_isa
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.build import load_library
 from moeserve.kernels.grouped_gemm import grouped_gemm
 
 SOURCE = Path(__file__).with_name("cpu_experts.cpp")
 MAX_ROWS_PER_EXPERT = 32  # measured crossover with MKL's grouped GEMM is 32-64 rows per expert (2 AVX2 cores)
+# The amx build runs an expert's rows on AMX tiles (16 rows a tile, whatever the count) where at least this many are
+# left, else as AVX-512 BF16 dot products (6 rows at a time). NOTE: not yet tuned on an AMX machine.
+TILE_FROM_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -51,19 +55,20 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and load() is not None
 
 
-def amx_runs() -> bool:
-    """True where the process's kernels are the amx build and the CPU gave this process its tiles."""
+def packed_runs() -> bool:
+    """True where the process's kernels run bf16 experts over packed weights: the avx512bf16 build, or the amx build
+    where the CPU gave this process its tiles."""
     lib = load()
-    return lib is not None and cpu_isa.current() == "amx" and bool(lib.moeserve_experts_amx_available())
+    return lib is not None and bool(lib.moeserve_experts_packed_available())
 
 
 def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """bf16 w13 [E, 2I, H] and w2 [E, H, I] -> their AMX packing (w13p [E, 2I/16, H/2, 16, 2], w2p [E, H/16, I/2,
-    16, 2]: 16-column blocks, bf16 pairs along K interleaved), or None where AMX does not run them (not bf16, H or I
-    not a multiple of 32, no AMX)."""
+    16, 2]: 16-column blocks, bf16 pairs along K interleaved), or None where the packed kernels do not run them (not
+    bf16, H or I not a multiple of 32, a build without AVX-512 BF16)."""
     E, I2, H = w13.shape
     inter = I2 // 2
-    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or H % 32 or inter % 32 or not amx_runs():
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16 or H % 32 or inter % 32 or not packed_runs():
         return None
     w13p = w13.reshape(E, I2 // 16, 16, H // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
     w2p = w2.reshape(E, H // 16, 16, inter // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
@@ -87,7 +92,7 @@ Packed = tuple[torch.Tensor, torch.Tensor]  # pack's (w13p, w2p)
 def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                 counts: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H], w2 [E, H, I] stored transposed; offsets [E + 1], counts [E] -> [M, H] in x's dtype.
-    packed: pack(w13, w2), to run on AMX tiles.
+    packed: pack(w13, w2), to run as bf16 dot products or on AMX tiles.
 
     Rows offsets[e] .. offsets[e] + counts[e] get W2_e (silu(W1_e x) * W3_e x); other rows are unspecified.
     """
@@ -105,8 +110,8 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
     out = xf.new_empty(M, H)
     threads = torch.get_num_threads()
     if packed is not None:
-        lib.moeserve_experts_amx(xf.data_ptr(), packed[0].data_ptr(), packed[1].data_ptr(), offsets.data_ptr(),
-                                 counts.data_ptr(), E, H, I2 // 2, out.data_ptr(), threads)
+        lib.moeserve_experts_packed(xf.data_ptr(), packed[0].data_ptr(), packed[1].data_ptr(), offsets.data_ptr(),
+                                    counts.data_ptr(), E, H, I2 // 2, out.data_ptr(), TILE_FROM_ROWS, threads)
     else:
         act = xf.new_empty(M, I2 // 2)
         fn = lib.moeserve_experts_f32 if w13.dtype == torch.float32 else lib.moeserve_experts_bf16
@@ -135,12 +140,13 @@ def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     out = xf.new_empty(T, H)
     counts = ids.new_empty(E)
     if packed is not None:
-        fn, w_a, w_b, scratch = lib.moeserve_moe_local_amx, packed[0], packed[1], xf.new_empty(T * k * H)
+        fn, w_a, w_b, scratch = lib.moeserve_moe_local_packed, packed[0], packed[1], xf.new_empty(T * k * H)
     else:
         fn = lib.moeserve_moe_local_f32 if w13.dtype == torch.float32 else lib.moeserve_moe_local_bf16
         w_a, w_b, scratch = w13t, w2t, xf.new_empty(T * k * (2 * H + I2 // 2))
-    rc = fn(xf.data_ptr(), ids.data_ptr(), weights.data_ptr(), T, k, w_a.data_ptr(), w_b.data_ptr(), E, H,
-            I2 // 2, scratch.data_ptr(), out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    args = [xf.data_ptr(), ids.data_ptr(), weights.data_ptr(), T, k, w_a.data_ptr(), w_b.data_ptr(), E, H, I2 // 2,
+            scratch.data_ptr(), out.data_ptr(), counts.data_ptr()]
+    rc = fn(*args, *([TILE_FROM_ROWS] if packed is not None else []), torch.get_num_threads())
     if rc:
         raise ValueError(f"cpu_moe_local: an expert id outside [0, {E}) in topk_ids")
     return (out if x.dtype == torch.float32 else out.to(x.dtype)), counts
@@ -183,11 +189,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.moeserve_moe_local_f32, lib.moeserve_moe_local_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
-    lib.moeserve_experts_amx_available.restype = ctypes.c_int
-    lib.moeserve_experts_amx_available.argtypes = []
-    if lib.moeserve_experts_amx_available():  # the amx build: its entry points exist
-        lib.moeserve_experts_amx.restype = None
-        lib.moeserve_experts_amx.argtypes = [p, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
-        lib.moeserve_moe_local_amx.restype = ctypes.c_int
-        lib.moeserve_moe_local_amx.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
+    for fn in (lib.moeserve_experts_packed_available, lib.moeserve_experts_tiles):
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+    if lib.moeserve_experts_packed_available():  # the avx512bf16 and amx builds: their entry points exist
+        lib.moeserve_experts_packed.restype = None
+        lib.moeserve_experts_packed.argtypes = [p, p, p, p, p, i64, i64, i64, p, i64, ctypes.c_int]
+        lib.moeserve_moe_local_packed.restype = ctypes.c_int
+        lib.moeserve_moe_local_packed.argtypes = [p, p, p, i64, i64, p, p, i64, i64, i64, p, p, p, i64, ctypes.c_int]
     return lib

@@ -1,7 +1,9 @@
 """Which instruction set moeserve's C++ CPU kernels are compiled for (--cpu-isa), picked once per process.
 
-    amx      AMX tiles (bf16) and AVX-512 BF16: the bf16 experts on tiles, bf16 dot products in MLA decode
-    avx512   AVX-512 (F, BW, VL, DQ)
+    amx         AMX tiles (bf16) and AVX-512 BF16: the bf16 experts on tiles or as bf16 dot products, bf16 dot
+                products in MLA decode and the skinny GEMMs
+    avx512bf16  AVX-512 BF16 without AMX (AMD Zen 4 and later, Intel Cooper Lake): the same bf16 dot products
+    avx512      AVX-512 (F, BW, VL, DQ)
     avx2     AVX2 and FMA
     native   not x86: -march=native, the portable code only
 
@@ -22,17 +24,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ISAS = ("amx", "avx512", "avx2")  # best first
+ISAS = ("amx", "avx512bf16", "avx512", "avx2")  # best first
 CHOICES = ("auto", *ISAS)  # --cpu-isa
 # What each ISA needs from the CPU (cpuinfo flag names), and how it is compiled: a -march level of that ISA
 # without the host's extras, so that a forced avx2 build holds no AVX-512 instruction; tuned for the host.
 _NEEDS = {
     "amx": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"),
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx2": ("avx2", "fma", "f16c"),
 }
 _FLAGS = {
     "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=native"],
+    "avx512bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
     "avx2": ["-march=x86-64-v3", "-mtune=native"],
     "native": ["-march=native"],
@@ -103,5 +107,6 @@ def compile_flags(isa: str) -> list[str]:
 
 
 def _label(isa: str) -> str:
-    return {"amx": "amx-bf16 (AMX tiles, AVX-512 BF16)", "avx512": "avx512", "avx2": "avx2 + fma",
+    return {"amx": "amx-bf16 (AMX tiles, AVX-512 BF16)", "avx512bf16": "avx512-bf16 (AVX-512 BF16, no AMX)",
+            "avx512": "avx512", "avx2": "avx2 + fma",
             "native": f"-march=native ({platform.machine()})"}[isa]

@@ -10,7 +10,7 @@
 // L2: 2.3 KB each for DeepSeek's 576-wide latent) and adds it, times each head's probability, to the heads'
 // outputs, which stay in L1 ([h, Dv] floats, 8 KB for 4 heads of 512).
 //
-// A bf16 cache on a CPU with AVX-512 BF16 (the amx build, kernels/cpu_isa.py) scores with bf16 dot products
+// A bf16 cache on a CPU with AVX-512 BF16 (the amx and avx512bf16 builds, kernels/cpu_isa.py) scores with bf16 dot products
 // (vdpbf16ps: 32 products a step, no conversion of the row), q rounded to bf16 as torch's bf16 path has it.
 //
 // Plain C++ (GCC/Clang vector extensions, AVX-512 BF16 intrinsics under #if) and OpenMP, no torch headers:

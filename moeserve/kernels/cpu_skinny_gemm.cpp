@@ -8,7 +8,7 @@
 // Columns are split over the OpenMP threads in blocks of kCols; one thread runs a weight too small to pay for
 // waking the others.
 //
-// A CPU with AVX-512 BF16 (the amx build, kernels/cpu_isa.py) multiplies with bf16 dot products (vdpbf16ps: 32
+// A CPU with AVX-512 BF16 (the amx and avx512bf16 builds, kernels/cpu_isa.py) multiplies with bf16 dot products (vdpbf16ps: 32
 // products a step, no conversion of either operand); the avx512 and avx2 builds widen the weight to fp32 in
 // registers (a shift) and use fused multiply-adds, x widened once before the loop.
 //

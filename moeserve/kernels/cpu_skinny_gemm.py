@@ -6,7 +6,8 @@
 
 At one row torch's bf16 F.linear (oneDNN) pays its own fixed cost per call, about three times fp32's on the
 shared Xeon this was aimed at (issue 50); the kernel reads each weight row once for all rows, with AVX-512 BF16
-dot products in the amx build and fp32 fused multiply-adds in the avx512 and avx2 builds (kernels/cpu_isa.py).
+dot products in the amx and avx512bf16 builds and fp32 fused multiply-adds in the avx512 and avx2 builds
+(kernels/cpu_isa.py).
 `takes(x, w)` says whether it runs a product: CPU bf16 tensors, 1 to MAX_ROWS rows, w contiguous, not under
 torch.compile (a traced row-count test would split the compiled forward by batch size).
 
@@ -39,7 +40,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def uses_dpbf16() -> bool:
-    """True where the loaded build multiplies with AVX-512 BF16 dot products (the amx build)."""
+    """True where the loaded build multiplies with AVX-512 BF16 dot products (the amx and
+    avx512bf16 builds)."""
     lib = load()
     return lib is not None and bool(lib.moeserve_skinny_dpbf16())
 

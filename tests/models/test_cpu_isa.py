@@ -40,6 +40,9 @@ def isa(request):
     cpu_isa.select(before)
 
 
+BF16_DOT = ("amx", "avx512bf16")  # the builds with AVX-512 BF16: packed bf16 experts, bf16 dot products
+
+
 def _weights(gen, E, H, inter, dtype):
     """w13 [E, 2I, H], w2 [E, H, I] stored transposed (as Experts keeps them on the CPU), unit output scale."""
     w13 = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(dtype)
@@ -72,11 +75,32 @@ def test_experts_on_ragged_loads(isa, dtype, seed):
     offsets[1:] = counts.cumsum(0)
     x = torch.randn(int(offsets[-1]), H, generator=gen).to(dtype)
     packed = cpu_experts.pack(w13, w2)
-    assert (packed is not None) == (isa == "amx" and dtype == torch.bfloat16 and H % 32 == 0 and inter % 32 == 0)
+    assert (packed is not None) == (isa in BF16_DOT and dtype == torch.bfloat16 and H % 32 == 0 and inter % 32 == 0)
     got = cpu_experts.cpu_experts(x, w13, w2, offsets, counts.int(), packed)
     for e in range(E):
         rows = slice(int(offsets[e]), int(offsets[e + 1]))
         torch.testing.assert_close(got[rows].double(), _expert(x[rows], w13, w2, e), **_tol(dtype))
+
+
+@pytest.mark.parametrize("tile_from", [1, 5, 17, 1000])
+def test_packed_experts_tiles_and_dot_products_agree(isa, tile_from, monkeypatch):
+    """Where an expert's rows switch from AMX tiles to dot products (cpu_experts.TILE_FROM_ROWS): every switch
+    point gives the float64 result, segments of 1 to 40 rows (tiles of 16 with the rest as dot products, 6 rows a
+    pass). In the avx512bf16 build the rows run as dot products whatever the switch point."""
+    if isa not in BF16_DOT:
+        pytest.skip(f"the {isa} build has no packed bf16 experts")
+    monkeypatch.setattr(cpu_experts, "TILE_FROM_ROWS", tile_from)
+    gen = torch.Generator().manual_seed(tile_from + len(isa))
+    E, H, inter = 6, 128, 96
+    w13, w2 = _weights(gen, E, H, inter, torch.bfloat16)
+    counts = torch.tensor([1, 40, 0, 17, 6, 23], dtype=torch.int32)
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    x = torch.randn(int(offsets[-1]), H, generator=gen).bfloat16()
+    got = cpu_experts.cpu_experts(x, w13, w2, offsets, counts, cpu_experts.pack(w13, w2))
+    for e in range(E):
+        rows = slice(int(offsets[e]), int(offsets[e + 1]))
+        torch.testing.assert_close(got[rows].double(), _expert(x[rows], w13, w2, e), **_tol(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,14 +126,14 @@ def test_moe_local_with_tokens_routed_nowhere(isa, dtype, T):
     assert not got[::3].any()
 
 
-def test_loaded_experts_pack_for_amx_and_repack_on_swap(isa):
+def test_loaded_experts_pack_for_bf16_dot_products_and_repack_on_swap(isa):
     ex = Experts(64, 32, 4, list(range(4)), runner_backend="auto").to(torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         ex.w13.copy_(torch.randn(ex.w13.shape, generator=gen) * 0.125)
         ex.w2.copy_(torch.randn(ex.w2.shape, generator=gen) * 0.18)
     ex.process_weights_after_loading(torch.device("cpu"))
-    assert (ex.cpu_packed is not None) == (isa == "amx")
+    assert (ex.cpu_packed is not None) == (isa in BF16_DOT)
     with torch.no_grad():  # an EPLB swap: slot 1 rewritten in place
         ex.w13[1].copy_(torch.randn(ex.w13[1].shape, generator=gen) * 0.125)
     ex.slots_changed()
@@ -146,7 +170,7 @@ def test_skinny_gemm(isa, rows, N, K):
     x = torch.randn(rows, K, generator=gen).bfloat16()
     w = (torch.randn(N, K, generator=gen) * K**-0.5).bfloat16()
     assert cpu_skinny_gemm.takes(x, w)
-    assert cpu_skinny_gemm.uses_dpbf16() == (isa == "amx")
+    assert cpu_skinny_gemm.uses_dpbf16() == (isa in BF16_DOT)
     got = cpu_skinny_gemm.cpu_skinny_gemm(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
@@ -247,11 +271,11 @@ def test_mla_rope_cache_is_the_references(isa, T, H, r, R, interleaved):
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
-def test_only_the_amx_skinny_gemm_has_bf16_dot_products(isa):
+def test_only_the_bf16_builds_skinny_gemm_has_bf16_dot_products(isa):
     cpu_skinny_gemm.load()
     path = next(p for p in (build.cache_root() / "kernels").glob(f"cpu_skinny_gemm-{isa}-*.so"))
     asm = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, timeout=120).stdout
-    assert ("vdpbf16ps" in asm) == (isa == "amx")
+    assert ("vdpbf16ps" in asm) == (isa in BF16_DOT)
     if isa == "avx2":
         assert re.search(r"%zmm|%ymm(1[6-9]|2[0-9]|3[01])\b", asm) is None
 
@@ -276,7 +300,7 @@ def test_an_isa_the_cpu_lacks_is_refused(monkeypatch):
     assert cpu_isa.check("avx2") is None
 
 
-def test_compiled_call_with_the_amx_copy(isa):
+def test_compiled_call_with_the_packed_copy(isa):
     """Under torch.compile the packed weights go through the custom op's optional arguments."""
     gen = torch.Generator().manual_seed(9)
     w13, w2 = _weights(gen, 4, 64, 32, torch.bfloat16)
