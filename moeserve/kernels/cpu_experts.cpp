@@ -33,6 +33,8 @@
 #endif
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+
+#include "cpu_bf16_dot.h"
 #endif
 
 namespace {
@@ -129,7 +131,8 @@ void experts(const float* x, const W* w13t, const W* w2t, const int32_t* offsets
   const std::vector<Item> up = items(offsets, counts, E, I);    // act[:, c0:c1] = silu(x W1^T) * (x W3^T)
   const std::vector<Item> down = items(offsets, counts, E, H);  // out[:, c0:c1] = act W2^T
   const int64_t n_up = static_cast<int64_t>(up.size()), n_down = static_cast<int64_t>(down.size());
-#pragma omp parallel num_threads(num_threads)
+  const int threads = threads_for(offsets[E] * 3 * H * I, num_threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_up; ++i) {
@@ -188,7 +191,8 @@ bool group_pairs(const int64_t* topk_ids, int64_t P, int64_t E, int64_t* expert_
 // out[t] = sum_j topk_weights[t, j] * ys[row_of[t * k + j]], summed in fp32.
 void combine(const float* ys, const int64_t* row_of, const float* topk_weights, int64_t T, int64_t k, int64_t H,
              float* out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+  const int threads = threads_for(T * k * H, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t t = 0; t < T; ++t) {
     float* o = out + t * H;
     for (int64_t h = 0; h < H; ++h) o[h] = 0.0f;
@@ -234,9 +238,9 @@ int moe_local(const float* x, const int64_t* topk_ids, const float* topk_weights
 // Needs H and I multiples of 32 (cpu_experts.pack checks).
 namespace packed {
 
-constexpr int kBlock = 16;     // output columns of one packed block
-constexpr int kSlackRows = 16;  // rows past the last segment that a tile may read (and whose results it drops)
-constexpr int kDotRows = 6;     // rows of one dot-product pass, at most
+constexpr int kBlock = moeserve_dot::kBlock;      // output columns of one packed block
+constexpr int kSlackRows = 16;                     // rows past the last segment that a tile may read (and drops)
+constexpr int kDotRows = moeserve_dot::kDotRows;  // rows of one dot-product pass, at most
 
 // n floats (a multiple of 16) -> bf16.
 inline void row_to_bf16(const float* src, uint16_t* dst, int64_t n) {
@@ -246,48 +250,7 @@ inline void row_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
-// c[R, 16 NB] (ldc floats) = a[R, K] (rows lda bf16 elements apart) · the NB packed blocks b[j] ([K / 2, 16, 2]).
-template <int R, int NB>
-inline void dot_blocks(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c, int64_t ldc) {
-  __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(b[j] + k2 * 2 * kBlock);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * lda + 2 * k2, sizeof pair);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c + r * ldc + j * kBlock, acc[r][j]);
-}
-
-template <int NB>
-inline void dot_rows(int R, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
-                     int64_t ldc) {
-  switch (R) {
-    case 6: dot_blocks<6, NB>(a, lda, b, K, c, ldc); break;
-    case 5: dot_blocks<5, NB>(a, lda, b, K, c, ldc); break;
-    case 4: dot_blocks<4, NB>(a, lda, b, K, c, ldc); break;
-    case 3: dot_blocks<3, NB>(a, lda, b, K, c, ldc); break;
-    case 2: dot_blocks<2, NB>(a, lda, b, K, c, ldc); break;
-    default: dot_blocks<1, NB>(a, lda, b, K, c, ldc); break;
-  }
-}
-
-inline void dot(int R, int nb, const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t K, float* c,
-                int64_t ldc) {
-  switch (nb) {
-    case 4: dot_rows<4>(R, a, lda, b, K, c, ldc); break;
-    case 3: dot_rows<3>(R, a, lda, b, K, c, ldc); break;
-    case 2: dot_rows<2>(R, a, lda, b, K, c, ldc); break;
-    default: dot_rows<1>(R, a, lda, b, K, c, ldc); break;
-  }
-}
+using moeserve_dot::dot;
 
 #ifdef MOESERVE_AMX
 namespace amx {
@@ -392,7 +355,10 @@ void experts(const uint16_t* xs, const uint16_t* w13p, const uint16_t* w2p, cons
   for (int64_t e = 0; e < E; ++e) most = counts[e] > most ? counts[e] : most;
   const bool tiles = most >= tile_from;  // threads configure tiles only where some segment runs on them
 #endif
-#pragma omp parallel num_threads(num_threads)
+  int64_t M = 0;
+  for (int64_t e = 0; e < E; ++e) M += counts[e] > 0 ? counts[e] : 0;
+  const int threads = threads_for(M * 3 * H * I, num_threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #ifdef MOESERVE_AMX
     if (tiles) amx::configure();

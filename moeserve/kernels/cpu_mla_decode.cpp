@@ -226,11 +226,12 @@ void mla_decode(const Q* q, const C* cache, const int64_t* kv_indices, const int
                 int64_t H, int64_t D, int64_t Dv, float scale, O* out, int num_threads) {
   // Work items: (request, group of up to kMaxHeads heads); a small batch splits its heads further so that every
   // thread has work.
+  const int threads = threads_for((kv_indptr[B] - kv_indptr[0]) * H * (D + Dv), num_threads);
   int64_t group = H < kMaxHeads ? H : kMaxHeads;
-  while (group > 1 && B * ((H + group - 1) / group) < num_threads) group = (group + 1) / 2;
+  while (group > 1 && B * ((H + group - 1) / group) < threads) group = (group + 1) / 2;
   const int64_t groups = (H + group - 1) / group;
   const int64_t n_items = B * groups;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> s, of;  // scores; the fp32 output of a bf16 out
 #pragma omp for schedule(dynamic, 1)

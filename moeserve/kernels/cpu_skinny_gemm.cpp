@@ -20,6 +20,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_bf16_dot.h"
 #include "cpu_vec.h"
 
 #ifdef __AVX512BF16__
@@ -228,6 +229,32 @@ void batched(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* w, int
   }
 }
 
+#ifdef __AVX512BF16__
+// The packed form (the amx and avx512bf16 builds): y [M, N] = x [M, K] · W^T over W's packed copy wp [N / 16,
+// K / 2, 16, 2] (cpu_skinny_gemm.pack), any M: work items of up to kDotRows rows by 64 columns, accumulators of 16
+// output columns each (cpu_bf16_dot.h), no horizontal sums; rounded to bf16 once.
+void packed_gemm(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K, uint16_t* y,
+                 int64_t ldy, int num_threads) {
+  constexpr int kBlock = moeserve_dot::kBlock, kRowsMax = moeserve_dot::kDotRows;
+  const int64_t blocks = N / kBlock, col_items = (blocks + 3) / 4, row_items = (M + kRowsMax - 1) / kRowsMax;
+  const int64_t n_items = row_items * col_items;
+  const int threads = threads_for(M * N * K, num_threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t m0 = (i / col_items) * kRowsMax, j0 = (i % col_items) * 4;
+    const int R = static_cast<int>(M - m0 < kRowsMax ? M - m0 : kRowsMax);
+    const int nb = static_cast<int>(blocks - j0 < 4 ? blocks - j0 : 4);
+    const uint16_t* b[4];
+    for (int q = 0; q < nb; ++q) b[q] = wp + (j0 + q) * K * kBlock;
+    alignas(64) float c[kRowsMax * 4 * kBlock];
+    moeserve_dot::dot(R, nb, x + m0 * ldx, ldx, b, K, c, 4 * kBlock);
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < nb; ++q)
+        storev(y + (m0 + r) * ldy + (j0 + q) * kBlock, loadv(c + r * 4 * kBlock + q * kBlock));
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -258,6 +285,19 @@ void moeserve_batched_skinny_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t s
                                        int64_t swn, int64_t swk, int64_t G, int64_t M, int64_t N, int64_t K,
                                        uint16_t* y, int64_t syg, int64_t sym, int num_threads) {
   batched<uint16_t>(x, sxg, sxm, w, swg, swn, swk, G, M, N, K, y, syg, sym, num_threads);
+}
+
+// x [M, K] bf16 (rows ldx apart) times the packed W (wp [N / 16, K / 2, 16, 2] bf16) -> y [M, N] bf16 (rows ldy
+// apart); N a multiple of 16, K even. Returns 0, or -1 in a build without AVX-512 BF16 (nothing written).
+int moeserve_packed_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+                              uint16_t* y, int64_t ldy, int num_threads) {
+#ifdef __AVX512BF16__
+  packed_gemm(x, ldx, wp, M, N, K, y, ldy, num_threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)wp, (void)M, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
+  return -1;
+#endif
 }
 
 }

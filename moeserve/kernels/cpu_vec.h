@@ -62,4 +62,13 @@ inline void storev(uint16_t* p, f32v v) {  // float -> bfloat16 (nearest even)
   std::memcpy(p, &h, sizeof h);
 }
 
+// OpenMP threads worth waking for `work` multiply-adds (or like units): one per kMinWorkPerThread, at least one, at
+// most num_threads. A parallel region costs microseconds to fork and join across many cores; a decode step's small
+// calls (one row per expert, one request's attention) finish sooner on fewer threads.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+inline int threads_for(int64_t work, int num_threads) {
+  const int64_t n = work / kMinWorkPerThread;
+  return n < 1 ? 1 : (n < num_threads ? static_cast<int>(n) : num_threads);
+}
+
 }  // namespace moeserve_vec

@@ -177,21 +177,63 @@ def test_skinny_gemm(isa, rows, N, K):
 
 
 def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
-    """Linear's product (kernels/skinny_gemm.py) runs the kernel for CPU bf16 of 1-4 rows, with leading dimensions
-    and rows that are not contiguous; F.linear for 5 rows, float32 and a transposed weight."""
+    """Linear's product (kernels/skinny_gemm.py) runs a kernel for CPU bf16 of few rows, with leading dimensions
+    and rows that are not contiguous: the packed product for 1-64 rows in the builds with AVX-512 BF16, else the row
+    kernel for 1-4; F.linear for more rows, float32 and a weight that is a transposed view."""
     calls = []
-    kernel = cpu_skinny_gemm.cpu_skinny_gemm
-    monkeypatch.setattr(cpu_skinny_gemm, "cpu_skinny_gemm", lambda x, w: calls.append(x.shape) or kernel(x, w))
+    for name in ("cpu_skinny_gemm", "cpu_packed_gemm"):
+        kernel = getattr(cpu_skinny_gemm, name)
+        monkeypatch.setattr(cpu_skinny_gemm, name,
+                            lambda x, w, name=name, kernel=kernel: calls.append((name, x.shape)) or kernel(x, w))
     gen = torch.Generator().manual_seed(len(isa))
     w = (torch.randn(96, 64, generator=gen) * 0.125).bfloat16()
     x = torch.randn(2, 2, 128, generator=gen).bfloat16()[..., ::2]  # [2, 2, 64], rows 256 bytes apart
     got = skinny_gemm.skinny_gemm(x, w)
-    assert calls == [(2, 2, 64)] and got.shape == (2, 2, 96)
+    kernel = "cpu_packed_gemm" if isa in BF16_DOT else "cpu_skinny_gemm"
+    assert calls == [(kernel, (2, 2, 64))] and got.shape == (2, 2, 96)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
-    for xx, ww in [(torch.randn(5, 64, generator=gen).bfloat16(), w), (x.float(), w.float()),
-                   (x, w.T.contiguous().T)]:
+    more = torch.randn(65 if isa in BF16_DOT else 5, 64, generator=gen).bfloat16()
+    for xx, ww in [(more, w), (x.float(), w.float()), (x, w.T.contiguous().T)]:
         torch.testing.assert_close(skinny_gemm.skinny_gemm(xx, ww), F.linear(xx, ww))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 64])
+@pytest.mark.parametrize(("N", "K"), [(576, 256), (1024, 2048), (48, 70), (16, 2)])
+def test_packed_gemm(isa, rows, N, K):
+    """The packed product against float64 on the same bf16 values: row counts that are and are not multiples of
+    its 6-row passes, column counts that are not multiples of its 64-column items, K not a multiple of 32, a weight
+    large enough to be split over the threads."""
+    if isa not in BF16_DOT:
+        assert cpu_skinny_gemm.pack(torch.zeros(16, 2, dtype=torch.bfloat16)) is None
+        pytest.skip(f"the {isa} build has no packed product")
+    gen = torch.Generator().manual_seed(rows * N + K + len(isa))
+    w = torch.nn.Parameter((torch.randn(N, K, generator=gen) * K**-0.5).bfloat16(), requires_grad=False)
+    x = torch.randn(rows, K, generator=gen).bfloat16()
+    assert cpu_skinny_gemm.packed_takes(x, w)
+    got = cpu_skinny_gemm.cpu_packed_gemm(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
+
+
+def test_packed_copy_follows_the_weight(isa):
+    """The packed copy is made once per weight, made again when the weight is rewritten in place (the product
+    follows the new values), and never for a view or a shape it cannot pack."""
+    if isa not in BF16_DOT:
+        pytest.skip(f"the {isa} build has no packed product")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter((torch.randn(32, 64, generator=gen) * 0.125).bfloat16(), requires_grad=False)
+    first = cpu_skinny_gemm.packed_copy(w)
+    assert first is not None and cpu_skinny_gemm.packed_copy(w) is first
+    with torch.no_grad():
+        w.copy_(torch.randn(32, 64, generator=gen).bfloat16())
+    assert cpu_skinny_gemm.packed_copy(w) is not first
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w).double(), x.double() @ w.double().T, rtol=1.6e-2,
+                               atol=1e-2)
+    plain = torch.randn(64, 64, generator=gen).bfloat16()
+    assert cpu_skinny_gemm.packed_copy(plain[:32]) is None  # a view
+    assert cpu_skinny_gemm.packed_copy(torch.randn(24, 64).bfloat16()) is None  # 24 columns: not whole blocks
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
