@@ -11,10 +11,12 @@ OpenMP resolves to the runtime torch already loaded (the same soname), so kernel
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import threading
@@ -101,12 +103,29 @@ def _delete_stale(builds, keep: Path) -> None:
             pass
 
 
+@functools.cache
+def torch_openmp() -> str | None:
+    """The GNU OpenMP runtime torch loaded into this process (its own copy, whatever its file name), or None.
+
+    The kernels link against it: with the system's libgomp they would run a second pool of threads beside torch's,
+    and the two pools' threads, each spinning a while after its parallel regions, fight for the cores whenever
+    torch's ops and the kernels take turns (a decode step: many times). One pool serves both."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = {line.split()[-1] for line in maps.splitlines() if re.search(r"/libgomp[^/]*\.so", line)}
+    return sorted(found)[0] if len(found) == 1 else None
+
+
 def _build(source: Path, isa: str) -> Path:
     """Compile `source` for `isa` into the cache (or find it there); the path of the shared library."""
     cxx, version = _compiler()
+    openmp = torch_openmp()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, version.encode(), _cpu_id().encode(),
-                                     " ".join(cpu_isa.compile_flags(isa)).encode()])).hexdigest()[:16]
+                                     " ".join(cpu_isa.compile_flags(isa)).encode(),
+                                     (openmp or "").encode()])).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
     target = out_dir / f"{source.stem}-{isa}-{key}.so"
     if target.is_file():
@@ -118,10 +137,13 @@ def _build(source: Path, isa: str) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out_dir)
         os.close(fd)
         cmd = [cxx, "-std=c++17", *flags, "-shared", "-fPIC", "-o", tmp, str(source)]
+        if openmp is not None and "-fopenmp" in flags:  # torch's runtime first: the system's -lgomp then unneeded
+            cmd += ["-Wl,--as-needed", openmp, f"-Wl,-rpath,{Path(openmp).parent}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode == 0:
             os.replace(tmp, target)  # atomic: processes building at once all end with one complete file
-            logger.info("built %s: %s", source.name, " ".join(cmd[:-4]))
+            logger.info("built %s: %s (OpenMP: %s)", source.name, " ".join(cmd[:cmd.index("-o")]),
+                        openmp or "the compiler's")
             _delete_stale(out_dir.glob(f"{source.stem}-{isa}-*.so"), keep=target)
             return target
         os.unlink(tmp)

@@ -35,3 +35,33 @@ def test_builds_of_other_sources_stay_until_stale(tmp_path, monkeypatch):
     os.utime(two, (old, old))
     three = build._build(_source(tmp_path, 3), isa)
     assert three.is_file() and one.is_file() and not two.exists()  # only the stale one went
+
+
+def test_kernels_share_torchs_openmp_runtime(tmp_path, monkeypatch):
+    """A kernel with an OpenMP parallel region links torch's own libgomp (one pool of threads for torch's ops and
+    the kernels): after loading it, the process maps one libgomp, and the region's threads are that runtime's (its
+    thread count follows torch.set_num_threads through omp_set_num_threads)."""
+    import ctypes
+
+    import torch
+
+    monkeypatch.setenv("MOESERVE_CACHE", str(tmp_path / "cache"))
+    try:
+        build._compiler()
+    except OSError as e:
+        pytest.skip(f"no C++ compiler: {e}")
+    if build.torch_openmp() is None:
+        pytest.skip("torch here has no GNU OpenMP runtime of its own")
+    path = tmp_path / "src" / "omp_probe.cpp"
+    path.parent.mkdir(parents=True)
+    path.write_text('#include <omp.h>\nextern "C" int probe() { int n = 0;\n#pragma omp parallel\n'
+                    '{\n#pragma omp single\nn = omp_get_num_threads();\n}\nreturn n; }\n')
+    lib = ctypes.CDLL(str(build._build(path, build.cpu_isa.current())))
+    gomps = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert gomps == {build.torch_openmp()}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert lib.probe() == 1  # torch's setting reached the kernel's runtime: the same one
+    finally:
+        torch.set_num_threads(before)
