@@ -253,6 +253,30 @@ void packed_gemm(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, 
         storev(y + (m0 + r) * ldy + (j0 + q) * kBlock, loadv(c + r * 4 * kBlock + q * kBlock));
   }
 }
+
+// The per-group form: y[g] = x[g] · W_g^T for g < G over wp [G, N / 16, K / 2, 16, 2] (x rows sxm and groups sxg
+// apart, y rows sym and groups syg apart, both with the last dimension contiguous).
+void batched_packed_gemm(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* wp, int64_t G, int64_t M,
+                         int64_t N, int64_t K, uint16_t* y, int64_t syg, int64_t sym, int num_threads) {
+  constexpr int kBlock = moeserve_dot::kBlock, kRowsMax = moeserve_dot::kDotRows;
+  const int64_t blocks = N / kBlock, col_items = (blocks + 3) / 4, row_items = (M + kRowsMax - 1) / kRowsMax;
+  const int64_t per_group = row_items * col_items, n_items = G * per_group;
+  const int threads = threads_for(G * M * N * K, num_threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t g = i / per_group, rest = i % per_group;
+    const int64_t m0 = (rest / col_items) * kRowsMax, j0 = (rest % col_items) * 4;
+    const int R = static_cast<int>(M - m0 < kRowsMax ? M - m0 : kRowsMax);
+    const int nb = static_cast<int>(blocks - j0 < 4 ? blocks - j0 : 4);
+    const uint16_t* b[4];
+    for (int q = 0; q < nb; ++q) b[q] = wp + (g * blocks + j0 + q) * K * kBlock;
+    alignas(64) float c[kRowsMax * 4 * kBlock];
+    moeserve_dot::dot(R, nb, x + g * sxg + m0 * sxm, sxm, b, K, c, 4 * kBlock);
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < nb; ++q)
+        storev(y + g * syg + (m0 + r) * sym + (j0 + q) * kBlock, loadv(c + r * 4 * kBlock + q * kBlock));
+  }
+}
 #endif
 
 }  // namespace
@@ -296,6 +320,21 @@ int moeserve_packed_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp
   return 0;
 #else
   (void)x, (void)ldx, (void)wp, (void)M, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
+  return -1;
+#endif
+}
+
+// The per-group form: x [G, M, K] bf16, wp [G, N / 16, K / 2, 16, 2] bf16 (cpu_skinny_gemm.pack_groups), y [G, M,
+// N] bf16; strides in elements. Returns 0, or -1 in a build without AVX-512 BF16 (nothing written).
+int moeserve_batched_packed_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* wp, int64_t G,
+                                      int64_t M, int64_t N, int64_t K, uint16_t* y, int64_t syg, int64_t sym,
+                                      int num_threads) {
+#ifdef __AVX512BF16__
+  batched_packed_gemm(x, sxg, sxm, wp, G, M, N, K, y, syg, sym, num_threads);
+  return 0;
+#else
+  (void)x, (void)sxg, (void)sxm, (void)wp, (void)G, (void)M, (void)N, (void)K, (void)y, (void)syg, (void)sym;
+  (void)num_threads;
   return -1;
 #endif
 }

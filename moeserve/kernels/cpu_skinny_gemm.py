@@ -128,6 +128,39 @@ def cpu_packed_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], N)
 
 
+def pack_groups(w: torch.Tensor) -> torch.Tensor | None:
+    """w [G, N, K] bf16 (any strides) -> each group's packed copy [G, N / 16, K / 2, 16, 2], or None (as `pack`)."""
+    G, N, K = w.shape
+    if w.dtype is not torch.bfloat16 or N % 16 or K % 2 or not uses_dpbf16():
+        return None
+    return w.detach().reshape(G, N // 16, 16, K // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def batched_packed_takes(x: torch.Tensor, packed: torch.Tensor | None, out: torch.Tensor | None = None) -> bool:
+    """Whether cpu_batched_packed_gemm runs x [G, M, K] over `packed` (pack_groups' copy): CPU bf16, 1 to
+    MAX_PACKED_ROWS rows, x's and out's last dimensions contiguous."""
+    if packed is None or x.dtype is not torch.bfloat16 or not x.is_cpu or x.dim() != 3:
+        return False
+    G, M, K = x.shape
+    return (1 <= M <= MAX_PACKED_ROWS and packed.shape[0] == G and packed.shape[2] * 2 == K and x.stride(2) == 1
+            and (out is None or (out.dtype is torch.bfloat16 and out.shape == (G, M, packed.shape[1] * 16)
+                                 and out.stride(2) == 1))
+            and not torch.compiler.is_compiling() and load() is not None)
+
+
+def cpu_batched_packed_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [G, M, K] bf16 -> [G, M, N] bf16 (into out where given), group g times W_g^T from pack_groups' copy; check
+    batched_packed_takes() first."""
+    lib = load()
+    G, M, K = x.shape
+    N = packed.shape[1] * 16
+    y = x.new_empty(G, M, N) if out is None else out
+    if lib.moeserve_batched_packed_gemm_bf16(x.data_ptr(), x.stride(0), x.stride(1), packed.data_ptr(), G, M, N, K,
+                                             y.data_ptr(), y.stride(0), y.stride(1), torch.get_num_threads()):
+        raise RuntimeError("the packed CPU GEMM is not in this build (no AVX-512 BF16)")
+    return y
+
+
 def batched_takes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """Whether cpu_batched_skinny_gemm runs torch.bmm(x, w.transpose(1, 2)) (module docstring)."""
     if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
@@ -159,6 +192,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.moeserve_packed_gemm_bf16.restype = ctypes.c_int
     lib.moeserve_packed_gemm_bf16.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
+    lib.moeserve_batched_packed_gemm_bf16.restype = ctypes.c_int
+    lib.moeserve_batched_packed_gemm_bf16.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]
     lib.moeserve_batched_skinny_gemm_bf16.restype = None
     lib.moeserve_batched_skinny_gemm_bf16.argtypes = [p, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, p, i64,
                                                       i64, ctypes.c_int]

@@ -68,8 +68,12 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return skinny_gemm_reference(x, w)
 
 
-def batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Module docstring: x [G, M, K], w [G, N, K] -> [G, M, N] (into out where given)."""
+def batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                        packed: torch.Tensor | None = None) -> torch.Tensor:
+    """Module docstring: x [G, M, K], w [G, N, K] -> [G, M, N] (into out where given). packed: w's per-group packed
+    copy (cpu_skinny_gemm.pack_groups), which the CPU's AVX-512 BF16 builds multiply by for 1 to 64 rows."""
+    if cpu_skinny_gemm.batched_packed_takes(x, packed, out):
+        return cpu_skinny_gemm.cpu_batched_packed_gemm(x, packed, out)
     if cpu_skinny_gemm.batched_takes(x, w, out):
         return cpu_skinny_gemm.cpu_batched_skinny_gemm(x, w, out)
     if (x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0] and 1 in (w.stride(1), w.stride(2))

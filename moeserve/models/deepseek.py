@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from moeserve.core.model_config import ModelConfig
+from moeserve.kernels.cpu_skinny_gemm import pack_groups
 from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
 from moeserve.kernels.mla_rope_cache import mla_rope_cache
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
@@ -120,8 +121,10 @@ class MLAttention(nn.Module):
         cache = meta.kv_pool.get_latent(self.layer_id)  # [N, r + rope]
         if meta.mode.is_decode:  # q_nope W_UK against c_kv, all heads over one latent head, back through W_UV
             w_uk, w_uv = self._kv_b()
-            q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
-            return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv)
+            uk_packed, uv_packed = self._kv_b_packed()
+            q_latent = batched_skinny_gemm(q_nope.transpose(0, 1), w_uk.transpose(1, 2),
+                                           packed=uk_packed).transpose(0, 1)
+            return latent_to_heads(self.latent_decode(q_latent, q_rope, cache, meta, self.scale), w_uv, uv_packed)
         key = ("absorbed", self.shape)  # the step's choice, made by its first MLA layer for all of them
         forms = meta.memo.get(key)
         if forms is None:
@@ -221,6 +224,20 @@ class MLAttention(nn.Module):
         """W_UK [h, nope, r] and W_UV [h, v, r]: views of kv_b_proj's weight."""
         w = self._kv_b_dense.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _kv_b_packed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """W_UK's per-head transpose and W_UV packed for the CPU's AVX-512 BF16 products (cpu_skinny_gemm.
+        pack_groups), made on the first decode and again when kv_b_proj's weight is rewritten; (None, None) where
+        they do not run (a GPU, float32, a build without AVX-512 BF16)."""
+        dense = self._kv_b_dense
+        if torch.compiler.is_compiling() or not dense.is_cpu or dense.dtype is not torch.bfloat16:
+            return None, None
+        stamp = (dense._version, dense.data_ptr())
+        if getattr(self, "_kv_b_packed_stamp", None) != stamp:
+            w_uk, w_uv = self._kv_b()
+            self._kv_b_packed_copies = (pack_groups(w_uk.transpose(1, 2)), pack_groups(w_uv))
+            self._kv_b_packed_stamp = stamp
+        return self._kv_b_packed_copies
 
 
 def deepseek_gate(config: ModelConfig) -> TopKRouter:

@@ -236,20 +236,21 @@ def test_packed_copy_follows_the_weight(isa):
     assert cpu_skinny_gemm.packed_copy(torch.randn(24, 64).bfloat16()) is None  # 24 columns: not whole blocks
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16, 64])
 @pytest.mark.parametrize(("heads", "nope", "v", "r"), [(4, 32, 32, 512), (3, 24, 40, 72), (16, 128, 128, 512)])
 def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r):
     """MLA's absorbed decode as the model calls it (models/deepseek.py): q_nope's per-head rows through W_UK's
     transpose (N contiguous) into a fresh tensor, and the latent output's rows through W_UV (K contiguous) into
     the strided [h, B, v] view of a [B, h, v] tensor; against float64 on the same bf16 values. Widths that are
-    and are not multiples of the vectors; V3's 128-wide heads on 16 of them (split over the threads)."""
+    and are not multiples of the vectors; V3's 128-wide heads on 16 of them (split over the threads). The row
+    kernel takes 1-4 rows (torch.bmm more); the packed per-head copies of the AVX-512 BF16 builds 1-64."""
     gen = torch.Generator().manual_seed(rows * heads + r + len(isa))
     kv_b = (torch.randn(heads * (nope + v), r, generator=gen) * r**-0.5).bfloat16()
     w = kv_b.view(heads, nope + v, r)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q_nope = torch.randn(rows, heads, nope + 16, generator=gen).bfloat16()[..., :nope]
     x1, w1 = q_nope.transpose(0, 1), w_uk.transpose(1, 2)
-    assert w1.stride(1) == 1 and cpu_skinny_gemm.batched_takes(x1, w1)
+    assert w1.stride(1) == 1 and cpu_skinny_gemm.batched_takes(x1, w1) == (rows <= 4)
     got = skinny_gemm.batched_skinny_gemm(x1, w1)
     assert got.dtype == torch.bfloat16 and got.shape == (heads, rows, r)
     torch.testing.assert_close(got.double(), torch.bmm(x1.double(), w1.double().transpose(1, 2)), rtol=1.6e-2,
@@ -257,9 +258,22 @@ def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r):
     o_latent = torch.randn(rows, heads, r, generator=gen).bfloat16()
     out = torch.full((rows, heads, v), float("nan"), dtype=torch.bfloat16)
     x2 = o_latent.transpose(0, 1)
-    assert w_uv.stride(2) == 1 and cpu_skinny_gemm.batched_takes(x2, w_uv, out.transpose(0, 1))
+    assert w_uv.stride(2) == 1 and cpu_skinny_gemm.batched_takes(x2, w_uv, out.transpose(0, 1)) == (rows <= 4)
     skinny_gemm.batched_skinny_gemm(x2, w_uv, out=out.transpose(0, 1))
     want = torch.bmm(x2.double(), w_uv.double().transpose(1, 2)).transpose(0, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=1e-2)
+    # the packed per-head copies (the AVX-512 BF16 builds), as the model passes them
+    uk_packed, uv_packed = cpu_skinny_gemm.pack_groups(w1), cpu_skinny_gemm.pack_groups(w_uv)
+    if isa not in BF16_DOT or v % 16 or r % 16:  # no AVX-512 BF16, or widths not whole 16-column blocks
+        assert uv_packed is None or uk_packed is None
+        return
+    assert cpu_skinny_gemm.batched_packed_takes(x1, uk_packed)
+    got = skinny_gemm.batched_skinny_gemm(x1, w1, packed=uk_packed)
+    torch.testing.assert_close(got.double(), torch.bmm(x1.double(), w1.double().transpose(1, 2)), rtol=1.6e-2,
+                               atol=1e-2)
+    out.fill_(float("nan"))
+    assert cpu_skinny_gemm.batched_packed_takes(x2, uv_packed, out.transpose(0, 1))
+    skinny_gemm.batched_skinny_gemm(x2, w_uv, out=out.transpose(0, 1), packed=uv_packed)
     torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=1e-2)
 
 

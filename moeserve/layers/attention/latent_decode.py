@@ -48,11 +48,12 @@ def pick_latent_decode(device: torch.device, dtype: torch.dtype) -> LatentDecode
     return _cpu if probe.is_cpu and cpu_mla_decode.available(dtype) else _torch
 
 
-def latent_to_heads(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_latent [B, h, r] through W_UV [h, v, r] -> [B, h, v], contiguous (the o_proj's input)."""
+def latent_to_heads(o_latent: torch.Tensor, w_uv: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """o_latent [B, h, r] through W_UV [h, v, r] -> [B, h, v], contiguous (the o_proj's input). packed: W_UV's
+    per-head packed copy (kernels/skinny_gemm.py's batched form)."""
     if torch.compiler.is_compiling():  # (an out= tensor would make dynamo compile once per batch size)
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     # written straight into [B, h, v]: the per-head products write its strided [h, B, v] view, no transpose copy
     out = o_latent.new_empty(o_latent.shape[0], w_uv.shape[0], w_uv.shape[1])
-    batched_skinny_gemm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
+    batched_skinny_gemm(o_latent.transpose(0, 1), w_uv, out=out.transpose(0, 1), packed=packed)
     return out
