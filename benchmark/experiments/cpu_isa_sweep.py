@@ -10,7 +10,8 @@ For each ISA the CPU runs (amx, avx512bf16, avx512, avx2) and each --threads cou
   steps    `bench one-batch`'s rounds (16-token prompts, --output-len new tokens, bf16 dummy weights) at batch 1,
            16 and 64: decode tok/s, and per decode step the ms inside each kernel (experts, MLA decode, skinny
            GEMM, RMSNorm); the rest is torch's own ops and the scheduler.
-  python benchmark/experiments/cpu_isa_sweep.py [--threads 1 4 15] [--isa amx avx512] [--output-len 32] [--compile]
+  python benchmark/experiments/cpu_isa_sweep.py [--threads 1 4 15] [--isa amx amx@1000 avx512] [--output-len 32]
+      [--compile]
 """
 
 from __future__ import annotations
@@ -126,19 +127,31 @@ def steps(isa: str, batch_sizes: list[int], output_len: int, repeat: int, compil
 
 
 def worker(ns) -> None:
-    from moeserve.kernels import cpu_isa
+    from moeserve.kernels import cpu_experts, cpu_isa
 
-    cpu_isa.select(ns.isa[0])
+    spec, *options = ns.isa[0].split("+")
+    isa, _, tile_from = spec.partition("@")  # amx@N: the experts on tiles from N rows (TILE_FROM_ROWS)
+    if tile_from:
+        cpu_experts.TILE_FROM_ROWS = int(tile_from)
+    from moeserve.kernels import cpu_skinny_gemm
+
+    if "nodense" in options:  # the dense layers on F.linear / the row kernel, not the packed copies
+        cpu_skinny_gemm.packed_takes = lambda *a, **k: False
+    if "nobmm" in options:  # MLA's per-head products on torch.bmm / the row kernel, not the packed copies
+        cpu_skinny_gemm.batched_packed_takes = lambda *a, **k: False
+    cpu_isa.select(isa)
     torch.set_num_threads(ns.threads[0])
     res = {"isa": ns.isa[0], "threads": ns.threads[0], "kernels": kernels(ns.rounds)}
     if not ns.kernels_only:
-        res["steps"] = steps(ns.isa[0], ns.batch_size, ns.output_len, ns.repeat, ns.compile)
+        res["steps"] = steps(isa, ns.batch_size, ns.output_len, ns.repeat, ns.compile)
     print("RESULT " + json.dumps(res), flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--isa", nargs="+", default=None, help="default: every ISA the CPU runs")
+    p.add_argument("--isa", nargs="+", default=None,
+                   help="default: every ISA the CPU runs; amx@N: the amx build with the experts on tiles from N rows; "
+                        "+nodense, +nobmm: without the packed dense / per-head copies; +spin: GOMP_SPINCOUNT=infinite")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 4, 15])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--output-len", type=int, default=32)
@@ -159,8 +172,10 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", "--isa", isa, "--threads", str(threads), "--batch-size",
                    *map(str, ns.batch_size), "--output-len", str(ns.output_len), "--repeat", str(ns.repeat),
                    "--rounds", str(ns.rounds)] + (["--kernels-only"] if ns.kernels_only else []) + (["--compile"] if ns.compile else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  env={**__import__("os").environ, "OMP_NUM_THREADS": str(threads)})
+            env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
+            if "spin" in isa.split("+")[1:]:  # OpenMP's idle threads spin instead of sleeping between regions
+                env["GOMP_SPINCOUNT"] = "infinite"
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(f"{isa} x{threads}: failed (exit {proc.returncode}): {proc.stderr[-2000:]}", flush=True)

@@ -16,7 +16,8 @@ copy of the weight (16-column blocks, bf16 pairs along K: the experts' VNNI layo
 weight's first product and kept on the tensor (`packed_copy`; made again when the weight is rewritten in place).
 No horizontal sums: it beat F.linear at 1 to 64 rows and the row kernel at 2 to 4 on the tiny V3's and V2-Lite's
 shapes (one thread of the 2-core EPYC VM, 2026-12-07: 1024 x 256 at 4 rows 20.9 us against F.linear's 54.2 and the
-row kernel's 50.0; at 64 rows 168 against 185). The copy doubles the dense bf16 weights' memory on such CPUs.
+row kernel's 50.0; at 64 rows 168 against 185). It runs on one thread only (`_one_thread`): where torch runs more,
+products past ONE_THREAD_WORK multiply-adds keep F.linear. The copy doubles the dense bf16 weights' memory.
 
 The batched form reads x, w and out through their strides (x and out with their last dimension contiguous, w with
 K or N contiguous: W_UK's per-head transpose is N-contiguous, W_UV K-contiguous), so the views MLA passes need no
@@ -40,6 +41,7 @@ from moeserve.kernels.build import load_library
 SOURCE = Path(__file__).with_name("cpu_skinny_gemm.cpp")
 MAX_ROWS = 4  # the kernel's kMaxRows
 MAX_PACKED_ROWS = 64  # rows of the packed product, at most (more: F.linear)
+ONE_THREAD_WORK = 1 << 18  # multiply-adds a packed product runs on one thread beside torch's many (_one_thread)
 
 
 def load() -> ctypes.CDLL | None:
@@ -102,6 +104,14 @@ def packed_copy(w: torch.Tensor) -> torch.Tensor | None:
     return held[1]
 
 
+def _one_thread(work: int) -> bool:
+    """The packed products run on one thread: where torch runs one, or the product is too small to wake more.
+    Measured on the 16-core Xeon (2026-12-07, 15 threads): the packed products' own parallel regions, between
+    torch's 15-thread ones, slowed the decode step's other kernels 1.5-3x (the tiny V3 at batch 64: 7,457 tok/s
+    with them, 12,745 with F.linear there); on one thread they beat F.linear at every row count."""
+    return work <= ONE_THREAD_WORK or torch.get_num_threads() == 1
+
+
 def packed_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether cpu_packed_gemm runs x W^T (module docstring): CPU bf16, 1 to MAX_PACKED_ROWS rows, a build with
     AVX-512 BF16, a weight `packed_copy` packs."""
@@ -109,7 +119,7 @@ def packed_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     K = x.shape[-1]
     return (0 < x.numel() <= MAX_PACKED_ROWS * K and w.shape[1] == K and not torch.compiler.is_compiling()
-            and uses_dpbf16() and packed_copy(w) is not None)
+            and _one_thread(x.numel() * w.shape[0]) and uses_dpbf16() and packed_copy(w) is not None)
 
 
 def cpu_packed_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -143,6 +153,7 @@ def batched_packed_takes(x: torch.Tensor, packed: torch.Tensor | None, out: torc
         return False
     G, M, K = x.shape
     return (1 <= M <= MAX_PACKED_ROWS and packed.shape[0] == G and packed.shape[2] * 2 == K and x.stride(2) == 1
+            and _one_thread(x.numel() * packed.shape[1] * 16)
             and (out is None or (out.dtype is torch.bfloat16 and out.shape == (G, M, packed.shape[1] * 16)
                                  and out.stride(2) == 1))
             and not torch.compiler.is_compiling() and load() is not None)

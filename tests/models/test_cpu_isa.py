@@ -43,6 +43,15 @@ def isa(request):
 BF16_DOT = ("amx", "avx512bf16")  # the builds with AVX-512 BF16: packed bf16 experts, bf16 dot products
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (the packed products' large shapes run only there), then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _weights(gen, E, H, inter, dtype):
     """w13 [E, 2I, H], w2 [E, H, I] stored transposed (as Experts keeps them on the CPU), unit output scale."""
     w13 = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(dtype)
@@ -200,7 +209,7 @@ def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 64])
 @pytest.mark.parametrize(("N", "K"), [(576, 256), (1024, 2048), (48, 70), (16, 2)])
-def test_packed_gemm(isa, rows, N, K):
+def test_packed_gemm(isa, rows, N, K, one_thread):
     """The packed product against float64 on the same bf16 values: row counts that are and are not multiples of
     its 6-row passes, column counts that are not multiples of its 64-column items, K not a multiple of 32, a weight
     large enough to be split over the threads."""
@@ -214,6 +223,23 @@ def test_packed_gemm(isa, rows, N, K):
     got = cpu_skinny_gemm.cpu_packed_gemm(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
+
+
+def test_packed_products_stay_on_one_thread(isa):
+    """Where torch runs several threads, a packed product past ONE_THREAD_WORK keeps F.linear (the packed kernel
+    runs on one thread only); a smaller one, or any on one thread, takes the packed copy."""
+    if isa not in BF16_DOT:
+        pytest.skip(f"the {isa} build has no packed product")
+    w = torch.nn.Parameter(torch.randn(512, 512).bfloat16(), requires_grad=False)
+    small, large = torch.randn(1, 512).bfloat16(), torch.randn(64, 512).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_skinny_gemm.packed_takes(small, w) and not cpu_skinny_gemm.packed_takes(large, w)
+        torch.set_num_threads(1)
+        assert cpu_skinny_gemm.packed_takes(large, w)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_packed_copy_follows_the_weight(isa):
@@ -238,7 +264,7 @@ def test_packed_copy_follows_the_weight(isa):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 16, 64])
 @pytest.mark.parametrize(("heads", "nope", "v", "r"), [(4, 32, 32, 512), (3, 24, 40, 72), (16, 128, 128, 512)])
-def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r):
+def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r, one_thread):
     """MLA's absorbed decode as the model calls it (models/deepseek.py): q_nope's per-head rows through W_UK's
     transpose (N contiguous) into a fresh tensor, and the latent output's rows through W_UV (K contiguous) into
     the strided [h, B, v] view of a [B, h, v] tensor; against float64 on the same bf16 values. Widths that are
