@@ -230,32 +230,10 @@ void batched(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* w, int
 }
 
 #ifdef __AVX512BF16__
-// The packed form (the amx and avx512bf16 builds): y [M, N] = x [M, K] · W^T over W's packed copy wp [N / 16,
-// K / 2, 16, 2] (cpu_skinny_gemm.pack), any M: work items of up to kDotRows rows by 64 columns, accumulators of 16
-// output columns each (cpu_bf16_dot.h), no horizontal sums; rounded to bf16 once.
-void packed_gemm(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K, uint16_t* y,
-                 int64_t ldy, int num_threads) {
-  constexpr int kBlock = moeserve_dot::kBlock, kRowsMax = moeserve_dot::kDotRows;
-  const int64_t blocks = N / kBlock, col_items = (blocks + 3) / 4, row_items = (M + kRowsMax - 1) / kRowsMax;
-  const int64_t n_items = row_items * col_items;
-  const int threads = threads_for(M * N * K, num_threads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t i = 0; i < n_items; ++i) {
-    const int64_t m0 = (i / col_items) * kRowsMax, j0 = (i % col_items) * 4;
-    const int R = static_cast<int>(M - m0 < kRowsMax ? M - m0 : kRowsMax);
-    const int nb = static_cast<int>(blocks - j0 < 4 ? blocks - j0 : 4);
-    const uint16_t* b[4];
-    for (int q = 0; q < nb; ++q) b[q] = wp + (j0 + q) * K * kBlock;
-    alignas(64) float c[kRowsMax * 4 * kBlock];
-    moeserve_dot::dot(R, nb, x + m0 * ldx, ldx, b, K, c, 4 * kBlock);
-    for (int r = 0; r < R; ++r)
-      for (int q = 0; q < nb; ++q)
-        storev(y + (m0 + r) * ldy + (j0 + q) * kBlock, loadv(c + r * 4 * kBlock + q * kBlock));
-  }
-}
-
-// The per-group form: y[g] = x[g] · W_g^T for g < G over wp [G, N / 16, K / 2, 16, 2] (x rows sxm and groups sxg
-// apart, y rows sym and groups syg apart, both with the last dimension contiguous).
+// The packed form (the amx and avx512bf16 builds): y[g] = x[g] · W_g^T for g < G over the packed copies wp [G, N /
+// 16, K / 2, 16, 2] (cpu_skinny_gemm.pack, G = 1, and pack_groups), any M: work items of up to kDotRows rows by 64
+// columns, accumulators of 16 output columns each (cpu_bf16_dot.h), no horizontal sums; rounded to bf16 once.
+// x rows sxm and groups sxg apart, y rows sym and groups syg apart, both with the last dimension contiguous.
 void batched_packed_gemm(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* wp, int64_t G, int64_t M,
                          int64_t N, int64_t K, uint16_t* y, int64_t syg, int64_t sym, int num_threads) {
   constexpr int kBlock = moeserve_dot::kBlock, kRowsMax = moeserve_dot::kDotRows;
@@ -316,7 +294,7 @@ void moeserve_batched_skinny_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t s
 int moeserve_packed_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
                               uint16_t* y, int64_t ldy, int num_threads) {
 #ifdef __AVX512BF16__
-  packed_gemm(x, ldx, wp, M, N, K, y, ldy, num_threads);
+  batched_packed_gemm(x, 0, ldx, wp, 1, M, N, K, y, 0, ldy, num_threads);
   return 0;
 #else
   (void)x, (void)ldx, (void)wp, (void)M, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
