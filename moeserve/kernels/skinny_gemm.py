@@ -20,8 +20,8 @@ W_UV at one row (3.1 against 3.4 us, 2.9 against 3.8) and lost or tied everywher
 On the CPU, bf16 products of 1 to 4 rows run the C++ kernel (kernels/cpu_skinny_gemm.py, built for the --cpu-isa
 picked at load): torch's bf16 F.linear pays a fixed cost per call there that a decode step's many small
 projections feel; the batched form runs MLA's per-head products. In the builds with AVX-512 BF16 (amx, avx512bf16)
-a packed copy of the weight (made on its first product, kept on the tensor) serves 1 to 64 rows instead, faster
-than F.linear at every such count on the EPYC VM (2026-12-07). Other CPU dtypes (float32) keep F.linear and
+a packed copy of the weight (made on its first product, kept on the tensor) serves 1 to 128 rows instead, faster
+than F.linear at every such count on the EPYC VM (2026-12-07; on one thread: cpu_skinny_gemm.py). Other CPU dtypes (float32) keep F.linear and
 torch.bmm.
 """
 
@@ -71,7 +71,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                         packed: torch.Tensor | None = None) -> torch.Tensor:
     """Module docstring: x [G, M, K], w [G, N, K] -> [G, M, N] (into out where given). packed: w's per-group packed
-    copy (cpu_skinny_gemm.pack_groups), which the CPU's AVX-512 BF16 builds multiply by for 1 to 64 rows."""
+    copy (cpu_skinny_gemm.pack_groups), which the CPU's AVX-512 BF16 builds multiply by for 1 to 128 rows."""
     if cpu_skinny_gemm.batched_packed_takes(x, packed, out):
         return cpu_skinny_gemm.cpu_batched_packed_gemm(x, packed, out)
     if cpu_skinny_gemm.batched_takes(x, w, out):

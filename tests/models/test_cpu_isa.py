@@ -187,8 +187,8 @@ def test_skinny_gemm(isa, rows, N, K):
 
 def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
     """Linear's product (kernels/skinny_gemm.py) runs a kernel for CPU bf16 of few rows, with leading dimensions
-    and rows that are not contiguous: the packed product for 1-64 rows in the builds with AVX-512 BF16, else the row
-    kernel for 1-4; F.linear for more rows, float32 and a weight that is a transposed view."""
+    and rows that are not contiguous: the packed product for 1-MAX_PACKED_ROWS rows in the builds with AVX-512 BF16,
+    else the row kernel for 1-4; F.linear for more rows, float32 and a weight that is a transposed view."""
     calls = []
     for name in ("cpu_skinny_gemm", "cpu_packed_gemm"):
         kernel = getattr(cpu_skinny_gemm, name)
@@ -201,7 +201,8 @@ def test_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
     kernel = "cpu_packed_gemm" if isa in BF16_DOT else "cpu_skinny_gemm"
     assert calls == [(kernel, (2, 2, 64))] and got.shape == (2, 2, 96)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1.6e-2, atol=1e-2)
-    more = torch.randn(65 if isa in BF16_DOT else 5, 64, generator=gen).bfloat16()
+    rows = cpu_skinny_gemm.MAX_PACKED_ROWS if isa in BF16_DOT else cpu_skinny_gemm.MAX_ROWS
+    more = torch.randn(rows + 1, 64, generator=gen).bfloat16()
     for xx, ww in [(more, w), (x.float(), w.float()), (x, w.T.contiguous().T)]:
         torch.testing.assert_close(skinny_gemm.skinny_gemm(xx, ww), F.linear(xx, ww))
     assert len(calls) == 1
@@ -269,7 +270,7 @@ def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r, one_thre
     transpose (N contiguous) into a fresh tensor, and the latent output's rows through W_UV (K contiguous) into
     the strided [h, B, v] view of a [B, h, v] tensor; against float64 on the same bf16 values. Widths that are
     and are not multiples of the vectors; V3's 128-wide heads on 16 of them (split over the threads). The row
-    kernel takes 1-4 rows (torch.bmm more); the packed per-head copies of the AVX-512 BF16 builds 1-64."""
+    kernel takes 1-4 rows (torch.bmm more); the packed per-head copies of the AVX-512 BF16 builds up to MAX_PACKED_ROWS."""
     gen = torch.Generator().manual_seed(rows * heads + r + len(isa))
     kv_b = (torch.randn(heads * (nope + v), r, generator=gen) * r**-0.5).bfloat16()
     w = kv_b.view(heads, nope + v, r)
