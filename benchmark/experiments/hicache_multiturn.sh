@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-turn conversations whose histories outgrow the device KV pool: TTFT and input throughput with the
 # hierarchical KV cache off, host memory only, and host plus the file storage tier, in one run (docs/BENCHMARKS.md).
-#   bash benchmark/experiments/hicache_multiturn.sh [OUT_DIR]
+#   [EXTRA="--dtype bfloat16"] bash benchmark/experiments/hicache_multiturn.sh [OUT_DIR]
 # The embedded default model on CPU, a device pool of 2,048 tokens (--max-total-tokens), a host pool of twice
 # that; 24 conversations of 6 turns (a shared 512-token system prompt, 64-token user turns, 32-token answers):
 # a working set of about 14k tokens, so the host pool overflows too and the file tier holds the rest. One request
@@ -15,7 +15,9 @@ OUT=${1:-/tmp/hicache_bench}
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-31870}
 rm -rf "$OUT" && mkdir -p "$OUT"
-COMMON=(--max-total-tokens 2048 --page-size 16 --log-level warning)
+# EXTRA: more server flags for all three, e.g. EXTRA="--dtype bfloat16" (--dtype auto is float32 on the CPU)
+# shellcheck disable=SC2206
+COMMON=(--max-total-tokens 2048 --page-size 16 --log-level warning ${EXTRA:-})
 declare -A MODES=(
   [off]=""
   [host]="--enable-hierarchical-cache --hicache-ratio 2"
