@@ -26,7 +26,7 @@ from moeserve.models.default_model import default_model_path
 
 V2_LITE = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
                qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None)
-T_VALUES, L_VALUES = (16, 64, 256), (0, 512, 2048)
+T_VALUES, L_VALUES = (16, 64, 256, 1024), (0, 512, 2048)
 
 
 def layer(shape: str, dtype: torch.dtype) -> tuple[deepseek.MLAttention, ModelConfig]:
@@ -77,6 +77,7 @@ def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
             with torch.no_grad():
                 for absorbed in (False, True):
                     deepseek.absorbed_requests = lambda shape, plan, ext, seq, q, absorbed=absorbed: [absorbed] * len(ext)
+                    meta.memo.clear()  # the step's form is memoized by its first layer: choose again
                     ms[absorbed] = time_ms(lambda q=q_nope, r=q_rope, m=meta: attn._attend(q, r, m), reps)
             deepseek.absorbed_requests = absorbed_requests
             pick = "absorbed" if all(absorbed_requests(attn.shape, meta.extend_plan, [T], [L + T], q_nope)) else "expanded"

@@ -7,7 +7,7 @@ experts and the weighted sum of each token's k results, in one call (no dispatch
 a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H, I]) but are stored transposed, as
 `Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32.
 Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill) a GEMM library is faster, and it
-runs the grouped GEMMs instead.
+runs the grouped GEMMs instead; over packed weights the kernel takes every row count (`kernel_takes`).
 NOTE: a packed per-column-block weight layout (each expert's [K, 64] column block contiguous, so that the tiles
 stream it and it stays in cache across the row blocks) is not done: the rebalancer (eplb/) writes the experts'
 slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
@@ -40,6 +40,10 @@ from moeserve.kernels.grouped_gemm import grouped_gemm
 
 SOURCE = Path(__file__).with_name("cpu_experts.cpp")
 MAX_ROWS_PER_EXPERT = 32  # measured crossover with MKL's grouped GEMM is 32-64 rows per expert (2 AVX2 cores)
+# Over packed weights (bf16, AVX-512 BF16) no limit: torch's bf16 grouped GEMM runs a call per expert and matrix, and
+# with the dispatcher around it the default model's whole bf16 prefill (2 threads, AMD EPYC Zen 4, 2026-12-07) took
+# 26.5 ms at 129 tokens against 9.9 through the kernel, 88-113 against 52-54 at 1,024 and 177-246 against 143-144 at
+# 2,048 (the kernel alone is slower than the grouped GEMMs from 256 rows per expert: 7.1 ms against 2.7).
 # The amx build runs an expert's rows on AMX tiles (16 rows a tile, whatever the count) where at least this many are
 # left, else as AVX-512 BF16 dot products (6 rows at a time). On the 16-core Xeon (2026-12-07) the tiny V3's layer
 # at 16 rows per expert took 694 us on tiles against 1,155 as dot products on one thread, at one row per expert 73
@@ -91,6 +95,12 @@ def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ctypes.CD
 Packed = tuple[torch.Tensor, torch.Tensor]  # pack's (w13p, w2p)
 
 
+def kernel_takes(rows: int, num_experts: int, packed: Packed | None) -> bool:
+    """Whether the kernel runs `rows` (token, expert) pairs over num_experts experts, rather than the grouped GEMMs
+    (MAX_ROWS_PER_EXPERT: the unpacked kernels only)."""
+    return packed is not None or rows <= MAX_ROWS_PER_EXPERT * num_experts
+
+
 def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
                 counts: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H], w2 [E, H, I] stored transposed; offsets [E + 1], counts [E] -> [M, H] in x's dtype.
@@ -103,7 +113,7 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
         return torch.ops.moeserve.cpu_experts(x, w13, w2, offsets, counts, w13p, w2p)
     E, I2, H = w13.shape
     M = x.shape[0]
-    if M > MAX_ROWS_PER_EXPERT * E:
+    if not kernel_takes(M, E, packed):
         return grouped_gemm(silu_and_mul(grouped_gemm(x, w13, offsets, counts)), w2, offsets, counts)
     lib, w13t, w2t = _library_and_weights(w13, w2)
     xf = x.float().contiguous()
@@ -129,7 +139,7 @@ def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     expert_{topk_ids[t, j]}(x[t]), summed in fp32.
 
     What LocalDispatcher + `cpu_experts` + combine compute, in one call: for decode steps (few rows per expert;
-    the caller checks MAX_ROWS_PER_EXPERT). packed: as cpu_experts'."""
+    the caller checks kernel_takes). packed: as cpu_experts'."""
     if torch.compiler.is_compiling():
         w13p, w2p = packed or (None, None)
         return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2, w13p, w2p)

@@ -186,6 +186,17 @@ def test_score_blocks(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(_run(runner, batch, True, monkeypatch), whole, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("name", ["v2_lite", "default"])
+def test_query_blocks_read_only_the_keys_they_see(tiny_checkpoint, name, monkeypatch):
+    """Query blocks of 4 rows, each reading the keys up to the last one its rows see: a fresh prompt (a dense
+    causal group) and a ragged batch over cached prefixes (a padded group) equal the expanded form."""
+    runner = Runner(_path(tiny_checkpoint, name))
+    monkeypatch.setattr(latent_extend, "QUERY_BLOCK", 4)
+    _both(runner, [(0, random_tokens(30, 90))], monkeypatch)
+    _cached(runner, {1: 37, 2: 5}, seed=91)
+    _both(runner, [(1, random_tokens(11, 92)), (2, random_tokens(23, 93)), (3, random_tokens(9, 94))], monkeypatch)
+
+
 def test_fp8_kv_b_keeps_extends_expanded(fp8_checkpoint, monkeypatch):
     """An FP8 kv_b_proj: a short tail over a long prefix, which the rule would run absorbed, runs expanded (the two
     forms are an e4m3 step apart there, so a prompt's rounding would follow its chunking)."""

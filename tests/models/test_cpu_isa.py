@@ -113,10 +113,11 @@ def test_packed_experts_tiles_and_dot_products_agree(isa, tile_from, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 7, 64])
+@pytest.mark.parametrize("T", [1, 7, 64, 200])
 def test_moe_local_with_tokens_routed_nowhere(isa, dtype, T):
     """The one-call MoE (grouping, experts, weighted sum): top-4 of 16 experts with some tokens' weights all
-    zero and a skewed load (half the pairs on two experts)."""
+    zero and a skewed load (half the pairs on two experts). At 200 tokens two experts get over 100 rows: a
+    prefill's counts, which the packed kernel takes (kernel_takes)."""
     gen = torch.Generator().manual_seed(T + len(isa))
     E, H, inter, k = 16, 256, 128, 4
     w13, w2 = _weights(gen, E, H, inter, dtype)

@@ -39,6 +39,7 @@ from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 CPU_ABSORBED_RATE = {torch.float32: 1.5}
 CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
+QUERY_BLOCK = 128  # query rows of one block at most (`_group_attention`: the causal triangle is skipped per block)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ def latent_extend_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, plan:
 def _group_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, g: ExtendGroup, scale: float) -> torch.Tensor:
     """One padded group -> [B * lq, h, r] (padded rows included). Rows (t, head) of q are consecutive, so the
     group's queries are a [B, lq * h, D] view: one matmul per request against its [lk, D] latent rows. The float32
-    scores [B, rows * h, lk] are materialized, so the query rows go in blocks of at most SCORE_BYTES of them."""
+    scores [B, rows * h, lk] are materialized, so the query rows go in blocks (at most QUERY_BLOCK rows, and at most
+    SCORE_BYTES of scores); a block reads the keys up to the last one any of its rows sees (the causal triangle's
+    far side is skipped, not computed and masked: half the products of a prompt without a cached prefix)."""
     if g.q_rows is not None:
         qb, kb = q[g.q_rows[0]:g.q_rows[1]], kv[g.kv_rows[0]:g.kv_rows[1]]
     else:
@@ -129,11 +132,14 @@ def _group_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, g: ExtendGro
     kb = kb.reshape(B, g.lk, D).float()
     bias = g.bias()  # [B or 1, lq, lk]
     out = q.new_empty(B, g.lq, h, v_dim)
-    step = max(1, SCORE_BYTES // (4 * B * h * g.lk))
+    step = max(1, min(QUERY_BLOCK, SCORE_BYTES // (4 * B * h * g.lk)))
+    # the last key each block's rows see, +1 (host ints: this path runs on the CPU only)
+    last = (g.q_pos.amax(dim=0) if g.q_pos is not None else torch.arange(g.lq)).tolist()
     for t0 in range(0, g.lq, step):
         t1 = min(t0 + step, g.lq)
-        scores = torch.bmm(qb[:, t0:t1].reshape(B, (t1 - t0) * h, D), kb.transpose(1, 2))
-        scores = torch.add(bias[:, t0:t1, None, :], scores.view(B, t1 - t0, h, g.lk), alpha=scale)
-        probs = scores.softmax(dim=-1).view(B, (t1 - t0) * h, g.lk)
-        out[:, t0:t1] = torch.bmm(probs, kb[..., :v_dim]).view(B, t1 - t0, h, v_dim)
+        lk = min(g.lk, max(last[t0:t1]) + 1)
+        scores = torch.bmm(qb[:, t0:t1].reshape(B, (t1 - t0) * h, D), kb[:, :lk].transpose(1, 2))
+        scores = torch.add(bias[:, t0:t1, None, :lk], scores.view(B, t1 - t0, h, lk), alpha=scale)
+        probs = scores.softmax(dim=-1).view(B, (t1 - t0) * h, lk)
+        out[:, t0:t1] = torch.bmm(probs, kb[:, :lk, :v_dim]).view(B, t1 - t0, h, v_dim)
     return out.view(B * g.lq, h, v_dim)

@@ -114,7 +114,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. Runs for T = 0 too: an IDLE rank still joins the dispatch collectives."""
-        if self.fused_cpu and x.shape[0] * self.top_k <= cpu_experts.MAX_ROWS_PER_EXPERT * self.experts.num_experts:
+        if self.fused_cpu and cpu_experts.kernel_takes(x.shape[0] * self.top_k, self.experts.num_experts,
+                                                       self.experts.cpu_packed):
             return self.forward_fused_cpu(x)
         self.dispatch(x, batch)
         self.compute()
