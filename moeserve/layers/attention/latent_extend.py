@@ -9,8 +9,11 @@ form skips it: q_nope moves into the latent space (q_nope W_UK), all heads atten
 Cost in multiply-adds per layer, for a step of T new tokens, S = sum(seq_lens) cached + new slots and
 P (query, key) pairs (`query_key_pairs`), h heads, latent r, rope R, nope and v head widths:
 
-    expanded = S * r * h * (nope + v)  +  P * h * (nope + R + v)
-    absorbed = P * h * (2 * r + R)     +  T * h * r * (nope + v)       (scores over r + R, values over r)
+    expanded = S * r * h * (nope + v)  +  P * h * (nope + R + v + c)
+    absorbed = P * h * (2 * r + R + c) +  T * h * r * (nope + v)       (scores over r + R, values over r)
+
+where c (SCORE_COST) is what a score's softmax and mask cost beside its products, in multiply-adds: the same in both
+forms, it weighs most where the heads are narrow (the default model's).
 
 The absorbed attention is wider (2r + R against nope + R + v), so it pays when the prefix is long beside the new
 rows: for DeepSeek-V3's shapes (r 512, R 64, nope 128, v 128) at L >> T below about T = 170 new tokens. On the
@@ -38,6 +41,10 @@ from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 # default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
 CPU_ABSORBED_RATE = {torch.float32: 1.5}
 CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
+# A (query, key, head) score's softmax and mask in multiply-adds of the products: the absorbed extend of 1,024 fresh
+# tokens on the default model (before a6eb984 skipped the causal triangle) spent 29 ps a multiply-add in bmm,
+# 1.5 ns a score in softmax and 1.2 ns in the mask's add (torch profiler, one thread, AMD EPYC Zen 4, 2026-12-07).
+SCORE_COST = 96
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
 QUERY_BLOCK = 128  # query rows of one block at most (`_group_attention`: the causal triangle is skipped per block)
 
@@ -55,11 +62,11 @@ class MLAShape:
     def expanded_cost(self, num_kv: int, pairs: int) -> int:
         """Multiply-adds of the expanded extend (module doc)."""
         return num_kv * self.kv_lora * self.heads * (self.nope + self.v) + pairs * self.heads * (
-            self.nope + self.rope + self.v)
+            self.nope + self.rope + self.v + SCORE_COST)
 
     def absorbed_cost(self, num_tokens: int, pairs: int) -> int:
         """Multiply-adds of the absorbed extend (module doc)."""
-        return pairs * self.heads * (2 * self.kv_lora + self.rope) + num_tokens * self.heads * self.kv_lora * (
+        return pairs * self.heads * (2 * self.kv_lora + self.rope + SCORE_COST) + num_tokens * self.heads * self.kv_lora * (
             self.nope + self.v)
 
 
