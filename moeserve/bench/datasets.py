@@ -130,8 +130,10 @@ TURN_SEP = "\n\n"  # between the system prompt, user messages and answers in a t
 @dataclass
 class Conversation:
     """One conversation: a system prompt (shared by all conversations) and its users' messages, one per turn.
-    Turn k's prompt is the system prompt, then every earlier message and the server's answer to it, then message k;
-    each turn asks for `output_len` tokens."""
+    Turn k's prompt is the system prompt, then every earlier message and the server's answer to it, then message k,
+    each followed by TURN_SEP; each turn asks for `output_len` tokens. The separator after message k is where the
+    answer starts (what a chat template's assistant header is), so turn k + 1's prompt begins with turn k's prompt
+    and its answer, as the server saw and wrote them: the answer's KV is the next turn's history."""
 
     system: str
     user_messages: list[str]
@@ -148,7 +150,7 @@ class Conversation:
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         parts.append(self.user_messages[k])
         messages.append({"role": "user", "content": self.user_messages[k]})
-        prompt = TURN_SEP.join(parts)
+        prompt = "".join(part + TURN_SEP for part in parts)
         return BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), self.output_len,
                             messages, k + 1)
 

@@ -31,17 +31,20 @@ def test_conversations(default_tokenizer):
     assert multiturn_conversations(default_tokenizer, 5, 3, 40, 12, 6, seed=0) == convs  # seeded
     conv = convs[1]
     first = conv.turn_request(default_tokenizer, [])
-    assert first.turn == 1 and first.prompt == conv.system + TURN_SEP + conv.user_messages[0]
+    assert first.turn == 1 and first.prompt == conv.system + TURN_SEP + conv.user_messages[0] + TURN_SEP
     assert [m["role"] for m in first.messages] == ["system", "user"]
     third = conv.turn_request(default_tokenizer, ["answer one", "answer two"])
     assert third.turn == 3 and third.prompt == TURN_SEP.join([conv.system, conv.user_messages[0], "answer one",
                                                               conv.user_messages[1], "answer two",
-                                                              conv.user_messages[2]])
-    assert third.prompt.startswith(first.prompt) and third.prompt_len > first.prompt_len
+                                                              conv.user_messages[2], ""])
+    # each turn's prompt and its answer begin the next turn's prompt: the answer's KV is reused, as in a chat
+    second = conv.turn_request(default_tokenizer, ["answer one"])
+    assert second.prompt.startswith(first.prompt + "answer one") and third.prompt.startswith(second.prompt + "answer two")
+    assert third.prompt_len > first.prompt_len
     assert [m["role"] for m in third.messages] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert third.messages[4]["content"] == "answer two"
     no_system = multiturn_conversations(default_tokenizer, 1, 1, 0, 8, 4, seed=0)[0]
-    assert no_system.turn_request(default_tokenizer, []).prompt == no_system.user_messages[0]
+    assert no_system.turn_request(default_tokenizer, []).prompt == no_system.user_messages[0] + TURN_SEP
     with pytest.raises(ValueError, match="at least one"):
         multiturn_conversations(default_tokenizer, 0, 3, 8, 8, 4, seed=0)
 
