@@ -289,21 +289,9 @@ void moeserve_batched_skinny_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t s
   batched<uint16_t>(x, sxg, sxm, w, swg, swn, swk, G, M, N, K, y, syg, sym, num_threads);
 }
 
-// x [M, K] bf16 (rows ldx apart) times the packed W (wp [N / 16, K / 2, 16, 2] bf16) -> y [M, N] bf16 (rows ldy
-// apart); N a multiple of 16, K even. Returns 0, or -1 in a build without AVX-512 BF16 (nothing written).
-int moeserve_packed_gemm_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
-                              uint16_t* y, int64_t ldy, int num_threads) {
-#ifdef __AVX512BF16__
-  batched_packed_gemm(x, 0, ldx, wp, 1, M, N, K, y, 0, ldy, num_threads);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)wp, (void)M, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
-  return -1;
-#endif
-}
-
-// The per-group form: x [G, M, K] bf16, wp [G, N / 16, K / 2, 16, 2] bf16 (cpu_skinny_gemm.pack_groups), y [G, M,
-// N] bf16; strides in elements. Returns 0, or -1 in a build without AVX-512 BF16 (nothing written).
+// x [G, M, K] bf16 times each group's packed W (wp [G, N / 16, K / 2, 16, 2] bf16: cpu_skinny_gemm.pack_groups; one
+// group for a dense layer's packed copy) -> y [G, M, N] bf16; N a multiple of 16, K even; strides in elements.
+// Returns 0, or -1 in a build without AVX-512 BF16 (nothing written).
 int moeserve_batched_packed_gemm_bf16(const uint16_t* x, int64_t sxg, int64_t sxm, const uint16_t* wp, int64_t G,
                                       int64_t M, int64_t N, int64_t K, uint16_t* y, int64_t syg, int64_t sym,
                                       int num_threads) {

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.core.derived import derived
 from moeserve.kernels.build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_skinny_gemm.cpp")
@@ -97,12 +98,7 @@ def packed_copy(w: torch.Tensor) -> torch.Tensor | None:
     for a view (a view made per call would be packed per call) or what `pack` refuses."""
     if w._base is not None and not isinstance(w, torch.nn.Parameter):
         return None
-    stamp = (w._version, w.data_ptr())
-    held = getattr(w, "_moeserve_packed", None)
-    if held is None or held[0] != stamp:
-        held = (stamp, pack(w))
-        w._moeserve_packed = held
-    return held[1]
+    return derived(w, "_moeserve_packed", lambda: pack(w))
 
 
 def _one_thread(work: int) -> bool:
@@ -124,19 +120,16 @@ def packed_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def cpu_packed_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 -> x W^T [..., N] bf16 over W's packed copy; check packed_takes() first."""
-    lib, wp = load(), packed_copy(w)
-    if lib is None or wp is None:
+    """x [..., K] bf16 -> x W^T [..., N] bf16 over W's packed copy; check packed_takes() first. One group of
+    cpu_batched_packed_gemm."""
+    wp = packed_copy(w)
+    if load() is None or wp is None:
         raise RuntimeError("the packed CPU GEMM does not run here; check packed_takes()")
-    K, N = x.shape[-1], w.shape[0]
+    K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    y = x2.new_empty(x2.shape[0], N)
-    if lib.moeserve_packed_gemm_bf16(x2.data_ptr(), x2.stride(0), wp.data_ptr(), x2.shape[0], N, K, y.data_ptr(), N,
-                                     torch.get_num_threads()):
-        raise RuntimeError("the packed CPU GEMM is not in this build (no AVX-512 BF16)")
-    return y.view(*x.shape[:-1], N)
+    return cpu_batched_packed_gemm(x2[None], wp[None])[0].view(*x.shape[:-1], w.shape[0])
 
 
 def pack_groups(w: torch.Tensor) -> torch.Tensor | None:
@@ -202,8 +195,6 @@ def cpu_batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.moeserve_packed_gemm_bf16.restype = ctypes.c_int
-    lib.moeserve_packed_gemm_bf16.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
     lib.moeserve_batched_packed_gemm_bf16.restype = ctypes.c_int
     lib.moeserve_batched_packed_gemm_bf16.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]
     lib.moeserve_batched_skinny_gemm_bf16.restype = None

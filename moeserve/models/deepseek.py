@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moeserve.core.derived import derived
 from moeserve.core.model_config import ModelConfig
 from moeserve.kernels.cpu_skinny_gemm import pack_groups
 from moeserve.kernels.fp8_quant import BLOCK, QuantizedRows
@@ -232,12 +233,12 @@ class MLAttention(nn.Module):
         dense = self._kv_b_dense
         if torch.compiler.is_compiling() or not dense.is_cpu or dense.dtype is not torch.bfloat16:
             return None, None
-        stamp = (dense._version, dense.data_ptr())
-        if getattr(self, "_kv_b_packed_stamp", None) != stamp:
+
+        def make() -> tuple[torch.Tensor | None, torch.Tensor | None]:
             w_uk, w_uv = self._kv_b()
-            self._kv_b_packed_copies = (pack_groups(w_uk.transpose(1, 2)), pack_groups(w_uv))
-            self._kv_b_packed_stamp = stamp
-        return self._kv_b_packed_copies
+            return pack_groups(w_uk.transpose(1, 2)), pack_groups(w_uv)
+
+        return derived(dense, "_moeserve_kv_b_packed", make)
 
 
 def deepseek_gate(config: ModelConfig) -> TopKRouter:

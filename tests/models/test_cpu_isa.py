@@ -264,6 +264,31 @@ def test_packed_copy_follows_the_weight(isa):
     assert cpu_skinny_gemm.packed_copy(torch.randn(24, 64).bfloat16()) is None  # 24 columns: not whole blocks
 
 
+def test_mla_packed_kv_b_follows_the_weight(isa):
+    """MLA's packed W_UK / W_UV (MLAttention._kv_b_packed): made once, made again when kv_b_proj's weight is
+    rewritten in place (as a weight update does), and then the new weight's packing."""
+    if isa not in BF16_DOT:
+        pytest.skip(f"the {isa} build has no packed product")
+    from moeserve.core.model_config import ModelConfig
+    from moeserve.models.deepseek import MLAttention
+    from moeserve.models.default_model import default_model_path
+
+    attn = MLAttention(ModelConfig.from_pretrained(default_model_path()), 0, rotary=None)
+    gen = torch.Generator().manual_seed(4)
+    for p in attn.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5).bfloat16()
+    attn.process_weights_after_loading(torch.device("cpu"))
+    first = attn._kv_b_packed()
+    assert first[0] is not None and first[1] is not None and attn._kv_b_packed() is first
+    with torch.no_grad():
+        attn.kv_b_proj.weight.copy_(torch.randn(attn.kv_b_proj.weight.shape, generator=gen).bfloat16())
+    uk, uv = attn._kv_b_packed()
+    assert uk is not first[0]
+    w_uk, w_uv = attn._kv_b()
+    assert torch.equal(uk, cpu_skinny_gemm.pack_groups(w_uk.transpose(1, 2)))
+    assert torch.equal(uv, cpu_skinny_gemm.pack_groups(w_uv))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 16, 64])
 @pytest.mark.parametrize(("heads", "nope", "v", "r"), [(4, 32, 32, 512), (3, 24, 40, 72), (16, 128, 128, 512)])
 def test_batched_skinny_gemm_on_mla_views(isa, rows, heads, nope, v, r, one_thread):
