@@ -457,9 +457,14 @@ class Scheduler(PDHost, StepResults):
         req.kv_len = kv_len
 
     def _release(self, req: Req, cache: bool) -> None:
-        """Return the request's KV: into the prefix cache (finished requests) or straight to the free list."""
+        """Return the request's KV: into the prefix cache (finished requests) or straight to the free list.
+        With speculative decoding the cache keeps only the positions whose draft KV the target's hidden states
+        wrote (before req.draft_start, rank/speculative/round.py): past them the draft pool holds the draft steps'
+        scratch, or nothing of this request (a prompt that never drafted), and a later hit would draft from it."""
         if req.row is None:
             return
+        if cache and self.num_draft_tokens:
+            self.trim_kv(req, max(req.prefix_len, min(req.kv_len, req.draft_start)))
         slots = self.req_table.table[req.row, : req.kv_len]
         self.cache.release(req.fill_ids, slots, req.prefix_len, req.last_node, keep=cache)
         req.last_node = None

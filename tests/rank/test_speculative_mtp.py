@@ -55,6 +55,28 @@ def test_mtp_chunked_prefill_and_prefix_hits(mtp_checkpoint):
     assert spec.scheduler.stats.prefilled > 0
 
 
+def test_the_cache_keeps_only_draft_kv_the_target_wrote(mtp_checkpoint):
+    """A finished request's cached positions carry the draft KV its target hidden states wrote: equal to what a
+    fresh engine writes drafting over the same sequence as a prompt. The draft steps' scratch past the last verify
+    (req.draft_start) is not cached, where a later prefix hit would draft from it."""
+    kw = dict(model_path=mtp_checkpoint, dtype="float32", max_total_tokens=4096, page_size=1,
+              speculative_algorithm="NEXTN", speculative_num_steps=3)
+    prompt = _prompts(11, [20])[0]
+    first = InProcessEngine(**kw)
+    seq = prompt + first.run([prompt], GREEDY)[0]["output_ids"]  # its KV covers seq[:-1]
+    cached = first.scheduler.cache.match_prefix(seq).slots
+    assert len(prompt) <= len(cached) < len(seq) - 1  # the last verify's run is not cached
+    fresh = InProcessEngine(**kw)
+    fresh.run([seq + [5]], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+    again = fresh.scheduler.cache.match_prefix(seq).slots
+    assert len(again) >= len(cached)
+    for a, b in zip(first.runner.draft_kv_pool.buffers, fresh.runner.draft_kv_pool.buffers, strict=True):
+        torch.testing.assert_close(a[torch.from_numpy(cached)], b[torch.from_numpy(again[:len(cached)])],
+                                   atol=1e-4, rtol=1e-4)
+    first.close()
+    fresh.close()
+
+
 FP8_TIE = 0.05  # log-prob: how far FP8 extends of the same tokens differ with the batch around them (below)
 
 
