@@ -39,7 +39,10 @@ async def run(servers: dict[str, str], conversations, tokenizer) -> dict[str, li
         for turn in range(len(conversations[0].user_messages)):
             for name in names[turn % len(names):] + names[: turn % len(names)]:
                 for conv, said in zip(conversations, answers[name], strict=True):
-                    if len(said) < turn:  # an earlier turn failed: its next prompts do not exist
+                    if len(said) < turn:  # an earlier turn failed: its next prompts do not exist (as bench serving)
+                        results[name].append(RequestResult(expected_output_len=conv.output_len, turn=turn + 1,
+                                                           error="not sent: an earlier turn of its conversation "
+                                                                 "failed"))
                         continue
                     req = conv.turn_request(tokenizer, said)
                     res = await send_request(session, servers[name] + endpoint, kind, None, req)
