@@ -120,16 +120,24 @@ def packed_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def cpu_packed_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 -> x W^T [..., N] bf16 over W's packed copy; check packed_takes() first. One group of
-    cpu_batched_packed_gemm."""
-    wp = packed_copy(w)
-    if load() is None or wp is None:
+    """x [..., K] bf16 -> x W^T [..., N] bf16 over W's packed copy; check packed_takes() first. One group of the
+    batched product, called without the group dimension's views (they cost ~4 us a call, a 1-row product ~17)."""
+    lib, wp = load(), packed_copy(w)
+    if lib is None or wp is None:
         raise RuntimeError("the packed CPU GEMM does not run here; check packed_takes()")
-    K = x.shape[-1]
+    K, N = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return cpu_batched_packed_gemm(x2[None], wp[None])[0].view(*x.shape[:-1], w.shape[0])
+    y = x2.new_empty(x2.shape[0], N)
+    _packed_product(lib, x2.data_ptr(), 0, x2.stride(0), wp.data_ptr(), 1, x2.shape[0], N, K, y.data_ptr(), 0, N)
+    return y.view(*x.shape[:-1], N)
+
+
+def _packed_product(lib: ctypes.CDLL, *args: int) -> None:
+    """moeserve_batched_packed_gemm_bf16 (x, its group and row strides, wp, G, M, N, K, y, its strides)."""
+    if lib.moeserve_batched_packed_gemm_bf16(*args, torch.get_num_threads()):
+        raise RuntimeError("the packed CPU GEMM is not in this build (no AVX-512 BF16)")
 
 
 def pack_groups(w: torch.Tensor) -> torch.Tensor | None:
@@ -160,9 +168,8 @@ def cpu_batched_packed_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Te
     G, M, K = x.shape
     N = packed.shape[1] * 16
     y = x.new_empty(G, M, N) if out is None else out
-    if lib.moeserve_batched_packed_gemm_bf16(x.data_ptr(), x.stride(0), x.stride(1), packed.data_ptr(), G, M, N, K,
-                                             y.data_ptr(), y.stride(0), y.stride(1), torch.get_num_threads()):
-        raise RuntimeError("the packed CPU GEMM is not in this build (no AVX-512 BF16)")
+    _packed_product(lib, x.data_ptr(), x.stride(0), x.stride(1), packed.data_ptr(), G, M, N, K, y.data_ptr(),
+                    y.stride(0), y.stride(1))
     return y
 
 
