@@ -45,7 +45,8 @@ class ExtendGroup:
     out_src: torch.Tensor | None = None  # [sum n_b] padded rows that are real queries
     out_dst: torch.Tensor | None = None  # [sum n_b] their rows in the output
     q_pos: torch.Tensor | None = None  # [batch, lq] each padded query's position (masked groups only)
-    masks: dict = field(default_factory=dict)  # window (or None) -> [batch or 1, lq, lk] bool; "bias" -> bias()
+    masks: dict = field(default_factory=dict)  # window (or None) -> [batch or 1, lq, lk] bool; "bias" -> bias();
+    # "last_keys" -> last_keys()
     device: torch.device | str = "cpu"
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -61,6 +62,14 @@ class ExtendGroup:
             self.masks["bias"] = torch.zeros(self._key_mask(None).shape, device=self.device).masked_fill_(
                 ~self._key_mask(None), float("-inf"))
         return self.masks["bias"]
+
+    def last_keys(self) -> list[int]:
+        """[lq] host ints: the position of padded query row t in the request where it is furthest, the last key
+        any request's row t sees (the absorbed extend reads no key past a block's last; memoized for the step)."""
+        if "last_keys" not in self.masks:
+            pos = self.q_pos.amax(dim=0) if self.q_pos is not None else torch.arange(self.lq)
+            self.masks["last_keys"] = pos.tolist()
+        return self.masks["last_keys"]
 
     def _key_mask(self, window: int | None) -> torch.Tensor:
         """[batch or 1, lq, lk] bool: key j <= the query's position (inside the window)."""

@@ -66,8 +66,8 @@ class MLAShape:
 
     def absorbed_cost(self, num_tokens: int, pairs: int) -> int:
         """Multiply-adds of the absorbed extend (module doc)."""
-        return pairs * self.heads * (2 * self.kv_lora + self.rope + SCORE_COST) + num_tokens * self.heads * self.kv_lora * (
-            self.nope + self.v)
+        scores = pairs * self.heads * (2 * self.kv_lora + self.rope + SCORE_COST)
+        return scores + num_tokens * self.heads * self.kv_lora * (self.nope + self.v)
 
 
 def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
@@ -140,8 +140,7 @@ def _group_attention(q: torch.Tensor, kv: torch.Tensor, v_dim: int, g: ExtendGro
     bias = g.bias()  # [B or 1, lq, lk]
     out = q.new_empty(B, g.lq, h, v_dim)
     step = max(1, min(QUERY_BLOCK, SCORE_BYTES // (4 * B * h * g.lk)))
-    # the last key each block's rows see, +1 (host ints: this path runs on the CPU only)
-    last = (g.q_pos.amax(dim=0) if g.q_pos is not None else torch.arange(g.lq)).tolist()
+    last = g.last_keys()  # (host ints: this path runs on the CPU only)
     for t0 in range(0, g.lq, step):
         t1 = min(t0 + step, g.lq)
         lk = min(g.lk, max(last[t0:t1]) + 1)
