@@ -135,8 +135,9 @@ class ServerContext:
         self.num_http_requests -= 1
 
 
-def server_context(request: Request) -> ServerContext:
-    """The ServerContext of the app that serves `request` (build_app puts it in app.state)."""
+async def server_context(request: Request) -> ServerContext:
+    """The ServerContext of the app that serves `request` (build_app puts it in app.state). A coroutine: FastAPI
+    runs a plain function dependency in its thread pool, a thread hop per request for an attribute read."""
     return request.app.state.ctx
 
 
