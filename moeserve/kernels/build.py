@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moeserve.kernels import cpu_isa
-from moeserve.paths import cache_root
+from moeserve.paths import cache_root, touch
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +85,6 @@ def _cpu_id() -> str:
     return "\n".join(parts)
 
 
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
 def _delete_stale(builds, keep: Path) -> None:
     """Delete the builds (other than keep) no process loaded for STALE_BUILD_S (a loaded one stays mapped)."""
     now = time.time()
@@ -129,7 +122,7 @@ def _build(source: Path, isa: str) -> Path:
     out_dir = cache_root() / "kernels"
     target = out_dir / f"{source.stem}-{isa}-{key}.so"
     if target.is_file():
-        _touch(target)  # in use: not stale for other builds
+        touch(target)  # in use: not stale for other builds
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     errors = []

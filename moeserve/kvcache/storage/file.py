@@ -24,7 +24,7 @@ import torch
 
 from moeserve.kvcache.storage.base import StorageBackend
 from moeserve.kvcache.storage.page_format import HEADER_BYTES, CorruptPage, check_parts, page_meta
-from moeserve.paths import cache_root
+from moeserve.paths import cache_root, touch
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class FileStorage(StorageBackend):
             n = os.readv(fd, [data])
         finally:
             os.close(fd)
-        self._touch(path)
+        touch(path)  # recently used: evicted last
         return data if n == len(data) else data[:n]
 
     def read_into(self, key: str, out: torch.Tensor) -> bool:
@@ -121,16 +121,9 @@ class FileStorage(StorageBackend):
             self._on_corrupt(key, str(e))
             self._count_read(None)
             return False
-        self._touch(path)
+        touch(path)  # recently used: evicted last
         self._count_read(n)
         return True
-
-    @staticmethod
-    def _touch(path: str) -> None:
-        try:
-            os.utime(path)  # recently used: evicted last
-        except OSError:
-            pass
 
     def _exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
