@@ -64,9 +64,7 @@ def run_moeserve(args: ServerArgs, batch_size: int, input_len: int, output_len: 
     gen = torch.Generator().manual_seed(seed)
 
     def one_round(tag: str) -> dict:
-        sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
-                          num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool,
-                          draft_kv_pool=runner.draft_kv_pool)
+        sched = Scheduler.for_runner(args, runner, eos_token_ids=[])
         prompts = [torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()
                    for _ in range(batch_size)]
         tokens: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(batch_size)}
@@ -125,9 +123,7 @@ def _profile_round(args: ServerArgs, runner, batch_size: int, input_len: int, ge
     from moeserve.rank.scheduler import Scheduler
     from moeserve.rank.steps import StepPipeline
 
-    sched = Scheduler(args, runner.num_pages, runner.context_length, [], dp_rank=0,
-                      num_draft_tokens=runner.num_draft_tokens, kv_pool=runner.kv_pool,
-                      draft_kv_pool=runner.draft_kv_pool)
+    sched = Scheduler.for_runner(args, runner, eos_token_ids=[])
     steps = StepPipeline(sched, runner, overlap=not args.disable_overlap_schedule)
     for i in range(batch_size):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=gen).tolist()

@@ -39,6 +39,7 @@ from moeserve.rank.step_results import StepResults
 
 if TYPE_CHECKING:
     from moeserve.kvcache.kv_pool import KVPool
+    from moeserve.rank.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,15 @@ class Scheduler(PDHost, StepResults):
         self.reqs: dict[str, Req] = {}
         self.pending_out: list[TokenOut] = []  # outputs produced outside a step (aborts, rejections)
         self.stats = SchedulerStats()
+
+    @classmethod
+    def for_runner(cls, server_args: ServerArgs, runner: ModelRunner, eos_token_ids: list[int] | None = None,
+                   **kwargs) -> Scheduler:
+        """The scheduler of runner's KV pool: its pages, context length, draft pool and k, and (unless given) the
+        model's EOS ids; kwargs as __init__'s (tokenizer, dp_rank, grammar)."""
+        eos = runner.config.eos_token_ids if eos_token_ids is None else eos_token_ids
+        return cls(server_args, runner.num_pages, runner.context_length, eos, num_draft_tokens=runner.num_draft_tokens,
+                   kv_pool=runner.kv_pool, draft_kv_pool=runner.draft_kv_pool, **kwargs)
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, r: GenerateReq) -> None:

@@ -15,12 +15,8 @@ class InProcessEngine:
     def __init__(self, tokenizer=None, **kwargs):
         self.args = ServerArgs.from_kwargs(**kwargs)
         self.runner = ModelRunner(self.args)
-        self.scheduler = Scheduler(self.args, self.runner.num_pages, self.runner.context_length,
-                                   self.runner.config.eos_token_ids, tokenizer=tokenizer,
-                                   grammar=make_grammar_backend(self.args.grammar_backend, tokenizer,
-                                                                self.runner.vocab_size),
-                                   num_draft_tokens=self.runner.num_draft_tokens,
-                                   kv_pool=self.runner.kv_pool, draft_kv_pool=self.runner.draft_kv_pool)
+        grammar = make_grammar_backend(self.args.grammar_backend, tokenizer, self.runner.vocab_size)
+        self.scheduler = Scheduler.for_runner(self.args, self.runner, tokenizer=tokenizer, grammar=grammar)
         self.steps = StepPipeline(self.scheduler, self.runner, overlap=not self.args.disable_overlap_schedule)
         self.max_steps = 100_000
 
