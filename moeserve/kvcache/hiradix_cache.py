@@ -221,11 +221,13 @@ class HiRadixCache(RadixCache):
 
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens of unlocked device pages, least recently used device leaves first; each keeps
-        its host copy (write_back makes one now) or leaves the tree. Returns device tokens freed."""
+        its host copy or leaves the tree. Under write_back the victims' copies are made now: all queued first, then
+        waited for together, and only then are their device pages freed. Returns device tokens freed."""
         heap = [(n.last_access, id(n), n) for n in self._nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         pending: list[TreeNode] = []  # leaves whose backup is in flight, least recently used first
+        backing: list[tuple[TreeNode, np.ndarray]] = []  # write_back victims and their device slots, copy queued
         while freed < num_tokens:
             if heap:
                 _, _, node = heapq.heappop(heap)
@@ -238,26 +240,53 @@ class HiRadixCache(RadixCache):
                 self._settle(node, wait=True)
             else:
                 break
+            backed = False
             if node.host_value is None and self.write_policy == "write_back":
-                self._backup(node)
-                self._settle(node, wait=True)  # the device pages are freed below
-            assert node.value is not None
-            self.allocator.free_slots(node.value.tolist())
-            node.value = None
+                backed = self._backup(node)
+                if not backed and backing:  # host room may be held by the copies in flight: settle them, retry
+                    self._finish_backing(backing)
+                    backed = self._backup(node)
+            slots, node.value = node.value, None
+            assert slots is not None
             freed += len(node.key)
             self.evictable_size -= len(node.key)
             parent = node.parent
             assert parent is not None
-            if node.host_value is None:
-                self._drop(node)
+            if backed:  # host-only now, its copy in flight: the device pages stay until it is done (below)
+                backing.append((node, slots))
+            else:
+                self.allocator.free_slots(slots.tolist())
+                if node.host_value is None:
+                    self._drop(node)
             if self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self._finish_backing(backing)
         return freed
+
+    def _finish_backing(self, backing: list[tuple[TreeNode, np.ndarray]]) -> None:
+        """Wait for the write_back victims' copies, then free their device slots (emptying the list); a node whose
+        copy failed leaves the tree."""
+        for node, slots in backing:
+            self._settle(node, wait=True)
+            self.allocator.free_slots(slots.tolist())
+            if node.host_value is None and self._attached(node):  # the copy failed (or an ancestor left the tree)
+                self._drop(node)
+        backing.clear()
+
+    def _attached(self, node: TreeNode) -> bool:
+        """Whether node is still in the tree (not under a node _drop took out)."""
+        while node is not self.root:
+            parent = node.parent
+            if parent is None or parent.children.get(self._page_key(node.key, 0)) is not node:
+                return False
+            node = parent
+        return True
 
     def _evict_host(self, num_tokens: int) -> int:
         """Drop at least num_tokens of host-only, unlocked leaves, least recently used first."""
-        def candidate(n: TreeNode) -> bool:
-            return n is not self.root and n.value is None and not n.children and n.lock_ref == 0
+        def candidate(n: TreeNode) -> bool:  # (a write_back victim's copy in flight: evict() settles it)
+            return (n is not self.root and n.value is None and not n.children and n.lock_ref == 0
+                    and n.copying is None)
 
         heap = [(n.last_access, id(n), n) for n in self._nodes() if candidate(n)]
         heapq.heapify(heap)
@@ -278,7 +307,9 @@ class HiRadixCache(RadixCache):
             n = stack.pop()
             assert n.lock_ref == 0 and n.value is None, "dropping a locked or device-resident node"
             if n.host_value is not None:
-                self.host.free(n.host_value)
+                self._settle(n, wait=True)  # (a write_back victim's copy in flight: its host pages are not free yet)
+                if n.host_value is not None:
+                    self.host.free(n.host_value)
                 n.host_value = None
             stack.extend(n.children.values())
         assert node.parent is not None

@@ -117,6 +117,55 @@ def test_write_back_copies_at_eviction_and_a_match_loads_back():
     assert len(cache.match_prefix(a).slots) == 6 and cache.match_prefix(a).host_tokens == 0  # on device again
 
 
+def test_write_back_eviction_queues_every_copy_before_waiting(monkeypatch):
+    """The victims' copies to host go to the copy engine together, and the eviction waits once they are all queued
+    (not a round trip to the copy thread per victim); each match after that still reads its own tokens' KV."""
+    from moeserve.kvcache import copy_engine
+
+    events: list[str] = []
+    backup, wait = copy_engine.CopyEngine.backup, copy_engine.CopyHandle.wait
+    monkeypatch.setattr(copy_engine.CopyEngine, "backup", lambda *a, **k: events.append("copy") or backup(*a, **k))
+    monkeypatch.setattr(copy_engine.CopyHandle, "wait", lambda *a, **k: events.append("wait") or wait(*a, **k))
+    pool = _pool("mha", 16, 2)
+    alloc, host = PageAllocator(16, 2), HostKVPool(pool, 32)
+    cache = HiRadixCache(alloc, 2, host, "write_back")
+    rng = random.Random(7)
+    seqs = [[rng.randrange(1, 1000) for _ in range(6)] for _ in range(4)]
+    for seq in seqs:
+        slots = alloc.alloc_whole_pages(6)
+        _write(pool, seq, 0, slots)
+        cache.insert(seq, slots)
+    assert cache.evict(24) == 24 and alloc.num_free_pages == 16
+    assert events[:4] == ["copy"] * 4 and events.count("copy") == 4
+    junk = alloc.alloc_whole_pages(32)  # the freed device pages get other KV before the matches
+    _write(pool, [3] * 32, 0, junk)
+    alloc.free_slots(junk.tolist())
+    for seq in seqs:
+        match = cache.match_prefix(seq)
+        assert match.host_tokens == 6
+        _check(pool, seq, match.slots)
+
+
+def test_write_back_parent_takes_the_host_room_of_its_evicted_child():
+    """A write_back eviction copies a leaf to host, then its parent finds no host room (the leaf's copy, still in
+    flight, holds the last pages): the leaf's copy is settled and the leaf gives way to its prefix, as a copied
+    host-only leaf does. The parent stays on host, both pools' pages are accounted for."""
+    pool = _pool("mla", 8, 1)
+    alloc, host = PageAllocator(8, 1), HostKVPool(pool, 2)
+    cache = HiRadixCache(alloc, 1, host, "write_back")
+    a = [1, 2, 3, 4]
+    slots = alloc.alloc_whole_pages(4)
+    _write(pool, a, 0, slots)
+    cache.insert(a[:2], slots[:2])
+    cache.insert(a, slots)  # two nodes: [1, 2] and its child [3, 4]
+    assert cache.evict(4) == 4
+    assert alloc.num_free_pages == 8 and host.allocator.num_free_pages == 0
+    assert cache.match_len(a) == 2 and len(cache._nodes()) == 1
+    match = cache.match_prefix(a)
+    assert match.host_tokens == 2
+    _check(pool, a, match.slots)
+
+
 def test_write_through_copies_at_insert_and_drops_what_has_no_copy():
     pool = _pool("mha", 8, 1)
     alloc, host = PageAllocator(8, 1), HostKVPool(pool, 3)
