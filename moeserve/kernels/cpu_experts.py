@@ -8,16 +8,17 @@ a ContiguousLayout. The weights keep their logical shapes ([E, 2I, H] and [E, H,
 `Experts` keeps them on the CPU: w.transpose(1, 2) is contiguous. fp32 and bf16 weights; the sums are in fp32.
 Where the experts average more rows than `MAX_ROWS_PER_EXPERT` (a long prefill) a GEMM library is faster, and it
 runs the grouped GEMMs instead; over packed weights the kernel takes every row count (`kernel_takes`).
-NOTE: a packed per-column-block weight layout (each expert's [K, 64] column block contiguous, so that the tiles
-stream it and it stays in cache across the row blocks) is not done: the rebalancer (eplb/) writes the experts'
-slots in the transposed layout, so a packed copy needs a repack hook there. At a batch of 64 (16 rows per expert)
-the kernel is about 20% of a decode step (benchmark/results/, 2026-12-01); tiles of up to 6 rows took some of it.
+NOTE: for these (fp32, and bf16 without AVX-512 BF16) a packed per-column-block weight layout (each expert's [K, 64]
+column block contiguous, so that the tiles stream it and it stays in cache across the row blocks) is not done; it
+could replace the weights as the bf16 packing below does (the rebalancer needs only the slot as the first
+dimension). At a batch of 64 (16 rows per expert) the kernel is about 20% of a decode step (benchmark/results/,
+2026-12-01); tiles of up to 6 rows took some of it.
 
 bf16 with AVX-512 BF16 (--cpu-isa amx or avx512bf16, kernels/cpu_isa.py): `pack(w13, w2)` gives the weights in the
-VNNI layout (a copy made at load beside the transposed weights, and again when an EPLB swap rewrites slots); both
-functions take it as `packed` and run both GEMMs as bf16 dot products, or on AMX tiles in the amx build for an
-expert's rows where at least TILE_FROM_ROWS are left, x and the activation rounded to bf16 as torch's bf16 path
-rounds them.
+VNNI layout, which then replaces them (layers/moe/experts.py: the experts keep no other copy, and the rebalancer
+moves packed slots); both functions take it as `packed` (w13 and w2 then only name the dtype) and run both GEMMs as
+bf16 dot products, or on AMX tiles in the amx build for an expert's rows where at least TILE_FROM_ROWS are left, x
+and the activation rounded to bf16 as torch's bf16 path rounds them. `unpack` gives the logical shapes back.
 torch's bf16 path does use AMX (oneDNN's brg_matmul:avx10_1_512_amx, ONEDNN_VERBOSE=1) but pays a call per
 expert and matrix: the tiny V3's layer (16 experts, H 256, I 128) at 16 rows per expert took 3.3 ms as per-expert
 F.linear against 0.54 ms here (1.95 ms on the AVX path), one thread of the shared 2-core Xeon, 2026-12-06.
@@ -68,7 +69,10 @@ def packed_runs() -> bool:
     return lib is not None and bool(lib.moeserve_experts_packed_available())
 
 
-def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+Packed = tuple[torch.Tensor, torch.Tensor]  # pack's (w13p, w2p)
+
+
+def pack(w13: torch.Tensor, w2: torch.Tensor) -> Packed | None:
     """bf16 w13 [E, 2I, H] and w2 [E, H, I] -> their AMX packing (w13p [E, 2I/16, H/2, 16, 2], w2p [E, H/16, I/2,
     16, 2]: 16-column blocks, bf16 pairs along K interleaved), or None where the packed kernels do not run them (not
     bf16, H or I not a multiple of 32, a build without AVX-512 BF16)."""
@@ -81,18 +85,33 @@ def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return w13p, w2p
 
 
-def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
-    """The kernel library and the weights' contiguous transposes [E, H, 2I] and [E, I, H], or why not."""
+def packed_dims(packed: Packed) -> tuple[int, int, int]:
+    """(E, 2I, H) of pack's (w13p, w2p)."""
+    w13p = packed[0]
+    return w13p.shape[0], w13p.shape[1] * 16, w13p.shape[2] * 2
+
+
+def unpack(w13p: torch.Tensor, w2p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack's inverse: (w13 [E, 2I, H], w2 [E, H, I]), contiguous."""
+    E, I2, H = packed_dims((w13p, w2p))
+    w13 = w13p.permute(0, 1, 3, 2, 4).reshape(E, I2, H)
+    w2 = w2p.permute(0, 1, 3, 2, 4).reshape(E, H, I2 // 2)
+    return w13, w2
+
+
+def _library_and_weights(w13: torch.Tensor, w2: torch.Tensor, packed: Packed | None
+                         ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The kernel library and the weights' contiguous transposes [E, H, 2I] and [E, I, H] (with packed weights,
+    w13 and w2 as they are: the packed kernels read only those), or why not."""
     lib = load()
     if lib is None or w13.dtype not in DTYPES or w2.dtype != w13.dtype:
         raise RuntimeError(f"the CPU experts kernel does not run here (weights {w13.dtype}); check available()")
+    if packed is not None:
+        return lib, w13, w2
     w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
     if not (w13t.is_contiguous() and w2t.is_contiguous()):
         raise ValueError("the CPU experts kernel needs expert weights stored transposed ([E, H, 2I] and [E, I, H])")
     return lib, w13t, w2t
-
-
-Packed = tuple[torch.Tensor, torch.Tensor]  # pack's (w13p, w2p)
 
 
 def kernel_takes(rows: int, num_experts: int, packed: Packed | None) -> bool:
@@ -111,11 +130,11 @@ def cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: t
     if torch.compiler.is_compiling():
         w13p, w2p = packed or (None, None)
         return torch.ops.moeserve.cpu_experts(x, w13, w2, offsets, counts, w13p, w2p)
-    E, I2, H = w13.shape
+    E, I2, H = w13.shape if packed is None else packed_dims(packed)
     M = x.shape[0]
     if not kernel_takes(M, E, packed):
         return grouped_gemm(silu_and_mul(grouped_gemm(x, w13, offsets, counts)), w2, offsets, counts)
-    lib, w13t, w2t = _library_and_weights(w13, w2)
+    lib, w13t, w2t = _library_and_weights(w13, w2, packed)
     xf = x.float().contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     counts = counts.to(torch.int32).contiguous()
@@ -143,9 +162,9 @@ def cpu_moe_local(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if torch.compiler.is_compiling():
         w13p, w2p = packed or (None, None)
         return torch.ops.moeserve.cpu_moe_local(x, topk_ids, topk_weights, w13, w2, w13p, w2p)
-    E, I2, H = w13.shape
+    E, I2, H = w13.shape if packed is None else packed_dims(packed)
     T, k = topk_ids.shape
-    lib, w13t, w2t = _library_and_weights(w13, w2)
+    lib, w13t, w2t = _library_and_weights(w13, w2, packed)
     xf = x.float().contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.float().contiguous()
@@ -190,7 +209,7 @@ def _cpu_experts_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offset
 @_cpu_experts_op.register_fake
 def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
       w13p: torch.Tensor | None, w2p: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w13.shape[2])
+    return x.new_empty(x.shape)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -132,9 +132,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.model, self.mtp) if m is not None
                                 for p in m.parameters())
-        # the routed experts' copies packed for the bf16 CPU kernels (Experts.cpu_packed), beside the weights
-        self.cpu_packed_bytes = sum(t.nbytes for m in (self.model, self.mtp) if m is not None for e in m.modules()
-                                    for t in (getattr(e, "cpu_packed", None) or ()))
+        # the routed experts held packed for the bf16 CPU kernels (Experts.packed)
+        self.experts_packed = any(getattr(e, "packed", False) is True for e in self.model.modules())
         self.ep = _EPInfo.collect(self.model)
         self.context_length = min(server_args.context_length or self.config.context_length,
                                   self.config.context_length)
@@ -271,7 +270,8 @@ class ModelRunner:
         ep, a = self.ep, self.args
         experts = ""
         if ep.num_moe_layers:
-            experts = (f" (routed experts {_fmt_bytes(ep.expert_bytes)}: {ep.num_local_experts} of "
+            packed = " packed for the CPU kernels" if self.experts_packed else ""
+            experts = (f" (routed experts {_fmt_bytes(ep.expert_bytes)}{packed}: {ep.num_local_experts} of "
                        f"{ep.num_physical_experts} experts in each of {ep.num_moe_layers} MoE layers)")
         buffers = ""
         if ep.backend not in ("none", None):
@@ -280,8 +280,6 @@ class ModelRunner:
             buffers += f", EPLB staging at most {_fmt_bytes(self.eplb_staging_bytes)}"
         if self.speculative is not None:  # the draft model's own pool, as many slots as the target's
             buffers += f", draft KV pool {_fmt_bytes(self.speculative.drafter.kv_pool.total_bytes)}"
-        if self.cpu_packed_bytes:  # (the dense layers' packed copies are made on first use: at most their size)
-            experts += f" + their copy packed for the CPU kernels {_fmt_bytes(self.cpu_packed_bytes)}"
         return (f"Memory: rank {ep.rank}/{ep.world_size} (EP rank {ep.ep_rank}/{ep.ep_size}): weights "
                 f"{_fmt_bytes(self.weight_bytes)} {self.weight_format}{experts}, KV pool {_fmt_bytes(self.kv_pool.total_bytes)} "
                 f"({self.num_pages * a.page_size} tokens, page size {a.page_size}){buffers}, dtype "

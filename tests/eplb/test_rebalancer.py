@@ -265,3 +265,74 @@ def test_a_cap_below_one_layer_fails_the_rebalance():
     assert _wait_ready(reb) == FAILED and "--eplb-staging-max-mb" in reb._job.error
     reb.begin_pass([FAILED, FAILED], forward=True)
     assert reb._job is None and all(layer.holds(i) for i, layer in enumerate(layers))
+
+
+class PackedLayer:
+    """This rank's slots of one MoE layer held by a real Experts module: packed for the CPU kernels where they run
+    (bf16, the amx and avx512bf16 builds), its expert_slot the rebalancer's weight source."""
+
+    H, INTER = 64, 32  # packable sizes
+
+    def __init__(self, location: ExpertLocation, i: int, rank: int):
+        from moeserve.layers.moe.experts import Experts
+
+        per = location.num_local_physical_experts
+        self.i, self.rank = i, rank
+        self.ids = location.physical_to_logical_map[i, rank * per:(rank + 1) * per].tolist()
+        self.experts = Experts(self.H, self.INTER, EXPERTS, self.ids).to(torch.bfloat16)
+        with torch.no_grad():
+            for s, e in enumerate(self.ids):
+                self.experts.w13[s], self.experts.w2[s] = self.expert(e)
+        self.experts.process_weights_after_loading(torch.device("cpu"))
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.i + e)
+        return (torch.randn(2 * self.INTER, self.H, generator=g).bfloat16(),
+                torch.randn(self.H, self.INTER, generator=g).bfloat16())
+
+    def source(self, e: int) -> tuple[torch.Tensor, ...]:
+        w13, w2 = self.expert(e)
+        keys = {"gate": w13[:self.INTER], "up": w13[self.INTER:], "down": w2}
+        return self.experts.expert_slot(keys.__getitem__, ("gate", "up", "down"))
+
+    def slot_weights(self):
+        return self.experts.w13.data, self.experts.w2.data
+
+    def set_placement(self, location: ExpertLocation, i: int) -> None:
+        per = location.num_local_physical_experts
+        self.ids = location.physical_to_logical_map[i, self.rank * per:(self.rank + 1) * per].tolist()
+        self.experts.slots_changed()
+
+    def holds(self) -> bool:
+        w13, w2 = self.experts.logical_weights()
+        return all(torch.equal(w13[s], self.expert(e)[0]) and torch.equal(w2[s], self.expert(e)[1])
+                   for s, e in enumerate(self.ids))
+
+
+def test_packed_experts_move_and_come_back():
+    """Packed slots (where the CPU runs them) are moved by a rebalance and restored by an undo exactly: after
+    every step each slot holds, unpacked, the expert its id names."""
+    from moeserve.kernels import cpu_experts
+
+    location = ExpertLocation.trivial(LAYERS, EXPERTS, EXPERTS, EP)
+    layers = [PackedLayer(location, i, 0) for i in range(LAYERS)]
+    assert all(layer.experts.packed == cpu_experts.packed_runs() for layer in layers)
+    counts = torch.zeros(LAYERS, EXPERTS, dtype=torch.int64)
+    reb = Rebalancer(layers, location, lambda i, e: layers[i].source(e), counts,
+                     RebalanceOptions(interval=2, layers_per_chunk=1), ep_rank=0, group=None,
+                     device=torch.device("cpu"))
+    old = location.physical_to_logical_map.clone()
+    _start(reb, counts)
+    assert _wait_ready(reb) == 1
+    reb.begin_pass([1, 1], forward=True)  # chunk 0 = layer 0
+    assert layers[0].ids != old[0, :4].tolist() and all(layer.holds() for layer in layers)
+    reb.begin_pass([2, FAILED], forward=True)  # the other rank fails: layer 0 undone
+    assert all(layer.ids == old[i, :4].tolist() and layer.holds() for i, layer in enumerate(layers))
+    _start(reb, counts)  # and again, to the end
+    assert _wait_ready(reb) == 1
+    for c in range(1, LAYERS + 1):
+        reb.begin_pass([c, c], forward=True)
+    reb.begin_pass([LAYERS + 1] * 2, forward=False)
+    assert reb.report.rebalances == 1 and not torch.equal(location.physical_to_logical_map, old)
+    assert all(layer.ids == location.physical_to_logical_map[i, :4].tolist() and layer.holds()
+               for i, layer in enumerate(layers))

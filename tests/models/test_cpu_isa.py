@@ -136,21 +136,33 @@ def test_moe_local_with_tokens_routed_nowhere(isa, dtype, T):
     assert not got[::3].any()
 
 
-def test_loaded_experts_pack_for_bf16_dot_products_and_repack_on_swap(isa):
+def test_loaded_experts_are_held_packed_and_take_packed_slots(isa):
+    """bf16 experts where the packed kernels run are held packed only (logical_weights gives them back exactly);
+    a slot rewritten the way the online rebalancer writes it (expert_slot's packed tensors copied into it) is what
+    the kernel then computes."""
     ex = Experts(64, 32, 4, list(range(4)), runner_backend="auto").to(torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         ex.w13.copy_(torch.randn(ex.w13.shape, generator=gen) * 0.125)
         ex.w2.copy_(torch.randn(ex.w2.shape, generator=gen) * 0.18)
+    w13, w2 = ex.w13.detach().clone(), ex.w2.detach().clone()
     ex.process_weights_after_loading(torch.device("cpu"))
-    assert (ex.cpu_packed is not None) == (isa in BF16_DOT)
-    with torch.no_grad():  # an EPLB swap: slot 1 rewritten in place
-        ex.w13[1].copy_(torch.randn(ex.w13[1].shape, generator=gen) * 0.125)
+    assert ex.packed == (isa in BF16_DOT) and (ex.cpu_packed is not None) == ex.packed
+    if ex.packed:
+        assert ex.w13.dim() == 5 and ex.w13.nbytes == w13.nbytes  # no second copy
+    assert all(torch.equal(a, b) for a, b in zip(ex.logical_weights(), (w13, w2), strict=True))
+    new = {"gate": torch.randn(32, 64, generator=gen) * 0.125, "up": torch.randn(32, 64, generator=gen) * 0.125,
+           "down": torch.randn(64, 32, generator=gen) * 0.18}
+    with torch.no_grad():  # an EPLB swap: slot 1 rewritten in place with another expert
+        for p, t in zip((ex.w13, ex.w2), ex.expert_slot(new.__getitem__, ("gate", "up", "down")), strict=True):
+            p[1].copy_(t)
     ex.slots_changed()
+    w13[1], w2[1] = torch.cat([new["gate"], new["up"]]).bfloat16(), new["down"].bfloat16()
+    assert all(torch.equal(a, b) for a, b in zip(ex.logical_weights(), (w13, w2), strict=True))
     x = torch.randn(5, 64, generator=gen).bfloat16()
     offsets, counts = torch.tensor([0, 0, 5, 5, 5], dtype=torch.int32), torch.tensor([0, 5, 0, 0], dtype=torch.int32)
     got = cpu_experts.cpu_experts(x, ex.w13, ex.w2, offsets, counts, ex.cpu_packed)
-    torch.testing.assert_close(got.double(), _expert(x, ex.w13, ex.w2, 1), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), _expert(x, w13, w2, 1), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -224,3 +224,27 @@ def test_fusion_default(kwargs, device, inter, fused):
         ServerArgs(model_path="x", enable_shared_experts_fusion=True, moe_a2a_backend="all2all")
     with pytest.raises(ValueError, match="contradict"):
         ServerArgs(model_path="x", enable_shared_experts_fusion=True, disable_shared_experts_fusion=True)
+
+
+@pytest.mark.parametrize("name", ["v2_lite", "v3_groups"])
+def test_fused_slots_apart_over_packed_experts(tiny_checkpoint, name):
+    """bf16 experts held packed (the CPU kernels of the amx and avx512bf16 builds): the fused shared slots run apart
+    through the packed kernel, every token to each slot, and give the shared MLP of their logical weights."""
+    from moeserve.kernels import cpu_experts
+
+    if not cpu_experts.packed_runs():
+        pytest.skip("the packed experts kernels do not run on this CPU")
+    eng = InProcessEngine(model_path=tiny_checkpoint(name), dtype="bfloat16", device="cpu",
+                          enable_shared_experts_fusion=True)
+    n = eng.runner.config.num_shared_experts
+    gen = torch.Generator().manual_seed(3)
+    for m in eng.runner.model.moe_layers():
+        ex = m.experts
+        assert ex.packed and ex.w13.shape[0] == ex.num_local_experts + n
+        m.shared_apart_from = 1
+        x = torch.randn(7, ex.hidden_size, generator=gen).bfloat16()
+        w13, w2 = (w.double() for w in ex.logical_weights())
+        want = sum(torch.nn.functional.silu(x.double() @ w13[j, :ex.intermediate_size].T)
+                   * (x.double() @ w13[j, ex.intermediate_size:].T) @ w2[j].T
+                   for j in range(ex.num_local_experts, ex.num_local_experts + n))
+        torch.testing.assert_close(m._shared_out(x).double(), want, rtol=3e-2, atol=3e-2)

@@ -52,19 +52,19 @@ def test_one_rank_memory_and_utilization_lines(caplog, backend):
     assert r.expert_utilization_line(1.0) is None  # taken: the counter starts again from zero
 
 
-def test_memory_line_counts_the_experts_packed_copy():
-    """bf16 where the packed CPU kernels run (AVX-512 BF16): the experts' packed copy sits beside the weights, and
-    the memory line says how large it is; where they do not run (float32) it says nothing of it."""
+def test_packed_experts_replace_the_plain_ones():
+    """bf16 where the packed CPU kernels run (AVX-512 BF16): the experts are held packed, in the same bytes as plain
+    ones (no second copy), and the memory line says so; float32 experts are not packed."""
     from moeserve.kernels import cpu_experts
 
     eng = InProcessEngine(model_path=None, dtype="bfloat16")
     r = eng.runner
     if not cpu_experts.packed_runs():
-        assert r.cpu_packed_bytes == 0 and "packed" not in r.memory_line()
+        assert not r.experts_packed and "packed" not in r.memory_line()
         pytest.skip("the packed experts kernels do not run on this CPU")
-    assert r.cpu_packed_bytes == r.ep.expert_bytes  # the same bf16 numbers, laid out for the tiles
-    assert f"+ their copy packed for the CPU kernels {r.cpu_packed_bytes / 2**20:.2f} MiB" in r.memory_line()
-    assert InProcessEngine(model_path=None, dtype="float32").runner.cpu_packed_bytes == 0
+    assert r.experts_packed and r.ep.expert_bytes == MOE_LAYERS * EXPERTS * 3 * HIDDEN * 128 * 2
+    assert f"(routed experts {r.ep.expert_bytes / 2**20:.2f} MiB packed for the CPU kernels: 16 of 16" in r.memory_line()
+    assert not InProcessEngine(model_path=None, dtype="float32").runner.experts_packed
 
 
 @pytest.mark.slow

@@ -10,8 +10,10 @@ columns; its output is a partial sum, which the MoE layer all-reduces.
 The kernels (--moe-runner-backend) are chosen once the weights are in, on their device: on the CPU the
 moeserve kernel of moeserve/kernels/cpu_experts.py where it builds, else torch's grouped GEMM; on CUDA the Triton
 grouped GEMMs of moeserve/kernels/moe_gemm.py (SiLU-and-mul fused, tuned launch configurations). bf16 experts on
-a CPU with AMX (--cpu-isa amx) also keep a copy packed for the tiles (`cpu_packed`, cpu_experts.pack), remade
-whenever slots change.
+a CPU whose kernels run packed weights (the amx and avx512bf16 builds) hold w13 and w2 packed (cpu_experts.pack:
+w13 [E, 2I/16, H/2, 16, 2], w2 [E, H/16, I/2, 16, 2]) and nothing else: the slot stays the first dimension, so
+the online rebalancer moves packed slots as it moves plain ones, and `expert_slot` packs what it reads.
+`logical_weights()` gives them in the logical shapes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Experts(nn.Module):
         super().__init__()
         self.runner_backend = runner_backend
         self.use_cpu_kernel = False  # decided by process_weights_after_loading, as are the grouped GEMMs:
-        self.cpu_packed: cpu_experts.Packed | None = None  # the AMX copy of (w13, w2), where the tiles run them
+        self.packed = False  # w13 and w2 hold the packed layout (the module docstring), on the CPU
         self.gemm, self.gemm_masked = moe_gemm_reference, moe_gemm_masked_reference  # Triton's where they run
         self.hidden_size = hidden_size
         self.tp_size, self.tp_rank = tp_size, tp_rank  # tp_size > 1: a tensor-parallel MoE, `rows` of every expert
@@ -58,6 +60,15 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
 
     @property
+    def cpu_packed(self) -> cpu_experts.Packed | None:
+        """(w13, w2) where they are packed for the CPU kernels, else None."""
+        return (self.w13.data, self.w2.data) if self.packed else None
+
+    def logical_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) in the logical shapes, whatever the layout (a copy where packed)."""
+        return cpu_experts.unpack(self.w13.data, self.w2.data) if self.packed else (self.w13.data, self.w2.data)
+
+    @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype of the tokens going in and out (the dispatchers' buffers)."""
         return self.w13.dtype
@@ -66,6 +77,14 @@ class Experts(nn.Module):
         """Expert outputs in the layout's shape: [M, H] (contiguous) or [E_local, cap, H] (masked)."""
         if isinstance(layout, MaskedLayout):
             assert layout.x_scale is None, "an FP8 layout reached experts that are not FP8"
+            if self.packed:  # each expert's block of cap rows as a segment of the packed kernel (the valid rows)
+                E, cap, H = layout.x.shape
+                counts = layout.masked_m.to(torch.int32)
+                record_local_tokens(counts[:self.num_local_experts])
+                offsets = torch.arange(E + 1, dtype=torch.int32) * cap
+                out = cpu_experts.cpu_experts(layout.x.view(E * cap, H), self.w13, self.w2, offsets, counts,
+                                              self.cpu_packed)
+                return out.view(E, cap, H)
             # expert utilization, accumulated on the device (ep/stats.py): the routed slots' counts, added by the
             # first GEMM into the counter (`tally`)
             tally = local_tally(self.num_local_experts, layout.x.device)
@@ -105,12 +124,15 @@ class Experts(nn.Module):
             self._cpu_layout()
 
     def _cpu_layout(self) -> None:
+        """Each expert's matrices transposed in memory, or packed where the kernels run packed weights (which then
+        replace them)."""
+        packed = cpu_experts.pack(self.w13.data, self.w2.data) if self.use_cpu_kernel else None
+        if packed is not None:
+            self.w13.data, self.w2.data = packed
+            self.packed = True
+            return
         for w in (self.w13, self.w2):
             w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
-        self._pack()
-
-    def _pack(self) -> None:
-        self.cpu_packed = cpu_experts.pack(self.w13.data, self.w2.data) if self.use_cpu_kernel else None
 
     slot_params = ("w13", "w2")  # the per-slot parameters, in add_slots' dict
 
@@ -122,26 +144,39 @@ class Experts(nn.Module):
             raise ValueError(f"--enable-shared-experts-fusion: the shared experts' weights ({', '.join(slots)}) are "
                              f"not in the routed experts' format ({', '.join(self.slot_params)})")
         first = self.w13.shape[0]
+        held = dict(zip(("w13", "w2"), self.logical_weights(), strict=True)) if self.packed else {}
+        for name in self.slot_params:
+            shape = held.get(name, getattr(self, name)).shape[1:]
+            if slots[name].shape[1:] != shape:
+                raise ValueError(f"--enable-shared-experts-fusion: a shared slot's {name} is "
+                                 f"{tuple(slots[name].shape[1:])}, a routed expert's {tuple(shape)}")
+        if self.packed:  # the new slots packed as the others are
+            new = cpu_experts.pack(*(slots[name].to(self.w13.dtype) for name in self.slot_params))
+            assert new is not None, "slots of packed experts that do not pack"
+            for p, t in zip((self.w13, self.w2), new, strict=True):
+                p.data = torch.cat((p.data, t))
+            return first
         for name in self.slot_params:
             p = getattr(self, name)
-            if slots[name].shape[1:] != p.shape[1:]:
-                raise ValueError(f"--enable-shared-experts-fusion: a shared slot's {name} is "
-                                 f"{tuple(slots[name].shape[1:])}, a routed expert's {tuple(p.shape[1:])}")
             p.data = torch.cat((p.data, slots[name].to(p.dtype)))
         if self.w13.device.type == "cpu":
             self._cpu_layout()
         return first
 
     def slots_changed(self) -> None:
-        """Slots were overwritten in place (an EPLB swap): the AMX copy is made again."""
-        if self.cpu_packed is not None:
-            self._pack()
+        """Slots were overwritten in place (an EPLB swap): nothing is derived from them here (packed slots are
+        written packed: expert_slot)."""
 
     def expert_slot(self, read: Callable[[str], torch.Tensor], keys: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
-        """One expert's slot_params ([2I, H], [H, I]) from `read(checkpoint key)` of its keys (expert_keys): what the
-        EPLB weight source hands the rebalancer."""
+        """One expert's slot_params ([2I, H], [H, I]; packed as the slots are, where they are) from `read(checkpoint
+        key)` of its keys (expert_keys): what the EPLB weight source hands the rebalancer."""
         gate, up, down = (read(k) for k in keys)
-        return torch.cat([gate, up]).to(self.w13.dtype), down.to(self.w2.dtype)
+        w13, w2 = torch.cat([gate, up]).to(self.w13.dtype), down.to(self.w2.dtype)
+        if not self.packed:
+            return w13, w2
+        packed = cpu_experts.pack(w13[None], w2[None])
+        assert packed is not None, "an expert of packed experts that does not pack"
+        return packed[0][0], packed[1][0]
 
     def expert_keys(self, prefix: str, logical: int) -> tuple[str, str, str]:
         """Checkpoint keys of one expert's gate, up and down projections."""

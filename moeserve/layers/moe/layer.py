@@ -174,6 +174,14 @@ class MoE(nn.Module):
             return self.shared_experts(x)
         if not self._shared_apart(x.shape[0]):
             return None
+        ex = self.experts
+        if ex.cpu_packed is not None:  # packed slots: every token goes to each fused slot, one kernel call
+            first, n, T = ex.num_local_experts, ex.w13.shape[0] - ex.num_local_experts, x.shape[0]
+            counts = torch.zeros(ex.w13.shape[0], dtype=torch.int32)
+            counts[first:] = T
+            offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)))
+            rows = cpu_experts.cpu_experts(x.repeat(n, 1), ex.w13, ex.w2, offsets, counts, ex.cpu_packed)
+            return rows.view(n, T, -1).sum(0, dtype=torch.float32).to(x.dtype)
         y = None
         for j in range(self.experts.num_local_experts, self.experts.w13.shape[0]):
             h = silu_and_mul(torch.nn.functional.linear(x, self.experts.w13[j]))
@@ -193,8 +201,8 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------ what the online rebalancer moves
     def slot_weights(self) -> tuple[torch.Tensor, ...]:
-        """This rank's expert slots, the experts' slot_params in order: (w13 [E_local, 2I, H], w2 [E_local, H, I]),
-        or FP8's (w13, w13_scale_inv, w2, w2_scale_inv)."""
+        """This rank's expert slots, the experts' slot_params in order: (w13 [E_local, 2I, H], w2 [E_local, H, I]; on
+        a CPU that runs them packed, their packed forms), or FP8's (w13, w13_scale_inv, w2, w2_scale_inv)."""
         return tuple(getattr(self.experts, name).data for name in self.experts.slot_params)
 
     def set_placement(self, location: ExpertLocation, moe_index: int) -> None:
