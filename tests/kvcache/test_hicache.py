@@ -117,6 +117,20 @@ def test_write_back_copies_at_eviction_and_a_match_loads_back():
     assert len(cache.match_prefix(a).slots) == 6 and cache.match_prefix(a).host_tokens == 0  # on device again
 
 
+def _write_back_chain(device_pages: int, host_pages: int):
+    """A write_back cache (pages of one token) holding a = [1, 2, 3, 4] as two nodes, [1, 2] and its child [3, 4]:
+    (pool, allocator, host pool, cache, a)."""
+    pool = _pool("mla", device_pages, 1)
+    alloc, host = PageAllocator(device_pages, 1), HostKVPool(pool, host_pages)
+    cache = HiRadixCache(alloc, 1, host, "write_back")
+    a = [1, 2, 3, 4]
+    slots = alloc.alloc_whole_pages(4)
+    _write(pool, a, 0, slots)
+    cache.insert(a[:2], slots[:2])
+    cache.insert(a, slots)
+    return pool, alloc, host, cache, a
+
+
 def test_write_back_eviction_queues_every_copy_before_waiting(monkeypatch):
     """The victims' copies to host go to the copy engine together, and the eviction waits once they are all queued
     (not a round trip to the copy thread per victim); each match after that still reads its own tokens' KV."""
@@ -150,14 +164,7 @@ def test_write_back_parent_takes_the_host_room_of_its_evicted_child():
     """A write_back eviction copies a leaf to host, then its parent finds no host room (the leaf's copy, still in
     flight, holds the last pages): the leaf's copy is settled and the leaf gives way to its prefix, as a copied
     host-only leaf does. The parent stays on host, both pools' pages are accounted for."""
-    pool = _pool("mla", 8, 1)
-    alloc, host = PageAllocator(8, 1), HostKVPool(pool, 2)
-    cache = HiRadixCache(alloc, 1, host, "write_back")
-    a = [1, 2, 3, 4]
-    slots = alloc.alloc_whole_pages(4)
-    _write(pool, a, 0, slots)
-    cache.insert(a[:2], slots[:2])
-    cache.insert(a, slots)  # two nodes: [1, 2] and its child [3, 4]
+    pool, alloc, host, cache, a = _write_back_chain(8, 2)
     assert cache.evict(4) == 4
     assert alloc.num_free_pages == 8 and host.allocator.num_free_pages == 0
     assert cache.match_len(a) == 2 and len(cache._nodes()) == 1
@@ -183,14 +190,7 @@ def test_write_through_copies_at_insert_and_drops_what_has_no_copy():
 
 
 def test_load_back_that_does_not_fit_gives_a_shorter_match():
-    pool = _pool("mla", 4, 1)
-    alloc, host = PageAllocator(4, 1), HostKVPool(pool, 8)
-    cache = HiRadixCache(alloc, 1, host, "write_back")
-    a = [1, 2, 3, 4]
-    slots = alloc.alloc_whole_pages(4)
-    _write(pool, a, 0, slots)
-    cache.insert(a[:2], slots[:2])
-    cache.insert(a, slots)  # two nodes: [1, 2] and [3, 4]
+    pool, alloc, host, cache, a = _write_back_chain(4, 8)
     cache.evict(4)
     held = alloc.alloc_whole_pages(3)  # a running request holds three of the four pages
     match = cache.match_prefix(a)
