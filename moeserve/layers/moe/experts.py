@@ -126,6 +126,8 @@ class Experts(nn.Module):
     def _cpu_layout(self) -> None:
         """Each expert's matrices transposed in memory, or packed where the kernels run packed weights (which then
         replace them)."""
+        if self.packed:  # laid out already
+            return
         packed = cpu_experts.pack(self.w13.data, self.w2.data) if self.use_cpu_kernel else None
         if packed is not None:
             self.w13.data, self.w2.data = packed
