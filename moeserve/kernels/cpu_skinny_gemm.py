@@ -60,12 +60,14 @@ def uses_dpbf16() -> bool:
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether cpu_skinny_gemm runs x W^T (module docstring). Asked on every dense product, so the cheap tests (and
-    the ones that reject other dtypes and devices) come first."""
-    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
+    the ones that reject other dtypes and devices) come first, and torch.compile before any test of a size: under
+    the compiler a size compared becomes a guard of the graph (`x.numel() <= MAX_ROWS * K` bounded the compiled
+    bf16 decode to batches of 4, and the first larger batch compiled a second graph)."""
+    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu or torch.compiler.is_compiling():
         return False
     K = x.shape[-1]
     return (0 < x.numel() <= MAX_ROWS * K and w.dim() == 2 and w.shape[1] == K and w.is_contiguous()
-            and not torch.compiler.is_compiling() and load() is not None)
+            and load() is not None)
 
 
 def cpu_skinny_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,11 +114,12 @@ def _one_thread(work: int) -> bool:
 def packed_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether cpu_packed_gemm runs x W^T (module docstring): CPU bf16, 1 to MAX_PACKED_ROWS rows, a build with
     AVX-512 BF16, a weight `packed_copy` packs."""
-    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu or w.dim() != 2:
+    if (x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu or w.dim() != 2
+            or torch.compiler.is_compiling()):
         return False
     K = x.shape[-1]
-    return (0 < x.numel() <= MAX_PACKED_ROWS * K and w.shape[1] == K and not torch.compiler.is_compiling()
-            and _one_thread(x.numel() * w.shape[0]) and uses_dpbf16() and packed_copy(w) is not None)
+    return (0 < x.numel() <= MAX_PACKED_ROWS * K and w.shape[1] == K and _one_thread(x.numel() * w.shape[0])
+            and uses_dpbf16() and packed_copy(w) is not None)
 
 
 def cpu_packed_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -151,14 +154,15 @@ def pack_groups(w: torch.Tensor) -> torch.Tensor | None:
 def batched_packed_takes(x: torch.Tensor, packed: torch.Tensor | None, out: torch.Tensor | None = None) -> bool:
     """Whether cpu_batched_packed_gemm runs x [G, M, K] over `packed` (pack_groups' copy): CPU bf16, 1 to
     MAX_PACKED_ROWS rows, x's and out's last dimensions contiguous."""
-    if packed is None or x.dtype is not torch.bfloat16 or not x.is_cpu or x.dim() != 3:
+    if (packed is None or x.dtype is not torch.bfloat16 or not x.is_cpu or x.dim() != 3
+            or torch.compiler.is_compiling()):
         return False
     G, M, K = x.shape
     return (1 <= M <= MAX_PACKED_ROWS and packed.shape[0] == G and packed.shape[2] * 2 == K and x.stride(2) == 1
             and _one_thread(x.numel() * packed.shape[1] * 16)
             and (out is None or (out.dtype is torch.bfloat16 and out.shape == (G, M, packed.shape[1] * 16)
                                  and out.stride(2) == 1))
-            and not torch.compiler.is_compiling() and load() is not None)
+            and load() is not None)
 
 
 def cpu_batched_packed_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,14 +179,14 @@ def cpu_batched_packed_gemm(x: torch.Tensor, packed: torch.Tensor, out: torch.Te
 
 def batched_takes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """Whether cpu_batched_skinny_gemm runs torch.bmm(x, w.transpose(1, 2)) (module docstring)."""
-    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu:
+    if x.dtype is not torch.bfloat16 or w.dtype is not torch.bfloat16 or not x.is_cpu or torch.compiler.is_compiling():
         return False
     return (x.dim() == 3 and w.dim() == 3 and 1 <= x.shape[1] <= MAX_ROWS and x.shape[0] == w.shape[0]
             and x.shape[2] == w.shape[2]
             and x.stride(2) == 1 and 1 in (w.stride(1), w.stride(2))
             and (out is None or (out.dtype is torch.bfloat16 and out.shape == (x.shape[0], x.shape[1], w.shape[1])
                                  and out.stride(2) == 1))
-            and not torch.compiler.is_compiling() and load() is not None)
+            and load() is not None)
 
 
 def cpu_batched_skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
