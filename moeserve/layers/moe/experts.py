@@ -146,9 +146,10 @@ class Experts(nn.Module):
             raise ValueError(f"--enable-shared-experts-fusion: the shared experts' weights ({', '.join(slots)}) are "
                              f"not in the routed experts' format ({', '.join(self.slot_params)})")
         first = self.w13.shape[0]
-        held = dict(zip(("w13", "w2"), self.logical_weights(), strict=True)) if self.packed else {}
+        inter, H = self.intermediate_size, self.hidden_size  # a packed slot's logical shape, without unpacking
+        logical = {"w13": torch.Size((2 * inter, H)), "w2": torch.Size((H, inter))} if self.packed else {}
         for name in self.slot_params:
-            shape = held.get(name, getattr(self, name)).shape[1:]
+            shape = logical.get(name) or getattr(self, name).shape[1:]
             if slots[name].shape[1:] != shape:
                 raise ValueError(f"--enable-shared-experts-fusion: a shared slot's {name} is "
                                  f"{tuple(slots[name].shape[1:])}, a routed expert's {tuple(shape)}")
