@@ -17,12 +17,12 @@ from moeserve.kvcache.hiradix_cache import WRITE_POLICIES
 from moeserve.kvcache.kv_pool import MHAKVPool, MLAKVPool, kv_buffers
 
 
-def _pool(kind: str, num_pages: int, page_size: int):
+def _pool(kind: str, num_pages: int, page_size: int, device: str = "cpu"):
     if kind == "mla":
         return MLAKVPool(num_pages, page_size, 2, kv_lora_rank=4, qk_rope_head_dim=2, dtype=torch.float32,
-                         device="cpu")
+                         device=device)
     return MHAKVPool(num_pages, page_size, 2, num_kv_heads=2, head_dim=3, v_head_dim=2, dtype=torch.float32,
-                     device="cpu")
+                     device=device)
 
 
 def _kv(tokens: list[int], i: int) -> float:
@@ -31,15 +31,17 @@ def _kv(tokens: list[int], i: int) -> float:
 
 
 def _write(pool, tokens: list[int], start: int, slots: np.ndarray) -> None:
-    values = torch.tensor([_kv(tokens, i) for i in range(start, start + len(slots))])
-    for j, buf in enumerate(kv_buffers(pool)):
-        buf[torch.from_numpy(slots)] = (values + j).view(-1, *[1] * (buf.dim() - 1)).expand(-1, *buf.shape[1:])
+    bufs = kv_buffers(pool)
+    values = torch.tensor([_kv(tokens, i) for i in range(start, start + len(slots))], device=bufs[0].device)
+    idx = torch.from_numpy(slots).to(values.device)
+    for j, buf in enumerate(bufs):
+        buf[idx] = (values + j).view(-1, *[1] * (buf.dim() - 1)).expand(-1, *buf.shape[1:])
 
 
 def _check(pool, tokens: list[int], slots: np.ndarray) -> None:
     want = torch.tensor([_kv(tokens, i) for i in range(len(slots))])
     for j, buf in enumerate(kv_buffers(pool)):
-        got = buf[torch.from_numpy(slots)].flatten(1)
+        got = buf[torch.from_numpy(slots).to(buf.device)].flatten(1).cpu()
         assert torch.equal(got, (want + j)[:, None].expand_as(got)), "a matched slot holds another token's KV"
 
 
@@ -49,10 +51,10 @@ def _host_held(cache: HiRadixCache) -> int:
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
 @pytest.mark.parametrize(("kind", "page_size"), [("mla", 1), ("mha", 4), ("mla", 2)])
-def test_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, kind, page_size):
+def test_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, kind, page_size, device="cpu"):
     rng = random.Random(f"{policy}{kind}{page_size}")
     device_pages, host_pages = 24, 40
-    pool = _pool(kind, device_pages, page_size)
+    pool = _pool(kind, device_pages, page_size, device)
     for buf in kv_buffers(pool):  # garbage where nothing was computed
         buf.normal_()
     alloc = PageAllocator(device_pages, page_size)
@@ -95,6 +97,15 @@ def test_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, kind,
     assert alloc.num_free_pages == device_pages and host.allocator.num_free_pages == host_pages
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize(("kind", "page_size"), [("mla", 1), ("mha", 4)])
+def test_cuda_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, kind, page_size):
+    """The randomized workload above over a CUDA device pool: the copies run on the side stream into pinned host
+    pages, and write_back's eviction queues every victim's copy before its one wait."""
+    test_matches_hold_their_tokens_kv_under_eviction_and_load_back(policy, kind, page_size, device="cuda")
+
+
 def test_write_back_copies_at_eviction_and_a_match_loads_back():
     pool = _pool("mla", 8, 2)
     alloc, host = PageAllocator(8, 2), HostKVPool(pool, 16)
@@ -131,7 +142,9 @@ def _write_back_chain(device_pages: int, host_pages: int):
     return pool, alloc, host, cache, a
 
 
-def test_write_back_eviction_queues_every_copy_before_waiting(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_write_back_eviction_queues_every_copy_before_waiting(monkeypatch, device):
     """The victims' copies to host go to the copy engine together, and the eviction waits once they are all queued
     (not a round trip to the copy thread per victim); each match after that still reads its own tokens' KV."""
     from moeserve.kvcache import copy_engine
@@ -140,7 +153,7 @@ def test_write_back_eviction_queues_every_copy_before_waiting(monkeypatch):
     backup, wait = copy_engine.CopyEngine.backup, copy_engine.CopyHandle.wait
     monkeypatch.setattr(copy_engine.CopyEngine, "backup", lambda *a, **k: events.append("copy") or backup(*a, **k))
     monkeypatch.setattr(copy_engine.CopyHandle, "wait", lambda *a, **k: events.append("wait") or wait(*a, **k))
-    pool = _pool("mha", 16, 2)
+    pool = _pool("mha", 16, 2, device)
     alloc, host = PageAllocator(16, 2), HostKVPool(pool, 32)
     cache = HiRadixCache(alloc, 2, host, "write_back")
     rng = random.Random(7)
