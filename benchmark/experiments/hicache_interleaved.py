@@ -6,7 +6,8 @@ multi-turn dataset of `moeserve bench serving`) and builds each next prompt from
 text where the servers agree, as the hierarchical cache's servers must).
     python benchmark/experiments/hicache_interleaved.py --server off=http://localhost:31870 \\
         --server host_file=http://localhost:31872 --out /tmp/hicache [--conversations 24 --turns 6 ...]
-Per server: `<out>/<name>.json` (bench serving's summary and requests) and a line of the table printed at the end.
+Per server: `<out>/<name>.json` (bench serving's summary and requests) and a line of the table printed at the end, with
+how many of its answers equal the first server's (same conversation and turn).
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ async def run(servers: dict[str, str], conversations, tokenizer) -> dict[str, li
                     results[name].append(res)
                     if res.success:
                         said.append(res.output_text)
-    return results
+    return results, answers
+
+
+def same_answers(mine: list[list[str]], first: list[list[str]]) -> tuple[int, int]:
+    """(answers equal to the first server's at the same conversation and turn, answers compared)."""
+    pairs = [(a, b) for x, y in zip(mine, first, strict=True) for a, b in zip(x, y, strict=False)]
+    return sum(a == b for a, b in pairs), len(pairs)
 
 
 def main() -> None:
@@ -71,14 +78,15 @@ def main() -> None:
     conversations = multiturn_conversations(tokenizer, args.conversations, args.turns, args.system_len,
                                             args.user_len, args.output_len, args.seed)
     start = time.perf_counter()
-    results = asyncio.run(run(servers, conversations, tokenizer))
+    results, answers = asyncio.run(run(servers, conversations, tokenizer))
     print(f"{len(servers)} servers interleaved, {args.conversations} conversations x {args.turns} turns, "
           f"{time.perf_counter() - start:.0f} s")
+    names = list(servers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = None
     print(f"{'server':<10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'input tok/s':>12} {'cached':>8} {'failed':>7} "
-          f"{'p50 vs first':>13}")
+          f"{'p50 vs first':>13} {'same answers':>13}")
     for name, res in results.items():
         busy = sum(r.latency for r in res if r.success)  # its requests' wall time (one in flight at a time)
         s = summarize(res, busy)
@@ -87,8 +95,9 @@ def main() -> None:
              "requests": [{k: v for k, v in asdict(r).items() if k != "output_text"} for r in res]}, indent=1))
         p50 = s["ttft_ms"]["median"]
         base = base or p50
+        same, compared = same_answers(answers[name], answers[names[0]])
         print(f"{name:<10} {p50:>12.1f} {s['ttft_ms']['p99']:>12.1f} {s['input_throughput']:>12.1f} "
-              f"{100 * s['cached_token_rate']:>7.1f}% {s['failed']:>7} {base / p50:>12.2f}x")
+              f"{100 * s['cached_token_rate']:>7.1f}% {s['failed']:>7} {base / p50:>12.2f}x {same:>6}/{compared}")
 
 
 if __name__ == "__main__":
