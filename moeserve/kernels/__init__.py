@@ -22,6 +22,7 @@ x W^T at one to four rows: a GEMV at the memory's rate); mla_decode.py (MLA deco
 over the latent cache); mla_rope_cache.py (MLA's latent write with its RMSNorm and rotary, fused; rotary.py holds
 the rotary arithmetic it shares with layers/rotary.py).
 CPU-only kernels (C++, not Triton), compiled per ISA (cpu_isa.py): cpu_experts.py, cpu_mla_decode.py,
+cpu_latent_extend.py (MLA's absorbed extend, which layers/attention/latent_extend.py calls on the CPU),
 cpu_skinny_gemm.py (the bf16 dense layers at one to four rows, which skinny_gemm.py calls on the CPU),
 cpu_rms_norm.py (bf16 RMSNorm, which rms_norm.py calls on the CPU), cpu_mla_rope_cache.py (which mla_rope_cache.py
 calls on the CPU) and cpu_moe_select.py (which moe_select.py calls on the CPU).

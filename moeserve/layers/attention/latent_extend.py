@@ -20,18 +20,23 @@ rows: for DeepSeek-V3's shapes (r 512, R 64, nope 128, v 128) at L >> T below ab
 CPU the two forms do not run their multiply-adds at the same rate (CPU_ABSORBED_RATE, by the model's dtype):
 benchmark/experiments/bench_latent_extend.py measured the crossover (docs/serving.md).
 
-`absorbed_extend` is the layer's whole attention; `latent_extend_attention` runs ExtendPlan's padded groups, every
-query row's heads folded into the rows of one matmul against the single latent head (no copy of K or V per head),
-the group's causal mask broadcast over the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
+`absorbed_extend` is the layer's whole attention. Its attention proper runs in the C++ kernel on the CPU
+(kernels/cpu_latent_extend.py: the rows read through kv_indices, each block of query rows' scores kept in cache,
+the causal far side skipped row by row); under torch.compile, or where the kernel cannot build,
+`latent_extend_attention` runs ExtendPlan's padded groups in torch, every query row's heads folded into the rows
+of one matmul against the single latent head (no copy of K or V per head), the group's causal mask broadcast over
+the heads. The CUDA path keeps the expanded form (its Triton extend kernel): the absorbed extend is not run
 there (`absorbed_requests` says no for any step off the CPU).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from moeserve.kernels import cpu_latent_extend
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 
 # The absorbed form's multiply-adds per second over the expanded form's, on the CPU: the time rule weighs each form's
@@ -92,16 +97,23 @@ def absorbed_requests(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int],
     return out
 
 
-def absorbed_extend(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
-                    w_uv: torch.Tensor, plan: ExtendPlan, scale: float) -> torch.Tensor:
+def absorbed_extend(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_indptr: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, plan: ExtendPlan,
+                    extend_lens: list[int], scale: float) -> torch.Tensor:
     """The absorbed extend of one layer: q_nope [T, h, nope] and q_rope [T, h, R] (roped), request b's rows its new
-    tokens; kv [S, r + R] the latent rows [c_kv | k_rope] of every request's whole sequence (kv_indices order);
-    W_UK [h, nope, r] and W_UV [h, v, r] -> [T, h, v] in q_nope's dtype, what the expanded extend computes.
+    tokens (extend_lens[b] of them); cache [N, r + R] the latent rows [c_kv | k_rope], request b's whole sequence at
+    kv_indices[kv_indptr[b]:kv_indptr[b + 1]]; W_UK [h, nope, r] and W_UV [h, v, r] -> [T, h, v] in q_nope's dtype,
+    what the expanded extend computes. The attention runs in the CPU kernel (kernels/cpu_latent_extend.py) where it
+    takes the step, else in torch over the gathered rows (`latent_extend_attention`).
     NOTE: every product in float32: torch's bf16 bmm ran 10-20x slower than converting and multiplying in
     float32 on the CPUs measured (one without AVX-512 BF16), and a weight's conversion costs less than its use."""
     q_latent = torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)  # [T, h, r]
     q = torch.cat((q_latent, q_rope.float()), dim=-1)
-    o = latent_extend_attention(q, kv, w_uk.shape[-1], plan, scale)  # [T, h, r] float32
+    if cpu_latent_extend.takes(q, cache):
+        q_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int64)
+        o = cpu_latent_extend.latent_extend(q, cache, kv_indices, kv_indptr, q_indptr, w_uk.shape[-1], scale)
+    else:
+        o = latent_extend_attention(q, cache[kv_indices], w_uk.shape[-1], plan, scale)  # [T, h, r] float32
     return torch.bmm(o.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(q_nope.dtype)
 
 
