@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Multi-turn conversations whose histories outgrow the device KV pool: TTFT and input throughput with the
 # hierarchical KV cache off, host memory only, and host plus the file storage tier, in one run (docs/BENCHMARKS.md).
-#   [EXTRA="--dtype bfloat16"] bash benchmark/experiments/hicache_multiturn.sh [OUT_DIR]
+#   [EXTRA="--dtype bfloat16"] [BASELINE=/path/to/other/checkout] bash benchmark/experiments/hicache_multiturn.sh [OUT_DIR]
+# BASELINE: also run that checkout's off and host + file servers (named base_off, base_host_file), interleaved with
+# this tree's three, for an A/B of two trees in the same minutes (`git worktree add /tmp/base <rev>`).
 # The embedded default model on CPU, a device pool of 2,048 tokens (--max-total-tokens), a host pool of twice
 # that; 24 conversations of 6 turns (a shared 512-token system prompt, 64-token user turns, 32-token answers):
 # a working set of about 14k tokens, so the host pool overflows too and the file tier holds the rest. One request
@@ -11,7 +13,7 @@
 # The three servers run at once and take the turns in turn (hicache_interleaved.py): an idle server waits in a
 # blocking poll, and the VM's drift over the run falls on all three alike.
 set -euo pipefail
-OUT=${1:-/tmp/hicache_bench}
+OUT=$(realpath -m "${1:-/tmp/hicache_bench}")
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-31870}
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -21,18 +23,30 @@ COMMON=(--max-total-tokens 2048 --page-size 16 --log-level warning ${EXTRA:-})
 declare -A MODES=(
   [off]=""
   [host]="--enable-hierarchical-cache --hicache-ratio 2"
-  [host_file]="--enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"$OUT/pages\"}"
+  [host_file]="--enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"@PAGES@\"}"
 )
 pids=()
 servers=()
 trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait' EXIT
 port=$PORT
-for mode in off host host_file; do
+PY=$(realpath -s "$PY")  # absolute, the venv's link kept (the servers run from other directories)
+# serve TREE NAME MODE: a server of checkout TREE (run from there, its own moeserve first on the path)
+serve() {
+  local flags=${MODES[$3]//@PAGES@/$OUT/pages_$2}
   # shellcheck disable=SC2086
-  $PY -m moeserve.cli serve "${COMMON[@]}" --port "$port" ${MODES[$mode]} > "$OUT/server_$mode.log" 2>&1 &
+  (cd "$1" && PYTHONPATH="$1" exec "$PY" -m moeserve.cli serve "${COMMON[@]}" --port "$port" $flags \
+    > "$OUT/server_$2.log" 2>&1) &
   pids+=($!)
-  servers+=(--server "$mode=http://localhost:$port")
+  servers+=(--server "$2=http://localhost:$port")
   port=$((port + 1))
+}
+for mode in off host host_file; do
+  serve "$PWD" "$mode" "$mode"
 done
+if [ -n "${BASELINE:-}" ]; then
+  for mode in off host_file; do
+    serve "$(realpath "$BASELINE")" "base_$mode" "$mode"
+  done
+fi
 $PY benchmark/experiments/hicache_interleaved.py "${servers[@]}" --out "$OUT" --conversations 24 --turns 6 \
   --system-len 512 --user-len 64 --output-len 32 --seed 1 | tee "$OUT/table.txt"
