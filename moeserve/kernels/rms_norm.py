@@ -40,7 +40,7 @@ def _triton_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Module docstring. Triton on CUDA, C++ for bf16 on the CPU (kernels/cpu_rms_norm.py), the reference elsewhere
+    """Module docstring. Triton on CUDA, C++ for bf16 and float32 on the CPU (kernels/cpu_rms_norm.py), the reference elsewhere
     (and under torch.compile)."""
     if cpu_rms_norm.takes(x, weight, residual):
         return cpu_rms_norm.cpu_rms_norm(x, weight, eps, residual)

@@ -66,6 +66,29 @@ def test_cpu_kernel_matches_reference_in_bf16(shape, with_residual):
     assert ((y.float() - yr.float()).abs() <= 2 * step).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 256), (3, 576), (64, 1536), (2, 3, 7168), (4, 100), (1, 5)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_cpu_kernel_matches_reference_in_float32(shape, with_residual):
+    """The C++ RMSNorm in float32 (what rms_norm runs for float32 on the CPU) against torch's: h bit for bit, y
+    within a few float32 steps (the sum of squares in another order)."""
+    from moeserve.kernels import cpu_rms_norm
+
+    gen = torch.Generator().manual_seed(shape[-1] * 3 + with_residual)
+    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 20
+    w = 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    res = torch.randn(shape, generator=gen) if with_residual else None
+    if cpu_rms_norm.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot build")
+    assert cpu_rms_norm.takes(x, w, res)
+    got = rms_norm(x, w, 1e-6, res)
+    ref = rms_norm_reference(x, w, 1e-6, res)
+    y, yr = (got[0], ref[0]) if with_residual else (got, ref)
+    if with_residual:
+        assert torch.equal(got[1], ref[1])
+    assert y.dtype == torch.float32 and y.shape == yr.shape
+    torch.testing.assert_close(y, yr, rtol=4e-7, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(1, 128), (6, 300), (2, 3, 512)])  # one row; a partial group; 3-d input
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quant_matches_norm_then_quantizer(shape, with_residual, device):

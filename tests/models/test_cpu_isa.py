@@ -1,6 +1,6 @@
 """Every ISA build of the C++ CPU kernels (--cpu-isa amx, avx512, avx2; kernels/cpu_isa.py) against float64
 references, in bf16 and float32: the experts kernel on ragged loads with empty experts, the one-call MoE with
-tokens routed nowhere, MLA decode over the paged latent cache, the bf16 skinny GEMM of 1 to 4 rows and its batched
+tokens routed nowhere, MLA decode over the paged latent cache, RMSNorm, the bf16 skinny GEMM of 1 to 4 rows and its batched
 form, MLA's latent write (norm, rotary, cache rows). A path the CPU lacks is skipped, saying why."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from moeserve.kernels import (
     cpu_isa,
     cpu_mla_decode,
     cpu_mla_rope_cache,
+    cpu_rms_norm,
     cpu_skinny_gemm,
     mla_rope_cache,
+    rms_norm,
     skinny_gemm,
 )
 from moeserve.layers.moe.experts import Experts
@@ -389,6 +391,22 @@ def test_mla_rope_cache_is_the_references(isa, T, H, r, R, interleaved):
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[args["loc"]] = False
     assert torch.equal(cache[untouched], want_cache[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("T", "D"), [(1, 256), (5, 100), (64, 1536)])
+def test_rms_norm(isa, dtype, T, D):
+    """The C++ RMSNorm with and without the residual add against the torch reference: h bit for bit, y to one
+    rounding of its dtype (the sum of squares in another order)."""
+    gen = torch.Generator().manual_seed(T * D + len(isa))
+    x, res = (torch.randn(2, T, D, generator=gen) * 5).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    assert cpu_rms_norm.takes(x, w, res)
+    tol = dict(rtol=1.6e-2, atol=1e-5) if dtype is torch.bfloat16 else dict(rtol=4e-7, atol=1e-6)
+    torch.testing.assert_close(cpu_rms_norm.cpu_rms_norm(x, w, 1e-6), rms_norm.rms_norm_reference(x, w, 1e-6), **tol)
+    (y, h), (want_y, want_h) = cpu_rms_norm.cpu_rms_norm(x, w, 1e-6, res), rms_norm.rms_norm_reference(x, w, 1e-6, res)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(y, want_y, **tol)
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the builds")
