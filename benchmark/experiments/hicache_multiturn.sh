@@ -29,12 +29,12 @@ pids=()
 servers=()
 trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait' EXIT
 port=$PORT
-PY=$(realpath -s "$PY")  # absolute, the venv's link kept (the servers run from other directories)
+PY=$(realpath -s "$(command -v "$PY")")  # absolute, the venv's link kept (the servers run from other directories)
 # serve TREE NAME MODE: a server of checkout TREE (run from there, its own moeserve first on the path)
 serve() {
   local flags=${MODES[$3]//@PAGES@/$OUT/pages_$2}
   # shellcheck disable=SC2086
-  (cd "$1" && PYTHONPATH="$1" exec "$PY" -m moeserve.cli serve "${COMMON[@]}" --port "$port" $flags \
+  (cd "$1" && PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m moeserve.cli serve "${COMMON[@]}" --port "$port" $flags \
     > "$OUT/server_$2.log" 2>&1) &
   pids+=($!)
   servers+=(--server "$2=http://localhost:$port")
