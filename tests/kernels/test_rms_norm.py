@@ -37,18 +37,20 @@ def test_cpu_reference_in_bf16_rounds_as_the_fp32_upcast(shape):
     assert torch.equal(rms_norm_reference(x, w, 1e-6), upcast)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 256), (3, 576), (64, 1536), (2, 3, 7168), (4, 100), (1, 5)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_cpu_kernel_matches_reference_in_bf16(shape, with_residual):
-    """The C++ bf16 RMSNorm (kernels/cpu_rms_norm.py, what rms_norm runs for bf16 on the CPU) against the reference:
-    h = x + residual bit for bit; y differs only where the sum of squares, summed in another order, moves x / rms
-    across a rounding boundary (under 1% of the values). Widths that are not multiples of the vectors."""
+def test_cpu_kernel_matches_reference(shape, with_residual, dtype):
+    """The C++ RMSNorm (kernels/cpu_rms_norm.py, what rms_norm runs for bf16 and float32 on the CPU) against the
+    reference: h = x + residual bit for bit; y differs only where the sum of squares, summed in another order, moves
+    x / rms: in bf16 across a rounding boundary (under 1% of the values), in float32 by a few steps. Widths that are
+    not multiples of the vectors."""
     from moeserve.kernels import cpu_rms_norm
 
     gen = torch.Generator().manual_seed(shape[-1] * 2 + with_residual)
-    x = (torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 20).to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(torch.bfloat16)
-    res = torch.randn(shape, generator=gen).to(torch.bfloat16) if with_residual else None
+    x = (torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 20).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    res = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
     if cpu_rms_norm.load() is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot build")
     assert cpu_rms_norm.takes(x, w, res)
@@ -57,36 +59,16 @@ def test_cpu_kernel_matches_reference_in_bf16(shape, with_residual):
     y, yr = (got[0], ref[0]) if with_residual else (got, ref)
     if with_residual:
         assert torch.equal(got[1], ref[1])
-    assert y.dtype == torch.bfloat16 and y.shape == yr.shape
+    assert y.dtype == dtype and y.shape == yr.shape
+    if dtype is torch.float32:
+        torch.testing.assert_close(y, yr, rtol=4e-7, atol=1e-6)
+        return
     differ = y != yr
     assert differ.float().mean() < 0.01
     # n = x / rms moves by one bf16 step at most; y = weight * n by that times |weight| (up to ~1.3 here) plus its
     # own rounding: at most two steps of y (one step at magnitude v is v * 2^-7 to v * 2^-8)
     step = torch.maximum(y.float().abs(), yr.float().abs()) * 2**-7
     assert ((y.float() - yr.float()).abs() <= 2 * step).all()
-
-
-@pytest.mark.parametrize("shape", [(1, 256), (3, 576), (64, 1536), (2, 3, 7168), (4, 100), (1, 5)])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_cpu_kernel_matches_reference_in_float32(shape, with_residual):
-    """The C++ RMSNorm in float32 (what rms_norm runs for float32 on the CPU) against torch's: h bit for bit, y
-    within a few float32 steps (the sum of squares in another order)."""
-    from moeserve.kernels import cpu_rms_norm
-
-    gen = torch.Generator().manual_seed(shape[-1] * 3 + with_residual)
-    x = torch.randn(shape, generator=gen) * torch.rand(*shape[:-1], 1, generator=gen) * 20
-    w = 1 + 0.1 * torch.randn(shape[-1], generator=gen)
-    res = torch.randn(shape, generator=gen) if with_residual else None
-    if cpu_rms_norm.load() is None:
-        pytest.skip("no C++ compiler: the CPU kernels cannot build")
-    assert cpu_rms_norm.takes(x, w, res)
-    got = rms_norm(x, w, 1e-6, res)
-    ref = rms_norm_reference(x, w, 1e-6, res)
-    y, yr = (got[0], ref[0]) if with_residual else (got, ref)
-    if with_residual:
-        assert torch.equal(got[1], ref[1])
-    assert y.dtype == torch.float32 and y.shape == yr.shape
-    torch.testing.assert_close(y, yr, rtol=4e-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(1, 128), (6, 300), (2, 3, 512)])  # one row; a partial group; 3-d input

@@ -31,17 +31,6 @@ from moeserve.layers.moe.experts import Experts
 pytestmark = pytest.mark.skipif(cpu_experts.load() is None, reason="no C++ compiler: the kernels cannot build")
 
 
-@pytest.fixture(params=cpu_isa.ISAS)
-def isa(request):
-    """The kernels forced to one ISA for the test, then back to the process's pick."""
-    if request.param not in cpu_isa.supported():
-        pytest.skip(f"this CPU lacks {request.param}: no {', '.join(cpu_isa.missing(request.param))}")
-    before = cpu_isa.current()
-    cpu_isa.select(request.param)
-    yield request.param
-    cpu_isa.select(before)
-
-
 BF16_DOT = ("amx", "avx512bf16")  # the builds with AVX-512 BF16: packed bf16 experts, bf16 dot products
 
 

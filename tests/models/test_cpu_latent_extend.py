@@ -7,22 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels import cpu_isa, cpu_latent_extend
+from moeserve.kernels import cpu_latent_extend
 from moeserve.layers.attention import latent_extend
 from moeserve.layers.attention.extend_plan import ExtendPlan
 
 pytestmark = pytest.mark.skipif(cpu_latent_extend.load() is None, reason="no C++ compiler: the kernel cannot build")
-
-
-@pytest.fixture(params=cpu_isa.ISAS)
-def isa(request):
-    """The kernel forced to one ISA build for the test, then back to the process's pick."""
-    if request.param not in cpu_isa.supported():
-        pytest.skip(f"this CPU lacks {request.param}: no {', '.join(cpu_isa.missing(request.param))}")
-    before = cpu_isa.current()
-    cpu_isa.select(request.param)
-    yield request.param
-    cpu_isa.select(before)
 
 
 def _case(lens: list[tuple[int, int]], H: int, D: int, dtype: torch.dtype, seed: int):
