@@ -44,7 +44,8 @@ def mla_rope_cache_reference(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: t
 def mla_rope_cache(q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, norm_weight: torch.Tensor,
                    eps: float, rope: torch.Tensor, interleaved: bool, cache: torch.Tensor,
                    loc: torch.Tensor) -> torch.Tensor:
-    """Module docstring. Triton on CUDA, C++ on the CPU in bf16, the reference elsewhere (and under torch.compile)."""
+    """Module docstring. Triton on CUDA, C++ on the CPU in bf16 and float32, the reference elsewhere (and under
+    torch.compile)."""
     if cpu_mla_rope_cache.takes(q_rope, c_kv, k_rope, norm_weight, rope, cache):
         return cpu_mla_rope_cache.cpu_mla_rope_cache(q_rope, c_kv, k_rope, norm_weight, eps, rope, interleaved, cache,
                                                      loc)

@@ -352,31 +352,33 @@ def test_batched_skinny_gemm_takes_only_bf16_on_few_rows(isa, monkeypatch):
     assert calls == [(4, 2, 64)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(("T", "H", "r", "R"), [(1, 4, 512, 64), (7, 6, 40, 24), (70, 16, 512, 64)])
-def test_mla_rope_cache_is_the_references(isa, T, H, r, R, interleaved):
-    """The C++ latent write in bf16 against kernels/mla_rope_cache.py's torch reference on the model's strided views
+def test_mla_rope_cache_is_the_references(isa, T, H, r, R, interleaved, dtype):
+    """The C++ latent write against kernels/mla_rope_cache.py's torch reference on the model's strided views
     (q_rope a slice of q, c_kv and k_rope of one projection), scattered unordered slots and every other cache row
-    random: the rotations bit for bit, the norm to a bf16 rounding (its sum of squares in another order), rows
-    outside loc untouched. 70 tokens are split over the threads."""
+    random: the rotations bit for bit, the norm to a rounding (its sum of squares in another order), rows outside
+    loc untouched. 70 tokens are split over the threads."""
     gen = torch.Generator().manual_seed(T * 100 + H + r + interleaved + len(isa))
-    q = torch.randn(T, H, 24 + R, generator=gen).bfloat16()
-    kv = (3 * torch.randn(T, r + R, generator=gen)).bfloat16()
+    q = torch.randn(T, H, 24 + R, generator=gen).to(dtype)
+    kv = (3 * torch.randn(T, r + R, generator=gen)).to(dtype)
     c_kv, k_rope = kv.split([r, R], dim=-1)
     angles = torch.rand(T, R, generator=gen) * 6.3
     rope = torch.stack((angles.cos(), angles.sin() * torch.where(torch.arange(R) % 2 == 0, -1.0, 1.0)), dim=1)
     N = 3 * T + 11
     args = dict(q_rope=q[..., 24:], c_kv=c_kv, k_rope=k_rope,
-                norm_weight=(1 + 0.1 * torch.randn(r, generator=gen)).bfloat16(), eps=1e-6, rope=rope,
+                norm_weight=(1 + 0.1 * torch.randn(r, generator=gen)).to(dtype), eps=1e-6, rope=rope,
                 interleaved=interleaved, loc=torch.randperm(N, generator=gen)[:T])
-    cache = torch.randn(N, r + R, generator=gen).bfloat16()
+    cache = torch.randn(N, r + R, generator=gen).to(dtype)
     want_cache = cache.clone()
     want_q = mla_rope_cache.mla_rope_cache_reference(**args, cache=want_cache)
     assert cpu_mla_rope_cache.takes(args["q_rope"], c_kv, k_rope, args["norm_weight"], rope, cache)
     got_q = mla_rope_cache.mla_rope_cache(**args, cache=cache)
     assert torch.equal(got_q, want_q)
     assert torch.equal(cache[:, r:], want_cache[:, r:])
-    torch.testing.assert_close(cache[:, :r], want_cache[:, :r], rtol=1.6e-2, atol=1e-5)
+    tol = dict(rtol=1.6e-2, atol=1e-5) if dtype is torch.bfloat16 else dict(rtol=4e-7, atol=1e-6)
+    torch.testing.assert_close(cache[:, :r], want_cache[:, :r], **tol)
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[args["loc"]] = False
     assert torch.equal(cache[untouched], want_cache[untouched])
