@@ -24,6 +24,6 @@ the rotary arithmetic it shares with layers/rotary.py).
 CPU-only kernels (C++, not Triton), compiled per ISA (cpu_isa.py): cpu_experts.py, cpu_mla_decode.py,
 cpu_latent_extend.py (MLA's absorbed extend, which layers/attention/latent_extend.py calls on the CPU),
 cpu_skinny_gemm.py (the bf16 dense layers at one to four rows, which skinny_gemm.py calls on the CPU),
-cpu_rms_norm.py (bf16 RMSNorm, which rms_norm.py calls on the CPU), cpu_mla_rope_cache.py (which mla_rope_cache.py
+cpu_rms_norm.py (RMSNorm in bf16 and float32, which rms_norm.py calls on the CPU), cpu_mla_rope_cache.py (which mla_rope_cache.py
 calls on the CPU) and cpu_moe_select.py (which moe_select.py calls on the CPU).
 """
