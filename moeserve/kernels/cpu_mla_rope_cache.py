@@ -5,8 +5,8 @@ squares in another order).
     cpu_mla_rope_cache(q_rope, c_kv, k_rope, norm_weight, eps, rope, interleaved, cache, loc) -> q_rope rotated
 
 `takes(...)` says whether it runs: CPU activations, weight and cache all bf16 or all float32, float32 rope, last
-dimensions dense, not under torch.compile. The reference (six torch ops, two copies) was about a tenth of a bf16 decode step of the tiny
-V3 at batch 1 (py-spy, one thread of the 2-core EPYC VM, 2026-12-07). The C++ source is compiled on first use
+dimensions dense, not under torch.compile. The reference (six torch ops, two copies) was about a tenth of a bf16
+decode step of the tiny V3 at batch 1 (py-spy, one thread of the 2-core EPYC VM, 2026-12-07). The C++ source is compiled on first use
 (moeserve/kernels/build.py); where that is impossible `takes` is False and the reference runs.
 """
 
