@@ -153,7 +153,7 @@ class MLAttention(nn.Module):
         """A short tail over a long prefix: the decode's absorbed form, causal over each request's rows."""
         w_uk, w_uv = self._kv_b()
         return absorbed_extend(q_nope, q_rope, cache, meta.kv_indices, meta.kv_indptr, w_uk, w_uv, meta.extend_plan,
-                               meta.extend_lens, self.scale)
+                               meta.extend_lens, self.scale, packed=self._kv_b_packed())
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:

@@ -85,3 +85,31 @@ def test_bad_offsets_are_refused():
         cpu_latent_extend.latent_extend(q, cache, indices, kv_indptr, torch.tensor([0, 3, 10]), 8, 0.1)  # 7 rows, 6 keys
     with pytest.raises(ValueError, match="q offsets"):
         cpu_latent_extend.latent_extend(q, cache, indices, kv_indptr, torch.tensor([0, 4, 9]), 8, 0.1)
+
+
+def test_bf16_absorbed_extend_takes_the_decodes_packed_products(monkeypatch):
+    """A bf16 model's absorbed extend of a few dozen rows multiplies through W_UK and W_UV with the decode's packed
+    bf16 products (no float32 copy of the weights), and lands within bf16's rounding of the float32 products."""
+    from moeserve.kernels import cpu_skinny_gemm
+
+    H, nope, r, R, v = 4, 32, 64, 16, 32
+    lens = [(40, 300), (9, 9)]
+    q, cache, indices, kv_indptr, _ = _case(lens, H, r + R, torch.bfloat16, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    q_nope = torch.randn(q.shape[0], H, nope, generator=gen).bfloat16()
+    q_rope = torch.randn(q.shape[0], H, R, generator=gen).bfloat16()
+    w_uk = (torch.randn(H, nope, r, generator=gen) * 0.2).bfloat16()
+    w_uv = (torch.randn(H, v, r, generator=gen) * 0.2).bfloat16()
+    packed = cpu_skinny_gemm.pack_groups(w_uk.transpose(1, 2)), cpu_skinny_gemm.pack_groups(w_uv)
+    if packed[0] is None:
+        pytest.skip("this build has no AVX-512 BF16 products (pack_groups gives no copy)")
+    extend_lens, seq_lens = [n for n, _ in lens], [s for _, s in lens]
+    args = (q_nope, q_rope, cache, indices, kv_indptr, w_uk, w_uv, ExtendPlan.build(extend_lens, seq_lens, "cpu"),
+            extend_lens, 0.125)
+    calls = []
+    real = cpu_skinny_gemm.cpu_batched_packed_gemm
+    monkeypatch.setattr(cpu_skinny_gemm, "cpu_batched_packed_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = latent_extend.absorbed_extend(*args, packed=packed)
+    assert len(calls) == 2 and got.dtype == torch.bfloat16
+    want = latent_extend.absorbed_extend(*args)  # float32 products
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)

@@ -36,11 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels import cpu_latent_extend
+from moeserve.kernels import cpu_latent_extend, cpu_skinny_gemm
+from moeserve.kernels.skinny_gemm import batched_skinny_gemm
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
+from moeserve.layers.attention.latent_decode import latent_to_heads
 
 # The absorbed form's multiply-adds per second over the expanded form's, on the CPU: the time rule weighs each form's
-# multiply-adds by it. The absorbed form multiplies in float32 (see absorbed_extend); the expanded one runs kv_b_proj
+# multiply-adds by it. The absorbed form's attention multiplies in float32 (see absorbed_extend); the expanded one runs kv_b_proj
 # and SDPA in the model's dtype, and torch's bf16 GEMMs ran several times slower than float32 ones on the CPUs
 # measured. bench_latent_extend.py (docs/serving.md, the log of 2026-12-06): in float32 0.9-1.6 on a quiet VM (the
 # default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
@@ -99,21 +101,34 @@ def absorbed_requests(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int],
 
 def absorbed_extend(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, kv_indices: torch.Tensor,
                     kv_indptr: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, plan: ExtendPlan,
-                    extend_lens: list[int], scale: float) -> torch.Tensor:
+                    extend_lens: list[int], scale: float,
+                    packed: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
     """The absorbed extend of one layer: q_nope [T, h, nope] and q_rope [T, h, R] (roped), request b's rows its new
     tokens (extend_lens[b] of them); cache [N, r + R] the latent rows [c_kv | k_rope], request b's whole sequence at
     kv_indices[kv_indptr[b]:kv_indptr[b + 1]]; W_UK [h, nope, r] and W_UV [h, v, r] -> [T, h, v] in q_nope's dtype,
     what the expanded extend computes. The attention runs in the CPU kernel (kernels/cpu_latent_extend.py) where it
-    takes the step, else in torch over the gathered rows (`latent_extend_attention`).
-    NOTE: every product in float32: torch's bf16 bmm ran 10-20x slower than converting and multiplying in
-    float32 on the CPUs measured (one without AVX-512 BF16), and a weight's conversion costs less than its use."""
-    q_latent = torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float()).transpose(0, 1)  # [T, h, r]
+    takes the step, else in torch over the gathered rows (`latent_extend_attention`), in float32 either way.
+    The products through W_UK and W_UV: in a bf16 model with `packed` (the decode's packed per-head copies of W_UK^T
+    and W_UV, MLAttention._kv_b_packed) and few enough rows for them, the decode's bf16 products and roundings (q in
+    the latent space and the attention's output rounded to bf16); else in float32.
+    NOTE: torch's bf16 bmm ran 10-20x slower than converting and multiplying in float32 on the CPUs measured (one
+    without AVX-512 BF16), and a weight's conversion costs less than its use; at a few dozen rows the conversion
+    was most of the absorbed form's time in bf16 (V2-Lite's widths), which the packed products skip."""
+    uk_packed, uv_packed = packed
+    heads_first = q_nope.transpose(0, 1)  # [h, T, nope]
+    bf16_products = cpu_skinny_gemm.batched_packed_takes(heads_first, uk_packed)
+    if bf16_products:
+        q_latent = batched_skinny_gemm(heads_first, w_uk.transpose(1, 2), packed=uk_packed).transpose(0, 1).float()
+    else:
+        q_latent = torch.bmm(heads_first.float(), w_uk.float()).transpose(0, 1)  # [T, h, r]
     q = torch.cat((q_latent, q_rope.float()), dim=-1)
     if cpu_latent_extend.takes(q, cache):
         q_indptr = torch.tensor([0, *itertools.accumulate(extend_lens)], dtype=torch.int64)
         o = cpu_latent_extend.latent_extend(q, cache, kv_indices, kv_indptr, q_indptr, w_uk.shape[-1], scale)
     else:
         o = latent_extend_attention(q, cache[kv_indices], w_uk.shape[-1], plan, scale)  # [T, h, r] float32
+    if bf16_products and uv_packed is not None:
+        return latent_to_heads(o.to(q_nope.dtype), w_uv, uv_packed)
     return torch.bmm(o.transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(q_nope.dtype)
 
 
