@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
 # Multi-turn conversations whose histories outgrow the device KV pool: TTFT and input throughput with the
-# hierarchical KV cache off, host memory only, and host plus the file storage tier, in one run (docs/BENCHMARKS.md).
+# hierarchical KV cache off, host memory only, and host plus the file storage tier, in one run (docs/BENCHMARKS.md);
+# beside them device_all, no hierarchy and a device pool that holds the whole working set: every prompt's cached
+# part found in place and nothing to load, the bound any cache tier can reach on this workload.
 #   [EXTRA="--dtype bfloat16"] [BASELINE=/path/to/other/checkout] bash benchmark/experiments/hicache_multiturn.sh [OUT_DIR]
 # BASELINE: also run that checkout's off and host + file servers (named base_off, base_host_file), interleaved with
-# this tree's three, for an A/B of two trees in the same minutes (`git worktree add /tmp/base <rev>`).
-# The embedded default model on CPU, a device pool of 2,048 tokens (--max-total-tokens), a host pool of twice
-# that; 24 conversations of 6 turns (a shared 512-token system prompt, 64-token user turns, 32-token answers):
-# a working set of about 14k tokens, so the host pool overflows too and the file tier holds the rest. One request
-# in flight, so TTFT is the prefill of what is not cached (not queueing behind other requests). Pages of 16
-# tokens in all three (a storage tier stores a file per page: with pages of 1 its writes, a file per token, took
-# the CPU from the prefills they ran beside, 2.7x on the forward in benchmark/experiments/hicache_phases.py).
-# The three servers run at once and take the turns in turn (hicache_interleaved.py): an idle server waits in a
-# blocking poll, and the VM's drift over the run falls on all three alike.
+# this tree's four, for an A/B of two trees in the same minutes (`git worktree add /tmp/base <rev>`).
+# The embedded default model on CPU, a device pool of 2,048 tokens (--max-total-tokens; device_all's 32k), a host
+# pool of twice that; 24 conversations of 6 turns (a shared 512-token system prompt, 64-token user turns, 32-token
+# answers): a working set of about 14k tokens, so the host pool overflows too and the file tier holds the rest. One
+# request in flight, so TTFT is the prefill of what is not cached (not queueing behind other requests). Pages of 16
+# tokens in all (a storage tier stores a file per page: with pages of 1 its writes, a file per token, took the CPU
+# from the prefills they ran beside, 2.7x on the forward in benchmark/experiments/hicache_phases.py).
+# The servers run at once and take the turns in turn (hicache_interleaved.py): an idle server waits in a blocking
+# poll, and the VM's drift over the run falls on all of them alike.
 set -euo pipefail
 OUT=$(realpath -m "${1:-/tmp/hicache_bench}")
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-31870}
 rm -rf "$OUT" && mkdir -p "$OUT"
-# EXTRA: more server flags for all three, e.g. EXTRA="--dtype bfloat16" (--dtype auto is float32 on the CPU)
+# EXTRA: more server flags for all of them, e.g. EXTRA="--dtype bfloat16" (--dtype auto is float32 on the CPU)
 # shellcheck disable=SC2206
-COMMON=(--max-total-tokens 2048 --page-size 16 --log-level warning ${EXTRA:-})
+COMMON=(--page-size 16 --log-level warning ${EXTRA:-})
 declare -A MODES=(
-  [off]=""
-  [host]="--enable-hierarchical-cache --hicache-ratio 2"
-  [host_file]="--enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"@PAGES@\"}"
+  [off]="--max-total-tokens 2048"
+  [host]="--max-total-tokens 2048 --enable-hierarchical-cache --hicache-ratio 2"
+  [host_file]="--max-total-tokens 2048 --enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"@PAGES@\"}"
+  [device_all]="--max-total-tokens 32768"
 )
 pids=()
 servers=()
@@ -40,7 +43,7 @@ serve() {
   servers+=(--server "$2=http://localhost:$port")
   port=$((port + 1))
 }
-for mode in off host host_file; do
+for mode in off host host_file device_all; do
   serve "$PWD" "$mode" "$mode"
 done
 if [ -n "${BASELINE:-}" ]; then
