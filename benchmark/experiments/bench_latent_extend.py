@@ -1,7 +1,9 @@
 """One MLA layer's extend attention on the CPU, expanded against absorbed (layers/attention/latent_extend.py), for
 one request of T new tokens over L cached ones: CPU time of MLAttention._attend on one thread (the latent cache read back, the
-attention, the output through W_UV where absorbed), the least of several runs, beside the multiply-add rule's pick.
-    python benchmark/experiments/bench_latent_extend.py [--shapes default,v2lite,forward] [--dtype bfloat16]
+attention, the output through W_UV where absorbed), the least of several runs, beside the rule's pick.
+    python benchmark/experiments/bench_latent_extend.py [--shapes default,v2lite,forward] [--dtype bfloat16] [--fit]
+--fit: after the layer shapes, each form's nanoseconds per unit of work (layers/attention/latent_extend.py's
+FormCost, its CPU_FORM_COSTS) fitted to the times by least squares on the relative error, and the fit's picks.
 Shapes: the embedded default model's (4 heads, latent 64, rope 16, nope 32, v 32) and DeepSeek-V2-Lite's
 (16 heads, latent 512, rope 64, nope 128, v 128), random weights; "forward": the default model's whole forward
 (its weights, float32) for 100 new tokens over L cached, each form forced.
@@ -20,7 +22,7 @@ import moeserve.models.deepseek as deepseek
 from moeserve.core.forward_batch import ForwardBatch, ForwardMode
 from moeserve.core.model_config import ModelConfig
 from moeserve.kvcache.kv_pool import make_kv_pool
-from moeserve.layers.attention.latent_extend import absorbed_requests
+from moeserve.layers.attention.latent_extend import FormCost, MLAShape, absorbed_requests, query_key_pairs
 from moeserve.layers.attention.ops import AttentionMetadata
 from moeserve.models.default_model import default_model_path
 
@@ -55,7 +57,9 @@ def time_ms(fn, reps: int) -> float:
     return min(runs)
 
 
-def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
+def bench(shape: str, dtype: torch.dtype, reps: int) -> list[tuple[MLAShape, int, int, float, float]]:
+    """Times one layer of `shape` at every (T, L); (widths, T, L, expanded ms, absorbed ms) per row."""
+    rows = []
     attn, config = layer(shape, dtype)
     n = max(T_VALUES) + max(L_VALUES) + 1
     pool = make_kv_pool(config, n, 1, dtype, "cpu")
@@ -83,6 +87,32 @@ def bench(shape: str, dtype: torch.dtype, reps: int) -> None:
             pick = "absorbed" if all(absorbed_requests(attn.shape, meta.extend_plan, [T], [L + T], q_nope)) else "expanded"
             print(f"{T:>5} {L:>6} {ms[False]:>12.3f} {ms[True]:>12.3f} {ms[False] / ms[True]:>6.2f} {pick:>10}",
                   flush=True)
+            rows.append((attn.shape, T, L, ms[False], ms[True]))
+    return rows
+
+
+def fit(rows: list[tuple[MLAShape, int, int, float, float]]) -> None:
+    """Each form's FormCost by least squares on the relative error over `rows`; the fit's pick against the faster
+    measured form at each row."""
+    def work(absorbed: bool, shape: MLAShape, T: int, L: int) -> list[float]:
+        pairs = query_key_pairs([T], [T + L])
+        w = shape.absorbed_work(T, T + L, pairs) if absorbed else shape.expanded_work(T + L, pairs)
+        return [*map(float, w), 1.0]
+
+    costs = {}
+    for absorbed in (False, True):
+        x = torch.tensor([work(absorbed, *r[:3]) for r in rows], dtype=torch.float64)
+        ms = torch.tensor([r[4 if absorbed else 3] for r in rows], dtype=torch.float64)
+        used = x.abs().sum(0) > 0  # a term no row has (the expanded form packs no rows) stays 0
+        ns = torch.zeros(x.shape[1], dtype=torch.float64)
+        ns[used] = torch.linalg.lstsq(x[:, used] / ms[:, None], torch.ones_like(ms)[:, None]).solution[:, 0] * 1e6
+        costs[absorbed] = FormCost(*ns.tolist())
+        print(f"{'absorbed' if absorbed else 'expanded'}: {costs[absorbed]}")
+    for shape, T, L, exp_ms, abs_ms in rows:
+        pick = costs[True].ns(*work(True, shape, T, L)[:4]) < costs[False].ns(*work(False, shape, T, L)[:4])
+        agree = pick == (abs_ms < exp_ms)
+        print(f"  {shape.heads:>3} heads, latent {shape.kv_lora:>3}, T {T:>5}, L {L:>5}: fit picks "
+              f"{'absorbed' if pick else 'expanded'}{'' if agree else f' (measured {exp_ms / abs_ms:.2f}x)'}")
 
 
 def bench_forward(reps: int, new_tokens: int = 100) -> None:
@@ -121,13 +151,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="default,v2lite,forward")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--fit", action="store_true", help="fit each form's FormCost to the layer shapes' times")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    rows = []
     for shape in args.shapes.split(","):
         if shape == "forward":
             bench_forward(args.reps)
         else:
-            bench(shape, getattr(torch, args.dtype), args.reps)
+            rows += bench(shape, getattr(torch, args.dtype), args.reps)
+    if args.fit and rows:
+        fit(rows)
 
 
 if __name__ == "__main__":

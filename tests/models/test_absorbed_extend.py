@@ -13,7 +13,7 @@ import torch
 
 import moeserve.models.deepseek as deepseek
 from moeserve.core.forward_batch import ForwardMode
-from moeserve.kernels import cpu_latent_extend
+from moeserve.kernels import cpu_isa, cpu_latent_extend
 from moeserve.layers.attention import latent_extend
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 from moeserve.layers.attention.latent_extend import MLAShape, absorbed_requests, query_key_pairs
@@ -148,10 +148,13 @@ def test_a_causal_offset_off_by_one_is_seen(tiny_checkpoint, monkeypatch):
     assert not torch.allclose(absorbed, expanded, atol=ATOL, rtol=RTOL)
 
 
-def test_cost_rule():
-    """Absorbed for a short tail over a long prefix, expanded for a long fresh prompt at DeepSeek-V3's widths; the
-    default model's multi-turn shape (100 new over 1,000 cached) absorbed in float32 (the CPU server's dtype) and
-    bf16; never off the CPU, nor with CUDA's kernel plan."""
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_cost_rule(native_bf16, monkeypatch):
+    """Absorbed for a short tail over a long prefix, expanded for a long fresh prompt at DeepSeek-V3's widths in
+    float32; in bf16 a fresh prompt of 256 tokens expanded where torch's bf16 GEMMs run on bf16 dot products and
+    absorbed where they do not; the default model's multi-turn shape (100 new over 1,000 cached) and its fresh
+    prompts absorbed in float32 (the CPU server's dtype) and bf16; never off the CPU, nor with CUDA's kernel plan."""
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda: native_bf16)
     v3 = MLAShape(heads=128, kv_lora=512, rope=64, nope=128, v=128)
 
     def pays(shape, ext, seq, dtype=torch.bfloat16, device="cpu"):
@@ -160,11 +163,11 @@ def test_cost_rule():
 
     for dtype in (torch.bfloat16, torch.float32):
         assert pays(v3, [16], [4096], dtype)
-        assert not pays(v3, [2048], [2048], dtype)
-        assert not pays(v3, [4096], [8192], dtype)
-    assert pays(v3, [256], [256]) and not pays(v3, [256], [256], torch.float32)  # bf16's GEMMs are slower
+    assert not pays(v3, [2048], [2048], torch.float32) and not pays(v3, [4096], [8192], torch.float32)
+    assert pays(v3, [256], [256]) is not native_bf16 and not pays(v3, [256], [256], torch.float32)
     default = MLAShape(heads=4, kv_lora=64, rope=16, nope=32, v=32)
-    assert pays(default, [100, 90], [1100, 1000]) and pays(default, [100, 90], [1100, 1000], torch.float32)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert pays(default, [100, 90], [1100, 1000], dtype) and pays(default, [1024], [1024], dtype)
     kernel_plan = ExtendPlan.build([16], [4096], "cpu", kernel=True)
     assert absorbed_requests(v3, kernel_plan, [16], [4096], torch.empty(0)) == [False]
     # per request: a short tail over a long prefix beside a long fresh prompt, each its own form

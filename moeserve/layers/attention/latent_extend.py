@@ -6,19 +6,22 @@ and a short new tail (a multi-turn conversation's next turn) that expansion grow
 form skips it: q_nope moves into the latent space (q_nope W_UK), all heads attend over one latent head
 ([c_kv | k_rope] as key, c_kv as value), and the output comes back through W_UV. The same logits, another cost.
 
-Cost in multiply-adds per layer, for a step of T new tokens, S = sum(seq_lens) cached + new slots and
-P (query, key) pairs (`query_key_pairs`), h heads, latent r, rope R, nope and v head widths:
+The work of each form per layer, for a step of T new tokens, S = sum(seq_lens) cached + new slots and
+P (query, key) pairs (`query_key_pairs`), h heads, latent r, rope R, nope and v head widths, in multiply-adds:
 
-    expanded = S * r * h * (nope + v)  +  P * h * (nope + R + v + c)
-    absorbed = P * h * (2 * r + R + c) +  T * h * r * (nope + v)       (scores over r + R, values over r)
+    expanded: products S * r * h * (nope + v)    (kv_b_proj over the whole sequence)
+              attention P * h * (nope + R + v)
+    absorbed: products T * h * r * (nope + v)    (q_nope W_UK, and back through W_UV)
+              attention P * h * (2 * r + R)      (scores over r + R, values over r)
 
-where c (SCORE_COST) is what a score's softmax and mask cost beside its products, in multiply-adds: the same in both
-forms, it weighs most where the heads are narrow (the default model's).
-
-The absorbed attention is wider (2r + R against nope + R + v), so it pays when the prefix is long beside the new
-rows: for DeepSeek-V3's shapes (r 512, R 64, nope 128, v 128) at L >> T below about T = 170 new tokens. On the
-CPU the two forms do not run their multiply-adds at the same rate (CPU_ABSORBED_RATE, by the model's dtype):
-benchmark/experiments/bench_latent_extend.py measured the crossover (docs/serving.md).
+and in both P * h scores (a mask and a softmax each), the absorbed kernel's packed copy of the S latent rows, and a
+call's fixed cost. The absorbed attention is wider, so it pays when the prefix is long beside the new rows. Each
+form's time is its work weighed by nanoseconds per unit (`FormCost`) that bench_latent_extend.py measures and fits
+(`--fit`) on the CPU, by dtype: the two forms do not run their multiply-adds at the same rate (the absorbed
+attention multiplies in float32 in the C++ kernel, the expanded one runs kv_b_proj and the attention in torch in
+the model's dtype), and torch's bf16 GEMMs run at their rate only on a CPU with bf16 dot products (AVX-512 BF16
+or AMX): elsewhere several times slower (`NO_NATIVE_BF16`). The rule picks the form of fewer nanoseconds per
+request (`absorbed_requests`); docs/serving.md has the measured table and the picks.
 
 `absorbed_extend` is the layer's whole attention. Its attention proper runs in the C++ kernel on the CPU
 (kernels/cpu_latent_extend.py: the rows read through kv_indices, each block of query rows' scores kept in cache,
@@ -36,22 +39,58 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kernels import cpu_latent_extend, cpu_skinny_gemm
+from moeserve.kernels import cpu_isa, cpu_latent_extend, cpu_skinny_gemm
 from moeserve.kernels.skinny_gemm import batched_skinny_gemm
 from moeserve.layers.attention.extend_plan import ExtendGroup, ExtendPlan
 from moeserve.layers.attention.latent_decode import latent_to_heads
 
-# The absorbed form's multiply-adds per second over the expanded form's, on the CPU: the time rule weighs each form's
-# multiply-adds by it. The absorbed form's attention multiplies in float32 (see absorbed_extend); the expanded one runs kv_b_proj
-# and SDPA in the model's dtype, and torch's bf16 GEMMs ran several times slower than float32 ones on the CPUs
-# measured. bench_latent_extend.py (docs/serving.md, the log of 2026-12-06): in float32 0.9-1.6 on a quiet VM (the
-# default model's narrow widths pay more fixed costs in the expanded form), in bf16 3 and more.
-CPU_ABSORBED_RATE = {torch.float32: 1.5}
-CPU_ABSORBED_RATE_16BIT = 2.0  # bf16 and fp16 models
-# A (query, key, head) score's softmax and mask in multiply-adds of the products: the absorbed extend of 1,024 fresh
-# tokens on the default model (before a6eb984 skipped the causal triangle) spent 29 ps a multiply-add in bmm,
-# 1.5 ns a score in softmax and 1.2 ns in the mask's add (torch profiler, one thread, AMD EPYC Zen 4, 2026-12-07).
-SCORE_COST = 96
+
+@dataclass(frozen=True)
+class FormCost:
+    """Nanoseconds one form of the extend takes on one CPU thread, per unit of its work (module doc): `products`
+    per multiply-add of its dense products, `attention` per multiply-add of its attention, `score` per score's mask
+    and softmax, `rows` per element of the latent rows it packs (the absorbed kernel's copy), `call` per call."""
+
+    products: float
+    attention: float
+    score: float
+    rows: float
+    call: float
+
+    def ns(self, products: int, attention: int, scores: int, rows: int) -> float:
+        return (self.products * products + self.attention * attention + self.score * scores + self.rows * rows
+                + self.call)
+
+
+# (expanded, absorbed) by the model's dtype: least squares (relative error) on the times of two runs of
+# `bench_latent_extend.py --shapes default,v2lite --dtype D` (one thread, 24 shapes each: the default model's widths
+# and V2-Lite's, 16-1,024 new tokens over 0-2,048 cached; AMD EPYC Zen 4 with AVX-512 BF16, 2026-12-08). The picks
+# agree with the faster measured form at every shape but V2-Lite's 1,024 fresh tokens (expanded, 6-9% slower than
+# absorbed: the expanded attention's cost grows faster than its multiply-adds there) and ties within 20%.
+CPU_FORM_COSTS = {
+    torch.float32: (FormCost(products=0.027, attention=0.043, score=4.4, rows=0.0, call=190e3),
+                    FormCost(products=0.034, attention=0.019, score=0.75, rows=0.63, call=100e3)),
+    torch.bfloat16: (FormCost(products=0.011, attention=0.049, score=3.1, rows=0.0, call=220e3),
+                     FormCost(products=0.016, attention=0.021, score=0.50, rows=0.13, call=120e3)),
+}
+# Without bf16 dot products (no AVX-512 BF16 or AMX) torch's 16-bit GEMMs run slower: the same benchmark with
+# oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, the same VM) ran V2-Lite's expanded kv_b_proj 4.1x and its attention
+# 2.8x slower per multiply-add; the absorbed form's products run in float32 there (its float32 costs).
+NO_NATIVE_BF16 = 4.0
+
+
+def cpu_form_costs(dtype: torch.dtype) -> tuple[FormCost, FormCost]:
+    """(expanded, absorbed) costs of a model in `dtype` on this CPU (float16 as bf16)."""
+    if dtype == torch.float32:
+        return CPU_FORM_COSTS[torch.float32]
+    expanded, absorbed = CPU_FORM_COSTS[torch.bfloat16]
+    if cpu_isa.native_bf16():
+        return expanded, absorbed
+    slow = FormCost(expanded.products * NO_NATIVE_BF16, expanded.attention * NO_NATIVE_BF16, expanded.score,
+                    expanded.rows, expanded.call)
+    return slow, CPU_FORM_COSTS[torch.float32][1]
+
+
 SCORE_BYTES = 64 << 20  # the float32 scores one block of query rows may hold (`_group_attention`)
 QUERY_BLOCK = 128  # query rows of one block at most (`_group_attention`: the causal triangle is skipped per block)
 
@@ -66,15 +105,17 @@ class MLAShape:
     nope: int
     v: int
 
-    def expanded_cost(self, num_kv: int, pairs: int) -> int:
-        """Multiply-adds of the expanded extend (module doc)."""
-        return num_kv * self.kv_lora * self.heads * (self.nope + self.v) + pairs * self.heads * (
-            self.nope + self.rope + self.v + SCORE_COST)
+    def expanded_work(self, num_kv: int, pairs: int) -> tuple[int, int, int, int]:
+        """(products, attention multiply-adds, scores, packed row elements) of the expanded extend (module doc)."""
+        h = self.heads
+        return (num_kv * self.kv_lora * h * (self.nope + self.v), pairs * h * (self.nope + self.rope + self.v),
+                pairs * h, 0)
 
-    def absorbed_cost(self, num_tokens: int, pairs: int) -> int:
-        """Multiply-adds of the absorbed extend (module doc)."""
-        scores = pairs * self.heads * (2 * self.kv_lora + self.rope + SCORE_COST)
-        return scores + num_tokens * self.heads * self.kv_lora * (self.nope + self.v)
+    def absorbed_work(self, num_tokens: int, num_kv: int, pairs: int) -> tuple[int, int, int, int]:
+        """(products, attention multiply-adds, scores, packed row elements) of the absorbed extend (module doc)."""
+        h = self.heads
+        return (num_tokens * h * self.kv_lora * (self.nope + self.v), pairs * h * (2 * self.kv_lora + self.rope),
+                pairs * h, num_kv * (2 * self.kv_lora + self.rope))
 
 
 def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
@@ -85,17 +126,16 @@ def query_key_pairs(extend_lens: list[int], seq_lens: list[int]) -> int:
 def absorbed_requests(shape: MLAShape, plan: ExtendPlan, extend_lens: list[int], seq_lens: list[int],
                       queries: torch.Tensor) -> list[bool]:
     """Per request of a CPU extend step (queries: any of its query tensors, whose device and dtype decide): run its
-    rows absorbed, where its own multiply-adds, weighed by each form's rate for the dtype, take less time absorbed.
-    A request's form depends on its own lengths alone, so its rounding never depends on the requests batched
-    beside it. Never on another device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton
-    expanded path unchanged."""
+    rows absorbed, where its own work takes fewer nanoseconds absorbed (`cpu_form_costs`). A request's form depends
+    on its own lengths alone, so its rounding never depends on the requests batched beside it. Never on another
+    device: the absorbed extend has run on the CPU only, and CUDA keeps its Triton expanded path unchanged."""
     if not queries.is_cpu or plan.seqs_host is not None or not plan.groups:
         return [False] * len(extend_lens)
-    rate = CPU_ABSORBED_RATE.get(queries.dtype, CPU_ABSORBED_RATE_16BIT)
+    expanded, absorbed = cpu_form_costs(queries.dtype)
     out = []
     for n, s in zip(extend_lens, seq_lens, strict=True):
         pairs = query_key_pairs([n], [s])
-        out.append(shape.absorbed_cost(n, pairs) < rate * shape.expanded_cost(s, pairs))
+        out.append(absorbed.ns(*shape.absorbed_work(n, s, pairs)) < expanded.ns(*shape.expanded_work(s, pairs)))
     return out
 
 
