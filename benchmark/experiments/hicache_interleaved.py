@@ -7,7 +7,8 @@ text where the servers agree, as the hierarchical cache's servers must).
     python benchmark/experiments/hicache_interleaved.py --server off=http://localhost:31870 \\
         --server host_file=http://localhost:31872 --out /tmp/hicache [--conversations 24 --turns 6 ...]
 Per server: `<out>/<name>.json` (bench serving's summary and requests) and a line of the table printed at the end, with
-how many of its answers equal the first server's (same conversation and turn).
+how many of its answers equal the first server's (same conversation and turn); then each server's TTFT p50 per turn
+with the median of the prompt tokens it prefilled (not cached), where the TTFT p50 over all turns falls.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 import urllib.request
 from dataclasses import asdict
@@ -98,6 +100,19 @@ def main() -> None:
         same, compared = same_answers(answers[name], answers[names[0]])
         print(f"{name:<10} {p50:>12.1f} {s['ttft_ms']['p99']:>12.1f} {s['input_throughput']:>12.1f} "
               f"{100 * s['cached_token_rate']:>7.1f}% {s['failed']:>7} {base / p50:>12.2f}x {same:>6}/{compared}")
+    print("TTFT p50 ms by turn (new tokens p50: the prompt tokens not cached)")
+    for name, res in results.items():
+        print(f"{name:<10} " + "  ".join(per_turn(res, turn) for turn in range(1, args.turns + 1)))
+
+
+def per_turn(results: list[RequestResult], turn: int) -> str:
+    """One turn's TTFT p50 and the p50 of its prefilled (not cached) prompt tokens, over the successful requests."""
+    done = [r for r in results if r.success and r.turn == turn]
+    if not done:
+        return "-"
+    ttft = statistics.median(1e3 * r.ttft for r in done)
+    new = statistics.median(r.prompt_len - r.cached_tokens for r in done)
+    return f"{ttft:.1f} ({new:.0f})"
 
 
 if __name__ == "__main__":
