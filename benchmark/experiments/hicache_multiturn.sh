@@ -22,10 +22,12 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 # EXTRA: more server flags for all of them, e.g. EXTRA="--dtype bfloat16" (--dtype auto is float32 on the CPU)
 # shellcheck disable=SC2206
 COMMON=(--page-size 16 --log-level warning ${EXTRA:-})
+POOL="--max-total-tokens 2048"  # the device pool of the three servers the working set outgrows
+HOST="$POOL --enable-hierarchical-cache --hicache-ratio 2"
 declare -A MODES=(
-  [off]="--max-total-tokens 2048"
-  [host]="--max-total-tokens 2048 --enable-hierarchical-cache --hicache-ratio 2"
-  [host_file]="--max-total-tokens 2048 --enable-hierarchical-cache --hicache-ratio 2 --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"@PAGES@\"}"
+  [off]="$POOL"
+  [host]="$HOST"
+  [host_file]="$HOST --hicache-storage-backend file --hicache-storage-backend-extra-config {\"path\":\"@PAGES@\"}"
   [device_all]="--max-total-tokens 32768"
 )
 pids=()

@@ -35,7 +35,7 @@ there (`absorbed_requests` says no for any step off the CPU).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,8 +86,8 @@ def cpu_form_costs(dtype: torch.dtype) -> tuple[FormCost, FormCost]:
     expanded, absorbed = CPU_FORM_COSTS[torch.bfloat16]
     if cpu_isa.native_bf16():
         return expanded, absorbed
-    slow = FormCost(expanded.products * NO_NATIVE_BF16, expanded.attention * NO_NATIVE_BF16, expanded.score,
-                    expanded.rows, expanded.call)
+    slow = replace(expanded, products=expanded.products * NO_NATIVE_BF16,
+                   attention=expanded.attention * NO_NATIVE_BF16)
     return slow, CPU_FORM_COSTS[torch.float32][1]
 
 
